@@ -1,0 +1,3 @@
+"""slimopt: memory-lean optimizers for training and fine-tuning language models."""
+
+__version__ = "0.1.0"
