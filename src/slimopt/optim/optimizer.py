@@ -1,0 +1,396 @@
+"""SlimOptimizer: one torch.optim.Optimizer in which GaLore, FRUGAL, BAdam, signSGD and AdamW are settings.
+
+Per parameter and step (DESIGN.md section 2):
+
+    g     = grad.float()
+    if the projector is due: choose the subspace anew (and keep / reset / rotate the moments)
+    low   = down(g)                  identity without a projector, empty at density 0
+    resid = g - up(low)              what the state-free rule sees (FRUGAL), or dropped (GaLore)
+    d     = rule(low, decode(moments)); encode(moments)
+    u     = scale * up(d) + free_scale * free_rule(resid)
+    p    *= 1 - lr * weight_decay;  p -= lr * u
+
+Three independent axes compose per parameter group: the projector (``projectors.py``), the state-full rule
+(``rules.py``) and the storage codec of the moments (``codecs.py``). Papers: GaLore (arXiv 2403.03507), FRUGAL
+(arXiv 2411.07837), BAdam (arXiv 2404.02827).
+
+State rules: ``optimizer.state`` holds tensors only, under torch's key names (``step``, ``exp_avg``,
+``exp_avg_sq``, ``momentum_buffer``) plus ``moment_step`` (the age of the moments, which restart at zero after a
+reset), ``proj`` (an orthonormal basis) or ``proj_index`` (coordinates), so a
+state_dict saved with torch.save loads with ``weights_only=True``. Random choices are pure functions of
+(seed, parameter index, refresh index): nothing else to store, and every rank of a data-parallel run agrees.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import Tensor
+
+from . import projectors as P
+from .codecs import make_codec, resolve_codecs
+from .rules import FREE_RULES, MOMENTS, RULES, direction, free_direction
+
+ON_REFRESH = ("keep", "reset", "project")
+
+DEFAULTS: dict[str, Any] = dict(
+    lr=1e-3,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    weight_decay=0.0,
+    momentum=0.9,  # sgdm only
+    rule="adamw",
+    projector="none",
+    rank=None,
+    density=None,
+    update_gap=200,
+    scale=1.0,
+    proj_side="std",
+    on_refresh="keep",
+    free_rule="none",
+    free_scale=1.0,
+    block_order="ascending",
+    oversample=8,
+    power_iters=2,
+    seed=0,
+    codec=None,
+    m_codec=None,
+    v_codec=None,
+    state_bits=None,
+)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _nonneg(name: str, value: Any) -> None:
+    v = float(value)
+    if not (v >= 0.0) or math.isinf(v):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def validate_group(group: dict[str, Any]) -> None:
+    """Raise ValueError naming the first invalid setting of a parameter group and what is allowed."""
+    for name in ("lr", "eps", "weight_decay", "scale", "free_scale"):
+        _nonneg(name, group[name])
+    betas = group["betas"]
+    if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+    if not 0.0 <= float(group["momentum"]) <= 1.0:
+        raise ValueError(f"momentum must be in [0, 1], got {group['momentum']!r}")
+    for name, allowed in (("rule", RULES), ("free_rule", FREE_RULES), ("projector", P.PROJECTORS),
+                          ("on_refresh", ON_REFRESH), ("proj_side", P.PROJ_SIDES),
+                          ("block_order", P.BLOCK_ORDERS)):
+        if group[name] not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {group[name]!r}")
+    rank, density = group["rank"], group["density"]
+    if rank is not None and (not _is_int(rank) or rank <= 0):
+        raise ValueError(f"rank must be a positive integer, got {rank!r}")
+    if density is not None:
+        if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 <= density <= 1.0:
+            raise ValueError(f"density must be a number in [0, 1], got {density!r}")
+    if rank is not None and density is not None:
+        raise ValueError(f"give either rank or density, not both (rank={rank}, density={density})")
+    if group["projector"] != "none" and rank is None and density is None:
+        raise ValueError(f"projector={group['projector']!r} needs a subspace size: set rank (> 0) or density "
+                         "(in [0, 1])")
+    for name in ("update_gap",):
+        if not _is_int(group[name]) or group[name] < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {group[name]!r}")
+    for name in ("oversample", "power_iters", "seed"):
+        if not _is_int(group[name]) or group[name] < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {group[name]!r}")
+    resolve_codecs(group["codec"], group["m_codec"], group["v_codec"], group["state_bits"])
+
+
+class SlimOptimizer(torch.optim.Optimizer):
+    """A composable memory-lean optimizer; see the module docstring for the step.
+
+    Every keyword of ``DEFAULTS`` is a per-group setting:
+
+    - ``lr``, ``betas``, ``eps``, ``weight_decay`` (decoupled, applied once in full space before the update),
+      ``momentum`` (for ``rule="sgdm"``).
+    - ``rule``: the state-full rule, ``adamw`` | ``lion`` | ``sgdm``.
+    - ``projector``: ``none`` | ``svd`` | ``randomized_svd`` | ``random`` | ``columns`` | ``rows`` | ``block``;
+      ``rank`` or ``density`` sets the subspace size (for ``block``: how many tensors of the group are active);
+      ``update_gap`` steps between refreshes; ``scale`` multiplies the state-full update (GaLore's alpha);
+      ``proj_side`` ``std`` | ``reverse_std`` | ``left`` | ``right`` (galore-torch's proj_type);
+      ``on_refresh`` ``keep`` (GaLore) | ``reset`` (FRUGAL) | ``project`` (rotate the moments, LDAdam);
+      ``block_order`` ``ascending`` | ``descending`` | ``random``; ``oversample`` and ``power_iters`` for
+      ``randomized_svd``; ``seed`` for every random choice.
+    - ``free_rule``: what the residual outside the subspace gets: ``sign`` (FRUGAL), ``sgd`` or ``none``
+      (GaLore; inactive BAdam blocks stay frozen); ``free_scale`` multiplies it.
+    - ``codec`` / ``m_codec`` / ``v_codec`` / ``state_bits``: the storage format of the moments
+      (see ``slimopt.optim.codecs``).
+
+    Parameters that are not 2-D take the rule on the full gradient under a subspace projector; ``block`` works for
+    any shape.
+
+    Example::
+
+        >>> import torch, slimopt
+        >>> w = torch.nn.Parameter(torch.randn(64, 32))
+        >>> opt = slimopt.SlimOptimizer([w], lr=1e-2, projector="svd", rank=4, free_rule="sign")
+        >>> w.grad = torch.randn(64, 32)
+        >>> opt.step()
+    """
+
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], **settings: Any) -> None:
+        unknown = sorted(set(settings) - set(DEFAULTS))
+        if unknown:
+            raise TypeError(f"unknown setting(s) {unknown}; allowed: {', '.join(DEFAULTS)}")
+        self._warned: set[str] = set()
+        self._where: dict[Tensor, tuple[int, int, int]] = {}
+        self._codecs: dict[tuple, Any] = {}
+        self._blocks: dict[tuple, frozenset[int]] = {}
+        super().__init__(params, {**DEFAULTS, **settings})
+
+    # ------------------------------------------------------------------------------------------------------------
+    # groups and positions
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            validate_group(group)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        self._index_params()
+
+    def _index_params(self) -> None:
+        where, k = {}, 0
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                where[p] = (gi, pi, k)
+                k += 1
+        self._where = where
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # stepping
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group)
+        return loss
+
+    @torch.no_grad()
+    def step_param(self, p: Tensor) -> None:
+        """Update one parameter from its .grad (for optimizer-in-backward use); a None grad is skipped."""
+        if p.grad is not None:
+            self._update(p, self.param_groups[self._where[p][0]])
+
+    def _codec(self, spec: str, role: str, numel: int, dtype: torch.dtype):
+        key = (spec, role, numel, dtype)
+        codec = self._codecs.get(key)
+        if codec is None:
+            codec = self._codecs[key] = make_codec(spec, role, numel, dtype)
+        return codec
+
+    def _moment_codecs(self, group: dict[str, Any], shape: torch.Size, dtype: torch.dtype) -> list[tuple[str, Any]]:
+        m_spec, v_spec = resolve_codecs(group["codec"], group["m_codec"], group["v_codec"], group["state_bits"])
+        numel = math.prod(shape)
+        return [(key, self._codec(m_spec if role == "m" else v_spec, role, numel, dtype))
+                for key, role in MOMENTS[group["rule"]]]
+
+    def _init_moments(self, state: dict[str, Tensor], codecs, shape: torch.Size, device) -> None:
+        """Zero moments; ``moment_step`` counts the rule's updates since then, for Adam's bias correction (a
+        reset or newly active block starts from zero moments, and must not be corrected as if it were old)."""
+        for key, codec in codecs:
+            state.update(codec.init(key, shape, device))
+        state["moment_step"] = torch.zeros((), dtype=torch.float32)
+
+    def _layout(self, p: Tensor, group: dict[str, Any]) -> str:
+        projector = group["projector"]
+        if projector in ("none", "block") or p.dim() == 2:
+            return projector
+        return "none"
+
+    def _block_active(self, p: Tensor, group: dict[str, Any], step: int) -> bool:
+        gi, pi, _ = self._where[p]
+        n = len(group["params"])
+        idx = P.refresh_index(step, group["update_gap"])
+        density = group["density"] if group["rank"] is None else min(1.0, group["rank"] / n)
+        key = (gi, n, idx, density, group["block_order"], group["seed"])
+        active = self._blocks.get(key)
+        if active is None:
+            if len(self._blocks) > 64:
+                self._blocks.clear()
+            active = self._blocks[key] = frozenset(
+                P.active_blocks(n, density, idx, group["block_order"], group["seed"]))
+        return pi in active
+
+    def _update(self, p: Tensor, group: dict[str, Any]) -> None:
+        grad = p.grad
+        if grad.is_sparse:
+            raise RuntimeError("slimopt does not support sparse gradients (use a dense embedding)")
+        if grad.is_complex() or p.is_complex():
+            raise RuntimeError("slimopt does not support complex parameters or gradients")
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+        state["step"] += 1
+        step = int(state["step"].item())  # a CPU tensor, as in torch.optim: no device sync
+        g = grad if grad.dtype in (torch.float32, torch.float64) else grad.float()  # compute in fp32 (or fp64)
+        lr = float(group["lr"])
+        layout = self._layout(p, group)
+
+        full = None  # the state-full update in full space, before lr
+        coef = 0.0
+        resid = None  # the residual for the state-free rule
+        if layout == "none":
+            full, coef = self._stateful(p, group, state, g, step)
+        elif layout == "block":
+            active = self._block_active(p, group, step)
+            due = P.refresh_due(step, group["update_gap"])
+            if active:
+                if due and step > 1 and group["on_refresh"] == "reset":
+                    self._init_moments(state, self._moment_codecs(group, g.shape, p.dtype), g.shape, p.device)
+                full, coef = self._stateful(p, group, state, g, step)
+            else:
+                for key in [k for k in state if k != "step"]:
+                    del state[key]  # an inactive block holds no moments: that is the memory FRUGAL saves
+                resid = g
+        else:
+            full, coef, resid = self._projected(p, group, state, g, step, layout)
+
+        free = free_direction(group["free_rule"], resid) if resid is not None else None
+        if full is None and free is None:
+            return  # frozen this step (an inactive BAdam block): no decay either
+        wd = float(group["weight_decay"])
+        if wd != 0.0:
+            p.mul_(1.0 - lr * wd)
+        if full is not None and free is not None:
+            full = full.mul_(coef).add_(free, alpha=float(group["free_scale"]))
+            p.add_(full, alpha=-lr)
+        elif full is not None:
+            p.add_(full, alpha=-lr * coef)
+        else:
+            p.add_(free, alpha=-lr * float(group["free_scale"]))
+
+    def _stateful(self, p: Tensor, group: dict[str, Any], state: dict[str, Tensor], g: Tensor,
+                  step: int) -> tuple[Tensor, float]:
+        """Run the rule on g (the full or projected gradient, fp32) against codec-stored moments."""
+        codecs = self._moment_codecs(group, g.shape, p.dtype)
+        if codecs[0][0] not in state:
+            self._init_moments(state, codecs, g.shape, p.device)
+        state["moment_step"] += 1
+        age = int(state["moment_step"].item())
+        mom = {key: codec.decode(key, state, g.shape) for key, codec in codecs}
+        d, c = direction(group["rule"], g, mom, age, group)
+        _, _, index = self._where[p]
+        for i, (key, codec) in enumerate(codecs):
+            gen = P.generator(p.device, group["seed"], index, step, i) if codec.needs_generator else None
+            codec.encode(key, mom[key], state, generator=gen)
+        return d, c
+
+    def _projected(self, p: Tensor, group: dict[str, Any], state: dict[str, Tensor], g: Tensor, step: int,
+                   projector: str) -> tuple[Tensor | None, float, Tensor | None]:
+        side = P.side_for(g.shape, group["proj_side"]) if projector in P.ORTHO_PROJECTORS else None
+        r = P.subspace_rank(g.shape, projector, side, group["rank"], group["density"])
+        if r == 0:  # density 0: everything is state-free
+            return None, 0.0, g
+        key = "proj" if projector in P.ORTHO_PROJECTORS else "proj_index"
+        if key not in state or P.refresh_due(step, group["update_gap"]):
+            self._refresh(p, group, state, g, step, projector, side, r, key)
+        basis = state[key]
+        low = P.down(projector, side, g, basis)
+        d, c = self._stateful(p, group, state, low, step)
+        full = P.up(projector, side, d, basis, g.shape)
+        # A subspace that spans the whole side leaves an exactly zero residual: computing it would leave
+        # rounding noise, which sign() would blow up to a full step.
+        whole = r == (g.shape[0] if side == "left" or projector == "rows" else g.shape[1])
+        resid = None if group["free_rule"] == "none" or whole else P.residual(projector, side, g, low, basis)
+        return full, c * float(group["scale"]), resid
+
+    def _refresh(self, p: Tensor, group: dict[str, Any], state: dict[str, Tensor], g: Tensor, step: int,
+                 projector: str, side: str | None, r: int, key: str) -> None:
+        """Choose the subspace anew; on failure keep the previous one (or fall back to a random basis)."""
+        _, _, index = self._where[p]
+        gen = P.generator(p.device, group["seed"], index, P.refresh_index(step, group["update_gap"]))
+        old = state.get(key)
+        new = None
+        if projector in ("svd", "randomized_svd"):
+            if not bool(torch.isfinite(g).all()):
+                self._warn_once("nonfinite", "slimopt: a non-finite gradient reached a subspace refresh; keeping "
+                                "the previous subspace (warned once)")
+            else:
+                try:
+                    if projector == "svd":
+                        new = P.svd_basis(g, r, side)
+                    else:
+                        new = P.randomized_basis(g, r, side, gen, group["oversample"], group["power_iters"])
+                    if not bool(torch.isfinite(new).all()):
+                        raise RuntimeError("the decomposition returned non-finite values")
+                except RuntimeError as err:  # torch.linalg.LinAlgError is a RuntimeError
+                    new = None
+                    self._warn_once("svd", f"slimopt: the subspace decomposition failed ({err}); keeping the "
+                                    "previous subspace (warned once)")
+            if new is None and old is None:
+                new = P.random_basis(g.shape[0] if side == "left" else g.shape[1], r, gen, g.device, g.dtype)
+        elif projector == "random":
+            new = P.random_basis(g.shape[0] if side == "left" else g.shape[1], r, gen, g.device, g.dtype)
+        else:
+            new = P.random_coordinates(g.shape[1] if projector == "columns" else g.shape[0], r, gen, g.device)
+        if new is None:
+            return
+        if projector in P.ORTHO_PROJECTORS and p.dtype in (torch.bfloat16, torch.float16):
+            new = new.to(p.dtype)  # stored like the weights, as galore-torch does; used in fp32
+        if old is not None:
+            shape = state_shape(projector, side, g.shape, r)
+            codecs = self._moment_codecs(group, shape, p.dtype)
+            if codecs[0][0] in state and group["on_refresh"] == "reset":
+                self._init_moments(state, codecs, shape, p.device)
+            elif codecs[0][0] in state and group["on_refresh"] == "project":
+                for key_m, codec in codecs:
+                    m = codec.decode(key_m, state, shape)
+                    m = P.rotate(projector, side, old, new, m, squared=self._role(group, key_m) == "v")
+                    codec.encode(key_m, m.contiguous(), state)
+        state[key] = new
+
+    @staticmethod
+    def _role(group: dict[str, Any], key: str) -> str:
+        return dict(MOMENTS[group["rule"]])[key]
+
+    # ------------------------------------------------------------------------------------------------------------
+    # state dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch.optim.Optimizer.load_state_dict, but every state tensor keeps its saved dtype.
+
+        torch casts floating state to the parameter's dtype (and even uint8 codes of a floating parameter), which
+        would turn 8-bit codes into floats and fp32 scales into bf16. State tensors only move to the parameter's
+        device; ``step`` stays on the CPU.
+        """
+        saved = state_dict["state"]
+        super().load_state_dict({**state_dict, "state": {}})
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params):
+            if i in saved:
+                self.state[p] = {k: (v.detach().clone() if k == "step" else v.detach().to(p.device, copy=True))
+                                 for k, v in saved[i].items()}
+
+
+def state_shape(projector: str, side: str | None, shape: torch.Size, r: int) -> torch.Size:
+    """The shape of the subspace moments for a (m, n) parameter."""
+    m, n = shape
+    if projector in P.ORTHO_PROJECTORS:
+        return torch.Size((r, n) if side == "left" else (m, r))
+    return torch.Size((m, r) if projector == "columns" else (r, n))

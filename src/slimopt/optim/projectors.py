@@ -1,0 +1,211 @@
+"""Projectors: which part of a gradient is state-full.
+
+A projector splits a 2-D gradient ``G`` (m x n) into a low-dimensional part that a stateful rule (AdamW, ...) sees,
+and a residual that a state-free rule may update. Every projector keeps its choice fixed between refreshes (every
+``update_gap`` steps) and stores that choice as tensors in the optimizer state, so checkpoints load with
+``torch.load(weights_only=True)``.
+
+- ``svd``: the top-r singular vectors of the current gradient, as in GaLore (Zhao et al., arXiv 2403.03507).
+- ``randomized_svd``: the same subspace from a randomized range finder with power iterations (Halko, Martinsson,
+  Tropp, arXiv 0909.4061): a few thin matmuls and QRs instead of a full SVD.
+- ``random``: a seeded random semi-orthogonal basis (FRUGAL's random projection, Zmushko et al., arXiv 2411.07837).
+- ``columns`` / ``rows``: a seeded random subset of coordinates (FRUGAL's coordinate variants).
+- ``block``: whole tensors active in turn (FRUGAL's blockwise selection and BAdam, Luo et al., arXiv 2404.02827).
+  The schedule is a pure function of (seed, refresh index), so it needs no stored state and every rank agrees.
+
+Orthonormal bases are stored with orthonormal columns: ``proj`` is (m, r) for a left projection
+(``low = Q^T G``, r x n) and (n, r) for a right projection (``low = G Q``, m x r).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+PROJECTORS = ("none", "svd", "randomized_svd", "random", "columns", "rows", "block")
+ORTHO_PROJECTORS = ("svd", "randomized_svd", "random")
+PROJ_SIDES = ("std", "reverse_std", "left", "right")
+BLOCK_ORDERS = ("ascending", "descending", "random")
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*parts: int) -> int:
+    """A well-mixed 63-bit seed from integers (splitmix64), so nearby inputs give unrelated streams."""
+    x = 0x9E3779B97F4A7C15
+    for p in parts:
+        x = (x ^ (int(p) & _MASK64)) & _MASK64
+        x = (x + 0x9E3779B97F4A7C15) & _MASK64
+        z = x
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        x = z ^ (z >> 31)
+    return x & ((1 << 63) - 1)
+
+
+def generator(device: torch.device, *parts: int) -> torch.Generator:
+    """A generator on `device` seeded from `parts` (e.g. group seed, parameter index, refresh index)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(mix_seed(*parts))
+    return gen
+
+
+def side_for(shape: torch.Size, proj_side: str) -> str:
+    """'left' or 'right' for a 2-D shape, following galore-torch's proj_type.
+
+    std projects the shorter side away (left when m < n), reverse_std the longer one.
+    """
+    m, n = shape
+    if proj_side == "left" or proj_side == "right":
+        return proj_side
+    if proj_side == "std":
+        return "right" if m >= n else "left"
+    return "left" if m >= n else "right"
+
+
+def subspace_rank(shape: torch.Size, projector: str, side: str | None, rank: int | None,
+                  density: float | None) -> int:
+    """The number of kept directions (or coordinates) for a 2-D shape, clamped to the matrix."""
+    m, n = shape
+    if projector in ORTHO_PROJECTORS:
+        dim = m if side == "left" else n
+    elif projector == "columns":
+        dim = n
+    else:  # rows
+        dim = m
+    if rank is not None:
+        return max(0, min(int(rank), dim))
+    return max(0, min(dim, int(round(float(density) * dim))))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bases
+
+
+def svd_basis(g: Tensor, r: int, side: str) -> Tensor:
+    """Top-r singular vectors of g (fp32) on `side`: (m, r) left or (n, r) right."""
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    return u[:, :r].contiguous() if side == "left" else vh[:r].transpose(0, 1).contiguous()
+
+
+def randomized_basis(g: Tensor, r: int, side: str, gen: torch.Generator, oversample: int = 8,
+                     power_iters: int = 2) -> Tensor:
+    """Approximate top-r singular vectors of g by a randomized range finder.
+
+    g: (m, n) fp32. Sketch Y = A Omega with k = r + oversample Gaussian columns, sharpen it with `power_iters`
+    rounds of A A^T (re-orthonormalised each time to keep it stable), then take the exact SVD of the small
+    k x (other side) projection to rotate the sketch onto the singular vectors.
+    """
+    a = g if side == "left" else g.transpose(0, 1)  # (d, e): the basis spans a's column space
+    d, e = a.shape
+    k = min(r + oversample, d, e)
+    omega = torch.randn(e, k, generator=gen, device=g.device, dtype=g.dtype)
+    y = torch.linalg.qr(a @ omega).Q  # (d, k)
+    for _ in range(power_iters):
+        z = torch.linalg.qr(a.transpose(0, 1) @ y).Q  # (e, k)
+        y = torch.linalg.qr(a @ z).Q  # (d, k)
+    b = y.transpose(0, 1) @ a  # (k, e)
+    ub = torch.linalg.svd(b, full_matrices=False).U  # (k, k)
+    return (y @ ub[:, :r]).contiguous()
+
+
+def random_basis(dim: int, r: int, gen: torch.Generator, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> Tensor:
+    """A seeded (dim, r) matrix with orthonormal columns (QR of a Gaussian matrix, signs fixed by R's diagonal)."""
+    q, rr = torch.linalg.qr(torch.randn(dim, r, generator=gen, device=device, dtype=dtype))
+    return q * torch.sign(torch.diagonal(rr)).where(torch.diagonal(rr) != 0, torch.ones((), device=device))
+
+
+def random_coordinates(dim: int, r: int, gen: torch.Generator, device: torch.device) -> Tensor:
+    """A seeded sorted subset of r indices out of dim (int64)."""
+    return torch.randperm(dim, generator=gen, device=device)[:r].sort().values
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# moving between the full space and the subspace
+
+
+def down(projector: str, side: str | None, g: Tensor, basis: Tensor) -> Tensor:
+    """Project g (m, n) into the subspace: (r, n) or (m, r)."""
+    if projector in ORTHO_PROJECTORS:
+        q = basis.to(g.dtype)
+        return q.transpose(0, 1) @ g if side == "left" else g @ q
+    if projector == "columns":
+        return g.index_select(1, basis)
+    return g.index_select(0, basis)  # rows
+
+
+def up(projector: str, side: str | None, low: Tensor, basis: Tensor, shape: torch.Size) -> Tensor:
+    """Map a subspace tensor back to the full (m, n) space (zero outside the subspace)."""
+    if projector in ORTHO_PROJECTORS:
+        q = basis.to(low.dtype)
+        return q @ low if side == "left" else low @ q.transpose(0, 1)
+    full = torch.zeros(shape, dtype=low.dtype, device=low.device)
+    dim = 1 if projector == "columns" else 0
+    return full.index_copy_(dim, basis, low)
+
+
+def residual(projector: str, side: str | None, g: Tensor, low: Tensor, basis: Tensor) -> Tensor:
+    """g minus its part inside the subspace."""
+    if projector in ORTHO_PROJECTORS:
+        return g - up(projector, side, low, basis, g.shape)
+    dim = 1 if projector == "columns" else 0
+    return g.index_fill(dim, basis, 0.0)
+
+
+def rotate(projector: str, side: str | None, old: Tensor, new: Tensor, moment: Tensor, squared: bool) -> Tensor:
+    """Carry a subspace moment from the old basis into the new one (on_refresh='project').
+
+    For orthonormal bases the change of coordinates is R = Q_new^T Q_old (r x r): m' = R m (left) or m R^T (right),
+    as LDAdam does (Robert et al., arXiv 2410.16103). A second moment is a per-coordinate variance, and for
+    independent coordinates the variance of R x is (R * R) v: that is what `squared` selects. For coordinate
+    subsets R is a selection: indices kept across the refresh keep their moments, new ones start at zero.
+    """
+    if projector in ORTHO_PROJECTORS:
+        rot = new.to(moment.dtype).transpose(0, 1) @ old.to(moment.dtype)  # (r, r)
+        if squared:
+            rot = rot * rot
+        return rot @ moment if side == "left" else moment @ rot.transpose(0, 1)
+    dim = 1 if projector == "columns" else 0
+    pos = torch.searchsorted(old, new).clamp_(max=old.numel() - 1)
+    kept = old[pos] == new
+    taken = moment.index_select(dim, pos)
+    shape = [1, 1]
+    shape[dim] = -1
+    return taken * kept.view(shape).to(moment.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# block schedule
+
+
+def active_blocks(num_blocks: int, density: float, refresh_index: int, order: str, seed: int) -> list[int]:
+    """Positions (within the group) of the blocks that are state-full during refresh period `refresh_index`.
+
+    k = round(density * num_blocks) blocks are active at once. ascending / descending walk through the blocks in
+    windows of k, wrapping around, so that every block gets its turn; random draws k blocks from a permutation
+    seeded by (seed, refresh_index). A pure function: nothing to store, the same on every rank.
+    """
+    if num_blocks == 0:
+        return []
+    k = min(num_blocks, int(round(density * num_blocks)))
+    if k == 0:
+        return []
+    if order == "random":
+        perm = torch.randperm(num_blocks, generator=generator(torch.device("cpu"), seed, refresh_index))
+        return sorted(perm[:k].tolist())
+    start = (refresh_index * k) % num_blocks
+    chosen = [(start + i) % num_blocks for i in range(k)]
+    if order == "descending":
+        chosen = [num_blocks - 1 - c for c in chosen]
+    return sorted(chosen)
+
+
+def refresh_due(step: int, update_gap: int) -> bool:
+    """True at the steps where the subspace is chosen anew (1, 1 + gap, ...: galore-torch's iter % gap == 0)."""
+    return (step - 1) % update_gap == 0
+
+
+def refresh_index(step: int, update_gap: int) -> int:
+    return (step - 1) // update_gap
+

@@ -1,0 +1,212 @@
+"""Named recipes with the papers' defaults, and ``build(model, method)``.
+
+A method is a pair of settings: one for the projectable weights (Linear weights in attention and MLP blocks), one
+for everything else (embeddings, norms, biases, the output layer). ``build`` partitions a model
+(``partition.classify``), applies the method, then per-call hyperparameters, then regex overrides, and checks that
+every trainable parameter has exactly one owner.
+
+Papers: GaLore (arXiv 2403.03507: lr 0.01, scale 0.25, rank 128 at 60M, update gap 200), FRUGAL (arXiv 2411.07837:
+lr 1e-3, density 0.25, blockwise, signSGD residual, state reset at every refresh, update gap 200), BAdam
+(arXiv 2404.02827: one block at a time, inactive blocks frozen), 8-bit Adam (arXiv 2110.02861), 4-bit Adam
+(arXiv 2309.01507).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from torch import nn
+
+from .optimizer import DEFAULTS, SlimOptimizer
+from .partition import check_owners, classify
+
+_STATE_FREE = {"projector": "block", "density": 0.0, "free_rule": "sign"}
+_GALORE = {"projector": "svd", "rank": 128, "update_gap": 200, "scale": 0.25, "on_refresh": "keep"}
+_FRUGAL = {"projector": "block", "density": 0.25, "update_gap": 200, "free_rule": "sign", "on_refresh": "reset"}
+
+
+@dataclass(frozen=True)
+class Method:
+    description: str
+    lr: float
+    projectable: dict[str, Any] = field(default_factory=dict)
+    rest: dict[str, Any] = field(default_factory=dict)
+    shared: dict[str, Any] = field(default_factory=dict)  # settings for every group (codecs)
+
+
+METHODS: dict[str, Method] = {
+    "adamw": Method("AdamW on every parameter (torch.optim.AdamW's update)", 1e-3),
+    "adamw8bit": Method("AdamW with 8-bit blockwise moments (arXiv 2110.02861)", 1e-3, shared={"state_bits": 8}),
+    "adamw4bit": Method("AdamW with 4-bit moments (arXiv 2309.01507)", 1e-3, shared={"state_bits": 4}),
+    "ternary_adamw": Method("AdamW with ternary {-1,0,+1} first moment and factored second moment", 1e-3,
+                            shared={"codec": "ternary"}),
+    "galore": Method("GaLore: Adam in the top-r SVD subspace of each Linear weight's gradient, rank 128",
+                     1e-2, projectable=dict(_GALORE)),
+    "galore_rsvd": Method("GaLore with a randomized SVD refresh (same subspace, far cheaper)", 1e-2,
+                          projectable={**_GALORE, "projector": "randomized_svd"}),
+    "galore8bit": Method("GaLore with 8-bit moments everywhere", 1e-2, projectable=dict(_GALORE),
+                         shared={"state_bits": 8}),
+    "frugal": Method("FRUGAL: Adam on 25% of the Linear weights in turn, signSGD on the rest", 1e-3,
+                     projectable=dict(_FRUGAL)),
+    "frugal8bit": Method("FRUGAL with 8-bit moments", 1e-3, projectable=dict(_FRUGAL), shared={"state_bits": 8}),
+    "frugal_ternary": Method("FRUGAL with ternary first and factored second moments", 1e-3,
+                             projectable=dict(_FRUGAL), shared={"codec": "ternary"}),
+    "frugal_rho0": Method("FRUGAL at density 0: signSGD on Linear weights, Adam on embeddings, norms, head", 1e-3,
+                          projectable={**_FRUGAL, "density": 0.0}),
+    "badam": Method("BAdam: Adam on one Linear weight at a time (switching every 100 steps), the others frozen",
+                    1e-3, projectable={"projector": "block", "rank": 1, "update_gap": 100, "free_rule": "none",
+                                       "on_refresh": "reset"}),
+    "signsgd": Method("signSGD on every parameter: no optimizer state", 3e-4, projectable=dict(_STATE_FREE),
+                      rest=dict(_STATE_FREE)),
+}
+
+# Settings build() accepts; those in _SHARED go to every group, the rest to the projectable group.
+_SHARED = ("lr", "betas", "eps", "weight_decay", "momentum", "rule", "seed", "codec", "m_codec", "v_codec",
+           "state_bits")
+
+
+def methods() -> dict[str, str]:
+    """Available method names with a one-line description each."""
+    return {name: m.description for name, m in METHODS.items()}
+
+
+def default_lr(method: str) -> float:
+    """The learning rate the method's paper uses for LLaMA pretraining."""
+    return _method(method).lr
+
+
+def _method(name: str) -> Method:
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def param_groups(model: nn.Module, method: str, *, target_modules: str | Iterable[str] | None = None,
+                 state_full: str = "all", overrides: dict[str, dict[str, Any]] | None = None,
+                 **hparams: Any) -> list[dict[str, Any]]:
+    """The parameter groups ``build`` gives the optimizer (see ``build``)."""
+    spec = _method(method)
+    unknown = sorted(set(hparams) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown hyperparameter(s) {unknown} for method {method!r}; allowed: {', '.join(DEFAULTS)}")
+    if state_full not in ("all", "head"):
+        raise ValueError(f"state_full must be 'all' (embeddings, norms and head in AdamW) or 'head' (only the "
+                         f"output layer state-full, the rest signSGD); got {state_full!r}")
+    shared = {**spec.shared, **{k: v for k, v in hparams.items() if k in _SHARED}}
+    shared.setdefault("lr", spec.lr)
+    proj_hp = {k: v for k, v in hparams.items() if k not in _SHARED}
+    if "rank" in proj_hp:
+        proj_hp.setdefault("density", None)
+    if "density" in proj_hp and proj_hp["density"] is not None:
+        proj_hp.setdefault("rank", None)
+
+    base = {
+        "projectable": {**spec.projectable, **proj_hp},
+        "head": dict(spec.rest),
+        "embedding": dict(spec.rest) if state_full == "all" else dict(_STATE_FREE),
+        "other": dict(spec.rest) if state_full == "all" else dict(_STATE_FREE),
+    }
+    compiled = [(re.compile(pattern), settings) for pattern, settings in (overrides or {}).items()]
+    groups: dict[tuple, dict[str, Any]] = {}
+    for name, (p, kind) in classify(model, target_modules).items():
+        label, settings = kind, base[kind]
+        for rx, extra in compiled:
+            if rx.search(name):
+                label, settings = f"{kind}:{rx.pattern}", {**settings, **extra}
+                break
+        key = (label,)
+        if key not in groups:
+            groups[key] = {"params": [], "names": [], "name": label, **shared, **settings}
+        groups[key]["params"].append(p)
+        groups[key]["names"].append(name)
+    out = list(groups.values())
+    check_owners(model, out)
+    return out
+
+
+def build(model: nn.Module, method: str = "adamw", *, target_modules: str | Iterable[str] | None = None,
+          state_full: str = "all", overrides: dict[str, dict[str, Any]] | None = None,
+          **hparams: Any) -> SlimOptimizer:
+    """Partition `model`'s trainable parameters and return the optimizer for `method`.
+
+    - hparams: any SlimOptimizer setting. lr, betas, eps, weight_decay, momentum, rule, seed and the codec
+      settings apply to every group; the others (rank, density, update_gap, scale, projector, ...) to the
+      projectable weights. lr defaults to ``default_lr(method)``.
+    - target_modules: which Linear modules are projectable (Hugging Face ``optim_target_modules`` convention);
+      default all Linear weights outside the output layer.
+    - state_full: ``"all"`` keeps embeddings, norms and the head in AdamW; ``"head"`` keeps only the output layer
+      state-full and moves embeddings and norms to signSGD (FRUGAL's finding that only the head needs Adam).
+    - overrides: ``{regex: settings}``; a parameter whose name matches (``re.search``, first match wins) gets its
+      kind's settings updated with these, in a group of its own.
+
+    Example::
+
+        >>> import torch, slimopt
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+        >>> opt = slimopt.build(model, "frugal", density=0.5)
+        >>> model(torch.randn(4, 16)).square().mean().backward()
+        >>> opt.step(); opt.zero_grad()
+    """
+    return SlimOptimizer(param_groups(model, method, target_modules=target_modules, state_full=state_full,
+                                      overrides=overrides, **hparams))
+
+
+class GaLoreAdamW(SlimOptimizer):
+    """Drop-in for ``galore_torch.GaLoreAdamW``: groups with a ``rank`` are projected.
+
+    Accepts galore-torch's group layout ``{"params", "rank", "update_proj_gap", "scale", "proj_type"}`` (what the
+    Hugging Face Trainer builds for ``optim="galore_adamw"``). Differences: weight decay is decoupled and applied
+    before the update (galore-torch applies it after); eps is added to the bias-corrected sqrt(v) as in
+    torch.optim.AdamW (galore-torch adds it before the correction): identical when eps is negligible.
+    Example::
+
+        >>> import torch, slimopt
+        >>> w, b = torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.zeros(32))
+        >>> opt = slimopt.GaLoreAdamW([{"params": [b]}, {"params": [w], "rank": 8, "update_proj_gap": 200,
+        ...                            "scale": 0.25, "proj_type": "std"}], lr=1e-2)
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0,
+                 correct_bias: bool = True, **settings: Any) -> None:
+        if not correct_bias:
+            raise ValueError("correct_bias=False is not supported: slimopt always applies Adam's bias correction")
+        params = list(params)
+        if params and isinstance(params[0], dict):
+            params = [_from_galore_group(g) for g in params]
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **settings)
+
+
+def _from_galore_group(group: dict[str, Any]) -> dict[str, Any]:
+    group = dict(group)
+    if "rank" in group:
+        group["projector"] = group.get("projector", "svd")
+        group["update_gap"] = group.pop("update_proj_gap", 200)
+        group["scale"] = group.get("scale", 1.0)
+        group["proj_side"] = group.pop("proj_type", "std")
+    return group
+
+
+class FRUGAL(SlimOptimizer):
+    """FRUGAL (arXiv 2411.07837): Adam on a subspace, signSGD on the rest; defaults from the paper.
+
+    Defaults: blockwise selection of whole tensors at density 0.25, a new selection every 200 steps with the
+    moments reset, signSGD on the residual. Every projector is available (``projector="svd"``, ``"random"``,
+    ``"columns"``, ...). Use ``slimopt.build(model, "frugal")`` to keep embeddings, norms and the head in AdamW.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, **settings: Any) -> None:
+        if settings.get("rank") is not None and "density" not in settings:
+            settings["density"] = None
+        super().__init__(params, lr=lr, **{**_FRUGAL, **settings})
+
+
+class BAdam(SlimOptimizer):
+    """BAdam (arXiv 2404.02827) as a baseline: Adam on one tensor of the group at a time, the others frozen."""
+
+    def __init__(self, params, lr: float = 1e-3, **settings: Any) -> None:
+        base = {"projector": "block", "rank": 1, "update_gap": 100, "free_rule": "none", "on_refresh": "reset"}
+        if settings.get("density") is not None and "rank" not in settings:
+            settings["rank"] = None
+        super().__init__(params, lr=lr, **{**base, **settings})

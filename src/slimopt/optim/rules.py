@@ -1,0 +1,65 @@
+"""Update rules: how a (projected) gradient becomes a step direction.
+
+State-full rules keep moments; the optimizer hands them decoded fp32 moments, and stores them back through a codec
+afterwards, so a rule never knows the storage format. State-free rules act on the residual the projector leaves.
+
+- ``adamw``: Adam's direction (Kingma & Ba, arXiv 1412.6980) with the bias corrections of torch.optim.AdamW;
+  weight decay is decoupled (Loshchilov & Hutter, arXiv 1711.05101) and applied by the optimizer, not here.
+- ``lion``: sign of an interpolated momentum (Chen et al., arXiv 2302.06675).
+- ``sgdm``: heavy-ball momentum, as torch.optim.SGD with dampening 0.
+- state-free ``sign`` (signSGD, Bernstein et al., arXiv 1802.04434, as FRUGAL uses it), ``sgd`` and ``none``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+RULES = ("adamw", "lion", "sgdm")
+FREE_RULES = ("sign", "sgd", "none")
+
+# state key and role ("m": signed first moment, "v": non-negative second moment) of each rule's moments
+MOMENTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "adamw": (("exp_avg", "m"), ("exp_avg_sq", "v")),
+    "lion": (("exp_avg", "m"),),
+    "sgdm": (("momentum_buffer", "m"),),
+}
+
+
+def direction(rule: str, g: Tensor, mom: Mapping[str, Tensor], step: int, group: Mapping[str, Any]
+              ) -> tuple[Tensor, float]:
+    """Update the fp32 moments in place and return (d, c): the step is lr * c * d before any projection back.
+
+    g: fp32 gradient (full or projected); mom: fp32 moments of g's shape, keyed as in MOMENTS[rule].
+    """
+    if rule == "adamw":
+        beta1, beta2 = group["betas"]
+        m, v = mom["exp_avg"], mom["exp_avg_sq"]
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        bias1 = 1 - beta1 ** step
+        bias2_sqrt = (1 - beta2 ** step) ** 0.5
+        denom = (v.sqrt() / bias2_sqrt).add_(group["eps"])
+        return m / denom, 1.0 / bias1
+    if rule == "lion":
+        beta1, beta2 = group["betas"]
+        m = mom["exp_avg"]
+        d = torch.lerp(m, g, 1 - beta1).sign_()
+        m.lerp_(g, 1 - beta2)
+        return d, 1.0
+    if rule == "sgdm":
+        buf = mom["momentum_buffer"]
+        buf.mul_(group["momentum"]).add_(g)
+        return buf.clone(), 1.0
+    raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+
+
+def free_direction(free_rule: str, r: Tensor) -> Tensor | None:
+    """Direction for the state-free residual r (fp32), or None when it is dropped."""
+    if free_rule == "sign":
+        return r.sign()
+    if free_rule == "sgd":
+        return r
+    return None

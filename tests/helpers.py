@@ -1,0 +1,47 @@
+"""Small models and training loops shared by the optimizer tests."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny_llama(seed: int = 0, vocab: int = 64, hidden: int = 32, layers: int = 2, dtype=torch.float32):
+    """A LLaMA-shaped model small enough to step in milliseconds (non-square Linear weights included)."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+def batches(n: int, seed: int = 1, vocab: int = 64, batch: int = 4, seq: int = 16):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, seq), generator=gen) for _ in range(n)]
+
+
+def backward(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return float(loss.detach())
+
+
+def twins(seed: int = 0, **kw):
+    a = tiny_llama(seed, **kw)
+    return a, copy.deepcopy(a)
+
+
+def run(model, opt, data):
+    losses = []
+    for ids in data:
+        losses.append(backward(model, ids))
+        opt.step()
+    return losses
+
+
+def assert_params_close(a, b, rtol=1e-5, atol=1e-6):
+    for (n, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=lambda m: f"{n}: {m}")
