@@ -30,7 +30,9 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
+from . import compiled
 from . import projectors as P
+from . import taco
 from .codecs import make_codec, resolve_codecs
 from .rules import FREE_RULES, MOMENTS, RULES, direction, free_direction
 
@@ -60,6 +62,8 @@ DEFAULTS: dict[str, Any] = dict(
     m_codec=None,
     v_codec=None,
     state_bits=None,
+    **taco.DEFAULTS,  # taco_k, taco_decay, taco_format, taco_scale_dtype, taco_norm, taco_alpha
+    compile=False,
 )
 
 
@@ -105,6 +109,9 @@ def validate_group(group: dict[str, Any]) -> None:
         if not _is_int(group[name]) or group[name] < 0:
             raise ValueError(f"{name} must be an integer >= 0, got {group[name]!r}")
     resolve_codecs(group["codec"], group["m_codec"], group["v_codec"], group["state_bits"])
+    taco.validate(group)
+    if not isinstance(group["compile"], bool):
+        raise ValueError(f"compile must be True or False, got {group['compile']!r}")
 
 
 class SlimOptimizer(torch.optim.Optimizer):
@@ -114,7 +121,9 @@ class SlimOptimizer(torch.optim.Optimizer):
 
     - ``lr``, ``betas``, ``eps``, ``weight_decay`` (decoupled, applied once in full space before the update),
       ``momentum`` (for ``rule="sgdm"``).
-    - ``rule``: the state-full rule, ``adamw`` | ``lion`` | ``sgdm``.
+    - ``rule``: the state-full rule, ``adamw`` | ``lion`` | ``sgdm`` | ``taco`` (2-D tensors: the one-sparse
+      ternary step with a compact per-column history, set by the ``taco_*`` settings, see
+      ``slimopt.optim.taco``; other tensors: AdamW with the group's codecs).
     - ``projector``: ``none`` | ``svd`` | ``randomized_svd`` | ``random`` | ``columns`` | ``rows`` | ``block``;
       ``rank`` or ``density`` sets the subspace size (for ``block``: how many tensors of the group are active);
       ``update_gap`` steps between refreshes; ``scale`` multiplies the state-full update (GaLore's alpha);
@@ -126,6 +135,8 @@ class SlimOptimizer(torch.optim.Optimizer):
       (GaLore; inactive BAdam blocks stay frozen); ``free_scale`` multiplies it.
     - ``codec`` / ``m_codec`` / ``v_codec`` / ``state_bits``: the storage format of the moments
       (see ``slimopt.optim.codecs``).
+    - ``compile``: run full-space AdamW steps through a torch.compile'd kernel (``compiled.py``) that decodes,
+      updates and encodes in one pass; hyperparameters enter as 0-D tensors, so schedules never recompile.
 
     Parameters that are not 2-D take the rule on the full gradient under a subspace projector; ``block`` works for
     any shape.
@@ -255,13 +266,18 @@ class SlimOptimizer(torch.optim.Optimizer):
         coef = 0.0
         resid = None  # the residual for the state-free rule
         if layout == "none":
+            if self._fused(p, group, state, g):
+                return
             full, coef = self._stateful(p, group, state, g, step)
         elif layout == "block":
             active = self._block_active(p, group, step)
             due = P.refresh_due(step, group["update_gap"])
             if active:
                 if due and step > 1 and group["on_refresh"] == "reset":
-                    self._init_moments(state, self._moment_codecs(group, g.shape, p.dtype), g.shape, p.device)
+                    if taco.owns(group, g.shape):
+                        taco.reset(state)
+                    else:
+                        self._init_moments(state, self._moment_codecs(group, g.shape, p.dtype), g.shape, p.device)
                 full, coef = self._stateful(p, group, state, g, step)
             else:
                 for key in [k for k in state if k != "step"]:
@@ -284,9 +300,24 @@ class SlimOptimizer(torch.optim.Optimizer):
         else:
             p.add_(free, alpha=-lr * float(group["free_scale"]))
 
+    def _fused(self, p: Tensor, group: dict[str, Any], state: dict[str, Tensor], g: Tensor) -> bool:
+        """The torch.compile'd full-space AdamW step (compiled.py), where the group asks for it and it applies."""
+        if not group["compile"] or group["rule"] != "adamw":
+            return False
+        codecs = self._moment_codecs(group, g.shape, p.dtype)
+        if not compiled.supported(codecs):
+            return False
+        if codecs[0][0] not in state:
+            self._init_moments(state, codecs, g.shape, p.device)
+        state["moment_step"] += 1
+        compiled.adamw_step(p, g, state, codecs, group, int(state["moment_step"].item()))
+        return True
+
     def _stateful(self, p: Tensor, group: dict[str, Any], state: dict[str, Tensor], g: Tensor,
                   step: int) -> tuple[Tensor, float]:
         """Run the rule on g (the full or projected gradient, fp32) against codec-stored moments."""
+        if taco.owns(group, g.shape):  # TACO keeps its own compact per-column state (taco.py)
+            return taco.update(state, g, group, p.shape if p.dim() == 2 else g.shape)
         codecs = self._moment_codecs(group, g.shape, p.dtype)
         if codecs[0][0] not in state:
             self._init_moments(state, codecs, g.shape, p.device)
@@ -355,7 +386,10 @@ class SlimOptimizer(torch.optim.Optimizer):
         if old is not None:
             shape = state_shape(projector, side, g.shape, r)
             codecs = self._moment_codecs(group, shape, p.dtype)
-            if codecs[0][0] in state and group["on_refresh"] == "reset":
+            if taco.owns(group, shape):
+                if group["on_refresh"] != "keep":
+                    taco.reset(state)  # sparse (row, value) pairs cannot be rotated into a new subspace
+            elif codecs[0][0] in state and group["on_refresh"] == "reset":
                 self._init_moments(state, codecs, shape, p.device)
             elif codecs[0][0] in state and group["on_refresh"] == "project":
                 for key_m, codec in codecs:
