@@ -48,7 +48,7 @@ def tok(docs, cache):
 
 @pytest.fixture(scope="module")
 def kjv_tok(cache):
-    return D.tokenizer_for_source("kjv", None, 2048, cache_dir=cache)
+    return D.tokenizer_for_source("kjv", None, 2048, cache_dir=cache, max_chars=1_500_000)
 
 
 def expected_stream(tok, docs):
@@ -70,6 +70,9 @@ def test_kjv_source_is_1189_chapters_without_verse_numbers():
     assert not any(re.search(r"\b\d+:\d+ ", d) for d in docs)
     assert sum(map(len, docs)) > 4_000_000
     assert docs == list(D.iter_documents("kjv"))  # a fixed order
+    val = list(D.iter_documents("kjv", "val"))
+    assert 40 <= len(val) <= 80  # ~5% of the chapters are held out
+    assert set(val) <= set(docs) and not set(val) & set(D.iter_documents("kjv", "train"))
 
 
 def test_bbc_source_is_2225_articles():
@@ -122,6 +125,10 @@ def test_datasets_library_path_on_local_files(tmp_path, docs, tok, cache):
     pq.write_table(pa.table({"content": docs[:120]}), tmp_path / "x.parquet")
     assert list(D.iter_documents(f"hf:json:{path}")) == docs[:120]
     assert list(D.iter_documents(f"hf:parquet:{tmp_path}/*.parquet", text_field="content")) == docs[:120]
+    folder = tmp_path / "dataset"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", docs[:30])
+    assert list(D.iter_documents(f"hf:{folder}")) == docs[:30]  # a dataset folder: the builder is inferred
     a = D.prepare_data(f"hf:json:{path}", tok, 32, val_tokens=64, cache_dir=cache, use_cache=False)
     b = D.prepare_data(str(path), tok, 32, val_tokens=64, cache_dir=cache, use_cache=False)
     assert np.array_equal(a.train, b.train) and np.array_equal(a.val, b.val)
@@ -219,15 +226,16 @@ def test_cache_hit_returns_identical_arrays_and_misses_on_change(tmp_path, docs,
 
 
 def test_kjv_end_to_end_default_path(cache, kjv_tok):
-    packed = D.prepare_data("kjv", kjv_tok, 128, cache_dir=cache)
-    assert packed.meta["train_documents"] + packed.meta["val_documents"] == 1189
-    assert 30 <= packed.meta["val_documents"] <= 90
-    assert packed.train.shape[1] == 128 and packed.train.shape[0] > 5000
-    assert packed.val.shape[0] >= 200
-    # The tokenizer saw only training chapters: its cache key says so, and it decodes text back exactly.
+    # Budgets small enough that only the first chunk of chapters is tokenized.
+    packed = D.prepare_data("kjv", kjv_tok, 128, max_train_tokens=100_000, val_tokens=4096, cache_dir=cache)
+    assert packed.train.shape == (781, 128) and packed.val.shape == (32, 128)
+    assert packed.train.dtype == np.uint16 and packed.vocab_size == len(kjv_tok) <= 2048
+    assert packed.meta["documents_read"] < 1189
     sample = "And God said, Let there be light: and there was light."
     assert kjv_tok.decode(kjv_tok.encode(sample, add_special_tokens=False)) == sample
-    hit = D.prepare_data("kjv", kjv_tok, 128, cache_dir=cache)
+    text = kjv_tok.decode(packed.train[:50].reshape(-1).tolist())
+    assert "LORD" in text and kjv_tok.eos_token in text
+    hit = D.prepare_data("kjv", kjv_tok, 128, max_train_tokens=100_000, val_tokens=4096, cache_dir=cache)
     assert hit.meta["cache_hit"] and np.array_equal(hit.val, packed.val)
 
 

@@ -46,7 +46,7 @@ import shutil
 import sqlite3
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,7 +54,7 @@ import numpy as np
 import torch
 import transformers
 
-from slimopt.train.tokenizer import cache_root, hub_offline, load_tokenizer, tokenizer_fingerprint
+from slimopt.train.tokenizer import DEFAULT_MAX_CHARS, cache_root, hub_offline, load_tokenizer, tokenizer_fingerprint
 
 BUILTIN_SOURCES = ("kjv", "bbc", "c4")
 SOURCES_HELP = ("kjv (built-in), bbc (built-in), c4, hf:NAME[:CONFIG], or a path to a .txt/.jsonl/.json/.parquet "
@@ -107,7 +107,7 @@ def _version(dist: str) -> str:
         return "unknown"
 
 
-_VERSE_MARK = re.compile(r"(^|\s)\d+:\d+ ")
+_VERSE_MARK = re.compile(r"(?:^|(?<=\s))\d+:\d+ ")
 
 
 def _kjv_documents() -> Iterator[str]:
@@ -123,7 +123,7 @@ def _kjv_documents() -> Iterator[str]:
     for t, b, ch, p1, p2 in rows:
         # Rows hold "1:1 text"; compound rows embed further "1:15 " marks; Passage2 is a second paragraph.
         text = p1 if not p2 else f"{p1}\n{p2}"
-        chapters.setdefault((t, b, ch), [f"{books[(t, b)]} {ch}"]).append(_VERSE_MARK.sub(r"\1", text).strip())
+        chapters.setdefault((t, b, ch), [f"{books[(t, b)]} {ch}"]).append(_VERSE_MARK.sub("", text).strip())
     titled = [(lines[0], "\n".join(lines)) for lines in chapters.values()]
     titled.sort(key=lambda kv: _stable_hash(kv[0], b"slimopt-order"))
     for _, doc in titled:
@@ -240,7 +240,7 @@ def _local_files(path: Path) -> list[Path]:
 def _hf_documents(name: str, config: str | None, text_field: str, data_files: str | None = None,
                   split: str = "train") -> Iterator[str]:
     """Stream documents of a Hugging Face dataset (or of local files through a packaged builder)."""
-    if data_files is None and hub_offline():
+    if data_files is None and not Path(name).expanduser().exists() and hub_offline():
         raise ConnectionError(
             f"streaming the Hugging Face dataset {name!r} needs the hub, which is unreachable; use a local copy "
             f"instead (a directory of .jsonl/.json.gz/.parquet files, or hf:json:<glob>)")
@@ -276,13 +276,19 @@ def resolve_source(source: str, text_field: str = "text", txt_split: str = "para
             raise ValueError(f"data source {source!r}: expected hf:NAME[:CONFIG]")
         if name in _PACKAGED_BUILDERS:
             if not config:
-                raise ValueError(f"data source {source!r}: the {name} builder needs files, e.g. hf:{name}:/path/*.{name}")
+                raise ValueError(f"data source {source!r}: the {name} builder needs files, "
+                                 f"e.g. hf:{name}:/path/*.{name}")
             files = sorted(Path().glob(config) if not Path(config).is_absolute()
                            else Path(config).parent.glob(Path(config).name))
             if not files:
                 raise FileNotFoundError(f"data source {source!r}: no files match {config!r}")
             ident = f"hf|{name}|{config}|{_files_identity(files)}|{text_field}"
             return TextSource(source, ident, True, lambda: _hf_documents(name, None, text_field, data_files=config))
+        local = Path(name).expanduser()
+        if local.exists():  # a dataset folder (or script) on disk: finite, and its files are its identity
+            files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
+            ident = f"hf|{local.resolve()}|{config}|{_files_identity(files)}|{text_field}"
+            return TextSource(source, ident, True, lambda: _hf_documents(str(local), config or None, text_field))
         return TextSource(source, f"hf|{name}|{config}|train|{text_field}", False,
                           lambda: _hf_documents(name, config or None, text_field))
 
@@ -342,8 +348,10 @@ def tokenizer_for_source(
     val_fraction: float = DEFAULT_VAL_FRACTION,
     cache_dir: str | Path | None = None,
     fallback: bool = False,
+    max_chars: int = DEFAULT_MAX_CHARS,
 ) -> transformers.PreTrainedTokenizerFast:
-    """`load_tokenizer` for a data source: a named tokenizer, or a BPE trained on the training documents only."""
+    """`load_tokenizer` for a data source: a named tokenizer, or a BPE trained on the training documents only
+    (the first `max_chars` characters of them)."""
     src = resolve_source(source, text_field, txt_split)
     return load_tokenizer(
         name,
@@ -352,6 +360,7 @@ def tokenizer_for_source(
         cache_dir,
         corpus_id=f"{src.identity}|train|vf={float(val_fraction)!r}",
         fallback=fallback,
+        max_chars=max_chars,
     )
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from slimopt.train.tokenizer import hub_offline
+from slimopt.train.tokenizer import hub_calls_offline, hub_offline
 
 # hidden / intermediate (SwiGLU) / attention heads / layers; vocab 32000 unless the caller passes another.
 # "tiny" (~1.5M parameters at vocab 4096) and "small" (~7.5M at vocab 8192, ~20M at 32000) are for CPU runs.
@@ -177,7 +177,8 @@ def _looks_like_path(s: str) -> bool:
 def _from_hub(name: str, dtype, device) -> torch.nn.Module:
     offline = hub_offline()
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=offline)
+        with hub_calls_offline(offline):
+            model = transformers.AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=offline)
     except (OSError, ValueError) as err:
         where = "the local Hugging Face cache (the hub is unreachable)" if offline else "the Hugging Face hub"
         raise ValueError(

@@ -11,6 +11,7 @@ Cache root: the `cache_dir` argument, else the environment variable SLIMOPT_CACH
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -62,6 +63,26 @@ def hub_offline() -> bool:
     except OSError:
         return True
     return False
+
+
+@contextlib.contextmanager
+def hub_calls_offline(offline: bool):
+    """Make every Hugging Face hub lookup inside the block local-only when `offline`.
+
+    `local_files_only=True` alone is not enough: transformers' adapter lookup in from_pretrained ignores it and
+    retries the network; huggingface_hub's own offline flag covers all calls.
+    """
+    if not offline:
+        yield
+        return
+    from huggingface_hub import constants
+
+    saved = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = saved
 
 
 def tokenizer_fingerprint(tokenizer: transformers.PreTrainedTokenizerFast) -> str:
@@ -123,7 +144,8 @@ def _load_named(name: str) -> transformers.PreTrainedTokenizerFast:
     else:
         offline = hub_offline()
         try:
-            tok = transformers.AutoTokenizer.from_pretrained(name, local_files_only=offline)
+            with hub_calls_offline(offline):
+                tok = transformers.AutoTokenizer.from_pretrained(name, local_files_only=offline)
         except (OSError, ValueError) as err:
             where = "the local Hugging Face cache (the hub is unreachable)" if offline else "the Hugging Face hub"
             raise ValueError(f"tokenizer {name!r} is not a local path and could not be loaded from {where}; "
