@@ -1,0 +1,49 @@
+"""The `slimopt` command (also `python -m slimopt`).
+
+Each subcommand lives in its own module `slimopt.cli.<name>` exposing `add_parser(subparsers)`, which returns
+its argparse parser, and `run(args) -> int`. Modules import heavy libraries (torch, transformers) inside `run`, so
+`slimopt --help` stays fast. Errors a user can fix (bad options, missing files, a peer that is not installed) are
+printed as one line, with exit status 2, instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["SUBCOMMANDS", "build_parser", "main"]
+
+# Subcommand modules, in the order `slimopt --help` lists them.
+SUBCOMMANDS = ["train", "compare", "methods"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from slimopt import __version__
+    parser = argparse.ArgumentParser(
+        prog="slimopt",
+        description="Train language models with memory-lean optimizers (GaLore, FRUGAL, TACO, low-bit state) "
+                    "and compare them.")
+    parser.add_argument("--version", action="version", version=f"slimopt {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        mod = importlib.import_module(f"slimopt.cli.{name}")
+        p = mod.add_parser(sub)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except (ValueError, FileNotFoundError, ImportError, ConnectionError) as e:
+        print(f"slimopt {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"slimopt {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,44 @@
+"""`slimopt methods`: every name `--method` accepts, with what it is and whether it can run here."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_parser", "run", "format_table"]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("methods", help="list the optimizers slimopt train/compare accept",
+                              description=__doc__)
+    p.add_argument("--kind", choices=("all", "slimopt", "peer", "baseline"), default="all",
+                   help="only one kind of method (default: all)")
+    return p
+
+
+def format_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
+    """A plain-text table with aligned columns."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(tuple("-" * w for w in widths)), *map(line, rows)])
+
+
+def run(args) -> int:
+    from slimopt.peers import available_peers
+    from slimopt.train.loop import known_methods, resolve_lr
+
+    peers = available_peers()
+    rows = []
+    for name, (kind, desc) in known_methods().items():
+        if args.kind not in ("all", kind):
+            continue
+        status = "ok" if kind != "peer" or peers.get(name) is None else "not installed"
+        try:
+            lr = f"{resolve_lr(name):g}"
+        except Exception:  # a method whose default cannot be resolved still gets listed
+            lr = "?"
+        rows.append((name, kind, lr, status, desc))
+    print(format_table(rows, ("method", "kind", "lr", "status", "description")))
+    missing = {n: why for n, why in peers.items() if why and args.kind in ("all", "peer")}
+    for n, why in missing.items():
+        print(f"  {n}: {why}")
+    return 0

@@ -1,0 +1,148 @@
+"""Atomic training checkpoints and the RNG snapshot that makes a resumed run identical to an unbroken one.
+
+A checkpoint is written to a temporary file in the same folder, flushed and fsync-ed, then moved over the previous
+one with `os.replace` (atomic on POSIX), and the folder itself is fsync-ed so the rename survives a power cut. A
+process killed at any moment therefore leaves either the old or the new checkpoint complete, never a torn one.
+
+Everything saved is tensors, numbers, strings and containers of them, so checkpoints load with
+`torch.load(weights_only=True)`: loading a checkpoint never runs code from the file.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "CHECKPOINT_NAME", "save_atomic", "load_checkpoint", "find_checkpoint", "rng_state", "set_rng_state",
+    "check_weights_only_safe",
+]
+
+CHECKPOINT_NAME = "checkpoint.pt"
+
+
+def save_atomic(obj: Any, path: str | os.PathLike) -> Path:
+    """Write `obj` with `torch.save` to `path` so that `path` is always either the old or the new file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # Interrupted before the rename (an error, Ctrl-C): drop the partial file, keep the previous checkpoint.
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def _fsync_dir(folder: Path) -> None:
+    # Makes the rename itself durable; some file systems do not allow opening a folder, which is harmless.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict:
+    """Load a checkpoint written by `save_atomic` with `weights_only=True`."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # torch raises UnpicklingError with a long hint; say what it means here.
+        raise RuntimeError(
+            f"checkpoint {path} cannot be loaded with weights_only=True: it holds Python objects (some peer "
+            f"optimizers, e.g. galore-torch and apollo-torch, keep projector objects in their state). "
+            f"Original error: {str(e).splitlines()[0]}") from e
+
+
+def find_checkpoint(out_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint of the run in `out_dir`, or None when there is none yet (leftover temp files are ignored)."""
+    p = Path(out_dir) / CHECKPOINT_NAME
+    return p if p.is_file() else None
+
+
+def rng_state() -> dict:
+    """Every random generator a training run may draw from: torch (CPU and each CUDA device), Python, NumPy."""
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": _to_plain(random.getstate()),
+        # NumPy's state holds an ndarray, which weights_only refuses: store the key array as a tensor.
+        "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state` captured."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(_to_tuple(state["python"]))
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda_states = state["cuda"]
+        if len(cuda_states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+def _to_plain(x):
+    if isinstance(x, tuple):
+        return [_to_plain(v) for v in x]
+    return x
+
+
+def _to_tuple(x):
+    if isinstance(x, list):
+        return tuple(_to_tuple(v) for v in x)
+    return x
+
+
+def check_weights_only_safe(obj: Any, where: str = "state") -> str | None:
+    """Return a description of the first value `torch.load(weights_only=True)` would refuse, or None.
+
+    Used before a run starts saving, so that an optimizer whose state holds Python objects is reported at once
+    rather than at resume time.
+    """
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)):
+        return None
+    if isinstance(obj, torch.Tensor):
+        return None
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            bad = check_weights_only_safe(k, f"{where} key") or check_weights_only_safe(v, f"{where}[{k!r}]")
+            if bad:
+                return bad
+        return None
+    if isinstance(obj, (list, tuple, set)):
+        for i, v in enumerate(obj):
+            bad = check_weights_only_safe(v, f"{where}[{i}]")
+            if bad:
+                return bad
+        return None
+    return f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}"

@@ -1,0 +1,114 @@
+"""Figures of `slimopt compare`: loss curves against tokens, and optimizer-state / peak memory per method.
+
+Drawn with matplotlib's Agg backend (no display needed). Rows are those of `slimopt.train.compare.run_compare`;
+a row's `history` holds `train` and `eval` lists of (tokens, loss) pairs.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+__all__ = ["plot_loss_curves", "plot_memory", "ema"]
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def ema(values: list[float], beta: float = 0.9) -> list[float]:
+    """Bias-corrected exponential moving average, for readable training-loss curves."""
+    out, m = [], 0.0
+    for i, v in enumerate(values, 1):
+        m = beta * m + (1 - beta) * v
+        out.append(m / (1 - beta ** i))
+    return out
+
+
+def _finite(pairs):
+    return [(t, v) for t, v in pairs if v is not None and math.isfinite(v)]
+
+
+def plot_loss_curves(rows: list[dict], path: str | Path, title: str = "") -> Path:
+    """Two panels: smoothed training loss and validation loss, both against training tokens."""
+    plt = _plt()
+    fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.6), dpi=100)
+    cmap = plt.get_cmap("tab10" if len(rows) <= 10 else "tab20")
+    for i, r in enumerate(rows):
+        hist = r.get("history") or {}
+        color = cmap(i % cmap.N)
+        tr = _finite(hist.get("train", []))
+        if tr:
+            ax_t.plot([t for t, _ in tr], ema([v for _, v in tr]), color=color, lw=1.4, label=r["method"])
+        ev = _finite(hist.get("eval", []))
+        if ev:
+            ax_v.plot([t for t, _ in ev], [v for _, v in ev], color=color, lw=1.4, marker="o", ms=3,
+                      label=r["method"])
+    for ax, name in ((ax_t, "training loss (EMA 0.9)"), (ax_v, "validation loss")):
+        ax.set_xlabel("training tokens")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    _clip_y(ax_t, rows, "train")
+    _clip_y(ax_v, rows, "eval")
+    handles, labels = ax_v.get_legend_handles_labels()
+    if not handles:
+        handles, labels = ax_t.get_legend_handles_labels()
+    if handles:
+        ax_v.legend(handles, labels, fontsize=8, loc="upper right", ncol=2 if len(labels) > 6 else 1)
+    fig.suptitle(title or "loss against tokens", fontsize=11)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _clip_y(ax, rows, key):
+    # The first steps' loss (~ln vocab) would flatten the interesting end of every curve: show from the point
+    # where the worst curve has come down to, plus some margin.
+    ends, starts = [], []
+    for r in rows:
+        pts = _finite((r.get("history") or {}).get(key, []))
+        if pts:
+            vals = [v for _, v in pts]
+            ends.append(min(vals))
+            starts.append(vals[len(vals) // 5] if key == "train" else vals[0])
+    if ends:
+        lo, hi = min(ends), max(starts)
+        if hi > lo:
+            ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo))
+
+
+def plot_memory(rows: list[dict], path: str | Path, title: str = "") -> Path:
+    """Horizontal bars per method: optimizer state (MiB) and peak training memory (MiB), values printed."""
+    plt = _plt()
+    ok = [r for r in rows if r.get("state_mib") is not None and not str(r.get("status", "")).startswith("failed")]
+    names = [r["method"] for r in ok]
+    state = [r["state_mib"] for r in ok]
+    peak = [r["peak_mem_mib"] for r in ok]
+    fig, (ax_s, ax_p) = plt.subplots(1, 2, figsize=(12, 0.45 * max(4, len(ok)) + 1.5), dpi=100, sharey=True)
+    y = list(range(len(ok)))
+    ax_s.barh(y, state, color="tab:blue")
+    ax_p.barh(y, peak, color="tab:orange")
+    kinds = sorted({r.get("peak_mem_kind", "") for r in ok} - {""})
+    for ax, vals, label in ((ax_s, state, "optimizer state (MiB)"),
+                            (ax_p, peak, "peak memory (MiB)" + (f"\n{kinds[0]}" if len(kinds) == 1 else ""))):
+        top = max([v for v in vals if v is not None and math.isfinite(v)] or [1.0])
+        for yi, v in zip(y, vals):
+            if v is not None and math.isfinite(v):
+                ax.text(v + 0.01 * top, yi, f"{v:.3g}", va="center", fontsize=8)
+        ax.set_xlim(0, top * 1.18 if top > 0 else 1)
+        ax.set_xlabel(label)
+        ax.grid(axis="x", alpha=0.3)
+    ax_s.set_yticks(y)
+    ax_s.set_yticklabels(names)
+    ax_s.invert_yaxis()
+    fig.suptitle(title or "memory per method", fontsize=11)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,588 @@
+"""The pretraining loop behind `slimopt train` and `slimopt compare`.
+
+One function, `train(TrainConfig)`, runs a causal-LM pretraining job the way the GaLore (arXiv 2403.03507) and
+FRUGAL (arXiv 2411.07837) experiments do: packed token blocks, a fixed global batch with gradient accumulation,
+linear warmup then cosine decay to 10% of the peak lr, gradient clipping, bf16 autocast or bf16 weights, and
+held-out evaluation at intervals and at the end. Any slimopt method, peer optimizer (`slimopt.peers`) or
+low-rank baseline (`slimopt.baselines`) can be trained with the same loop, data, seed and token budget.
+
+Guarantees:
+- Bad input (unknown method or model, missing data, a batch that cannot be split, a sequence longer than the
+  model allows) raises before the first step and before anything is written into the output folder.
+- Exact resume: model, optimizer, scheduler, sampler position and every RNG are checkpointed atomically; a run
+  killed at any moment and resumed with `resume=True` ends bit-identical (on CPU) to one never stopped.
+- DDP under torchrun (gloo on CPU, nccl on GPU): each rank takes its slice of the global batch, the optimizer
+  steps on all-reduced gradients (so every rank picks the same subspaces and blocks), only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from slimopt.train import checkpoint as ckpt
+from slimopt.train.evaluate import evaluate, lm_loss
+from slimopt.train.logger import MemoryProbe, RunLogger, read_jsonl
+from slimopt.train.schedule import build_scheduler
+
+__all__ = ["TrainConfig", "train", "make_optimizer", "method_kind", "known_methods", "resolve_lr", "DTYPES"]
+
+DTYPES = ("fp32", "bf16-autocast", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a pretraining run; the `slimopt train` options map one to one onto these fields."""
+
+    model: str = "tiny"                 # a size in models.LLAMA_SIZES, a local directory, or a hub name
+    data: str = "kjv"                   # kjv | bbc | c4 | hf:NAME | a local .txt/.jsonl/.parquet file or folder
+    tokenizer: str | None = None        # a Hugging Face tokenizer name/path; None trains a byte-level BPE
+    vocab_size: int = 4096              # size of the BPE trained when tokenizer is None
+    text_field: str = "text"            # the text column of .jsonl/.parquet files and HF datasets
+    txt_split: str = "paragraph"        # how .txt files split into documents: paragraph | line | file
+    seq_len: int = 128
+    batch_size: int = 32                # sequences per optimizer step, over all ranks and micro-batches
+    grad_accum: int = 1
+    max_steps: int | None = None
+    tokens: int | None = None           # token budget; steps = ceil(tokens / (batch_size * seq_len))
+    max_train_tokens: int | None = None  # cap on the training tokens prepared from the source (streaming sources)
+    lr: float | None = None             # None: the method's paper default
+    warmup: float = 0.1                 # fraction of the run in [0, 1), or a step count >= 1
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    clip: float = 1.0                   # max gradient norm; 0 disables clipping
+    dtype: str = "fp32"                 # fp32 | bf16-autocast | bf16 (weights)
+    method: str = "adamw"
+    opt: dict[str, Any] = field(default_factory=dict)  # method hyperparameters (rank, density, update_gap, ...)
+    seed: int = 0
+    eval_every: int | None = None       # steps between evaluations; None: about 10 per run; 0: only at the end
+    eval_tokens: int = 32768            # held-out tokens scored per evaluation (the first ones of the split)
+    eval_batch_size: int | None = None  # None: the per-rank micro-batch size times 2
+    save_every: int = 0                 # steps between checkpoints; 0: none (the final one only with --resume)
+    log_every: int = 1
+    out: str | None = None
+    resume: bool = False
+    overwrite: bool = False
+    device: str = "auto"
+    cache_dir: str | None = None
+    progress: bool = True
+    save_model: bool = True
+    tensorboard: bool = True
+
+
+# --------------------------------------------------------------------------------------------- methods
+
+def _slimopt_methods() -> dict[str, str]:
+    try:
+        import slimopt
+        return dict(slimopt.methods())
+    except (ImportError, AttributeError):
+        # The optimizer core is not importable: only plain AdamW (torch) is available.
+        return {"adamw": "AdamW on every parameter (torch.optim.AdamW)"}
+
+
+def _baseline_methods() -> dict[str, str]:
+    try:
+        from slimopt import baselines
+    except ImportError:
+        return {}
+    fn = getattr(baselines, "baselines", None) or getattr(baselines, "methods", None)
+    return dict(fn()) if callable(fn) else {}
+
+
+def known_methods() -> dict[str, tuple[str, str]]:
+    """Every name `--method` accepts -> (kind, description); kind is 'slimopt', 'peer' or 'baseline'."""
+    from slimopt import peers
+    out = {n: ("slimopt", d) for n, d in _slimopt_methods().items()}
+    out.update({n: ("baseline", d) for n, d in _baseline_methods().items() if n not in out})
+    out.update({n: ("peer", p.description) for n, p in peers.PEERS.items()})
+    return out
+
+
+def method_kind(method: str) -> str:
+    """'slimopt', 'peer' or 'baseline'; ValueError for an unknown name."""
+    known = known_methods()
+    if method not in known:
+        raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(known)} "
+                         f"(`slimopt methods` lists them with descriptions)")
+    return known[method][0]
+
+
+def resolve_lr(method: str, lr: float | None = None) -> float:
+    """`lr` when given, else the method's paper default."""
+    if lr is not None:
+        return float(lr)
+    kind = method_kind(method)
+    if kind == "peer":
+        from slimopt.peers import peer_default_lr
+        return peer_default_lr(method)
+    if kind == "baseline":
+        from slimopt import baselines
+        return float(baselines.default_lr(method)) if hasattr(baselines, "default_lr") else 1e-3
+    try:
+        import slimopt
+        return float(slimopt.default_lr(method))
+    except (ImportError, AttributeError):
+        return 1e-3
+
+
+def _hidden_size(model: torch.nn.Module) -> int | None:
+    return getattr(getattr(model, "config", None), "hidden_size", None)
+
+
+def make_optimizer(model: torch.nn.Module, method: str, lr: float | None = None, weight_decay: float = 0.0,
+                   **hp) -> torch.optim.Optimizer:
+    """The optimizer for `method` over `model`'s trainable parameters.
+
+    Slimopt methods go through `slimopt.build`; peers through `slimopt.peers.build_peer`; a baseline method trains
+    its (already transformed) model with the optimizer the baseline names. GaLore-family methods default to rank
+    hidden_size / 4, the ratio of every GaLore pretraining run (128 at 60M, 512 at 1B, 1024 at 7B).
+    """
+    kind = method_kind(method)
+    hp = {k: v for k, v in hp.items() if v is not None}
+    if kind == "peer":
+        from slimopt.peers import build_peer
+        return build_peer(model, method, lr=lr, weight_decay=weight_decay, **hp)
+    if kind == "baseline":
+        from slimopt import baselines
+        return baselines.build_optimizer(model, method, lr=resolve_lr(method, lr), weight_decay=weight_decay, **hp)
+    if method.startswith("galore") and "rank" not in hp and "density" not in hp and _hidden_size(model):
+        hp["rank"] = max(1, _hidden_size(model) // 4)
+    try:
+        import slimopt
+        build = slimopt.build
+    except (ImportError, AttributeError):
+        build = None
+    if build is None:
+        if method != "adamw" or hp:
+            raise ValueError(f"method {method!r} needs slimopt's optimizer core, which is not importable here")
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=resolve_lr(method, lr),
+                                 weight_decay=weight_decay)
+    if lr is not None:
+        hp["lr"] = lr
+    return build(model, method, weight_decay=weight_decay, **hp)
+
+
+def optimizer_state_nbytes(opt: torch.optim.Optimizer) -> int:
+    from slimopt.peers import optimizer_state_nbytes as count
+    return count(opt)
+
+
+# --------------------------------------------------------------------------------------------- validation
+
+def _check_config(c: TrainConfig, world_size: int) -> None:
+    """Everything that can be checked without loading data or models. Raises ValueError naming the option."""
+    def positive(name: str, v, allow_none: bool = False, allow_zero: bool = False):
+        if v is None and allow_none:
+            return
+        if not isinstance(v, int) or isinstance(v, bool) or v < (0 if allow_zero else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {0 if allow_zero else 1}, got {v!r}")
+
+    positive("seq_len", c.seq_len)
+    if c.seq_len < 2:
+        raise ValueError(f"--seq-len must be >= 2 (a block predicts seq_len - 1 tokens), got {c.seq_len}")
+    positive("batch_size", c.batch_size)
+    positive("grad_accum", c.grad_accum)
+    positive("max_steps", c.max_steps, allow_none=True)
+    positive("tokens", c.tokens, allow_none=True)
+    positive("max_train_tokens", c.max_train_tokens, allow_none=True)
+    positive("vocab_size", c.vocab_size)
+    positive("eval_every", c.eval_every, allow_none=True, allow_zero=True)
+    positive("eval_tokens", c.eval_tokens)
+    positive("eval_batch_size", c.eval_batch_size, allow_none=True)
+    positive("save_every", c.save_every, allow_zero=True)
+    positive("log_every", c.log_every)
+    if not isinstance(c.seed, int):
+        raise ValueError(f"--seed must be an integer, got {c.seed!r}")
+    if c.max_steps is not None and c.tokens is not None:
+        raise ValueError("give either --max-steps or --tokens (a token budget), not both")
+    per_step = c.grad_accum * world_size
+    if c.batch_size % per_step:
+        raise ValueError(f"--batch-size {c.batch_size} must be divisible by --grad-accum ({c.grad_accum}) x "
+                         f"world size ({world_size}) = {per_step}, so every rank gets equal micro-batches")
+    if c.lr is not None and not (c.lr > 0 and math.isfinite(c.lr)):
+        raise ValueError(f"--lr must be a positive number, got {c.lr!r}")
+    if not c.weight_decay >= 0:
+        raise ValueError(f"--weight-decay must be >= 0, got {c.weight_decay!r}")
+    if not c.clip >= 0:
+        raise ValueError(f"--clip must be >= 0 (0 disables clipping), got {c.clip!r}")
+    if not 0 <= c.min_lr_ratio <= 1:
+        raise ValueError(f"--min-lr-ratio must be in [0, 1], got {c.min_lr_ratio!r}")
+    if not c.warmup >= 0 or (c.warmup >= 1 and c.warmup != int(c.warmup)):
+        raise ValueError(f"--warmup must be a fraction in [0, 1) or a whole number of steps, got {c.warmup!r}")
+    if c.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {c.dtype!r}")
+    if c.device not in DEVICES and not c.device.startswith("cuda:"):
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)} (or cuda:N), got {c.device!r}")
+    if c.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {c.device} requested but CUDA is not available here; use --device cpu")
+    if not isinstance(c.opt, dict):
+        raise ValueError(f"opt must be a dict of method hyperparameters, got {type(c.opt).__name__}")
+    method_kind(c.method)
+    _check_model_name(c.model)
+    _check_data_source(c.data, c.text_field, c.txt_split)
+    if c.resume and c.out is None:
+        raise ValueError("--resume needs --out (the folder of the run to continue)")
+    if c.out is not None and not c.resume and not c.overwrite and ckpt.find_checkpoint(c.out) is not None:
+        raise ValueError(f"--out {c.out} already holds a run's checkpoint; pass --resume to continue it or "
+                         f"--overwrite to start over")
+
+
+def _check_model_name(name: str) -> None:
+    from slimopt.train import models
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"--model must be a size ({', '.join(models.LLAMA_SIZES)}), a local directory or a "
+                         f"Hugging Face name; got {name!r}")
+    if name.lower() in models.LLAMA_SIZES:
+        return
+    p = Path(name).expanduser()
+    if p.exists():
+        if not (p.is_dir() and (p / "config.json").is_file()):
+            raise ValueError(f"--model {name}: a model path must be a directory holding config.json")
+        return
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise ValueError(f"--model {name}: no such directory (built-in sizes: {', '.join(models.LLAMA_SIZES)})")
+
+
+def _check_data_source(source: str, text_field: str, txt_split: str) -> None:
+    # Resolving a source checks names and paths without reading any document.
+    from slimopt.train import data
+    data.resolve_source(source, text_field, txt_split)
+
+
+# --------------------------------------------------------------------------------------------- setup helpers
+
+@dataclass
+class _Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    initialised_here: bool = False
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def _setup_distributed(device_choice: str) -> _Dist:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return _Dist()
+    import torch.distributed as dist
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device_choice != "cpu" and torch.cuda.is_available()
+    here = False
+    if not dist.is_initialized():
+        if use_cuda:
+            torch.cuda.set_device(local)
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        here = True
+    return _Dist(rank, dist.get_world_size(), local, here)
+
+
+def _pick_device(choice: str, d: _Dist) -> torch.device:
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and d.world_size > 1:
+        return torch.device("cuda", d.local_rank)
+    return torch.device(choice)
+
+
+def _model_dtype(name: str) -> tuple[torch.dtype, torch.dtype | None]:
+    """(weight dtype, autocast dtype or None)."""
+    return {"fp32": (torch.float32, None), "bf16-autocast": (torch.float32, torch.bfloat16),
+            "bf16": (torch.bfloat16, None)}[name]
+
+
+def _prepare_data(c: TrainConfig, total_steps: int):
+    """(tokenizer, PackedData): the tokenizer (trained on the training documents only when none is named) and the
+    packed train/held-out blocks, both cached on disk by slimopt.train.data."""
+    from slimopt.train import data
+    tok = data.tokenizer_for_source(c.data, c.tokenizer, c.vocab_size, text_field=c.text_field,
+                                    txt_split=c.txt_split, cache_dir=c.cache_dir)
+    cap = c.max_train_tokens
+    if cap is None and not data.resolve_source(c.data, c.text_field, c.txt_split).finite:
+        cap = total_steps * c.batch_size * c.seq_len  # a stream: read exactly one pass of the token budget
+    packed = data.prepare_data(c.data, tok, c.seq_len, max_train_tokens=cap, text_field=c.text_field,
+                               cache_dir=c.cache_dir, txt_split=c.txt_split)
+    return tok, packed
+
+
+def _total_steps(c: TrainConfig) -> int:
+    if c.max_steps is not None:
+        return c.max_steps
+    tokens = c.tokens if c.tokens is not None else 2_000_000
+    return max(1, math.ceil(tokens / (c.batch_size * c.seq_len)))
+
+
+def _resume_key(c: TrainConfig, total_steps: int) -> dict:
+    # Settings that must match for a checkpoint to continue this run; eval/log/save cadence may change.
+    return {"model": c.model, "data": c.data, "tokenizer": c.tokenizer, "vocab_size": c.vocab_size,
+            "seq_len": c.seq_len, "batch_size": c.batch_size, "grad_accum": c.grad_accum, "total_steps": total_steps,
+            "lr": c.lr, "warmup": c.warmup, "min_lr_ratio": c.min_lr_ratio, "weight_decay": c.weight_decay,
+            "clip": c.clip, "dtype": c.dtype, "method": c.method, "opt": dict(sorted(c.opt.items())),
+            "seed": c.seed}
+
+
+def _seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+# --------------------------------------------------------------------------------------------- the loop
+
+def train(config: TrainConfig, callback: Callable[[int, dict], None] | None = None) -> dict:
+    """Run (or resume) a pretraining job and return its summary.
+
+    callback(step, record) is called on every rank after each optimizer step (and after that step's checkpoint);
+    raising from it stops the run as a crash would.
+    Returns a dict: method, model, params, steps, tokens, val_loss, val_ppl, state_bytes, state_bytes_per_param,
+    peak_mem_bytes, peak_mem_kind, tokens_per_s, train_time_s, wall_time_s, lr, history (train and eval curves).
+    """
+    t_start = time.perf_counter()
+    c = config
+    dist_info = _setup_distributed(c.device)
+    try:
+        return _train(c, dist_info, callback, t_start)
+    finally:
+        if dist_info.initialised_here:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+
+def _train(c: TrainConfig, d: _Dist, callback, t_start: float) -> dict:
+    _check_config(c, d.world_size)
+    device = _pick_device(c.device, d)
+    weight_dtype, autocast_dtype = _model_dtype(c.dtype)
+    total_steps = _total_steps(c)
+
+    # Data first: a bad source fails here, before any model is built.
+    tokenizer, packed = _prepare_data(c, total_steps)
+    train_blocks = packed.train  # [num_blocks, seq_len] numpy (memory-mapped from the cache)
+    if train_blocks.shape[0] < c.batch_size:
+        raise ValueError(f"the training split has {train_blocks.shape[0]} blocks of {c.seq_len} tokens, fewer than "
+                         f"--batch-size {c.batch_size}; use a smaller batch, a shorter --seq-len or more data")
+    n_val = min(packed.val.shape[0], max(1, c.eval_tokens // c.seq_len))
+    val_blocks = torch.from_numpy(np.asarray(packed.val[:n_val], dtype=np.int64))  # [n_val, seq_len]
+
+    from slimopt.train import data as data_mod
+    from slimopt.train import models
+    probe = MemoryProbe(device)
+    probe.start()
+    model = models.build_model(c.model, packed.vocab_size, c.seq_len, dtype=weight_dtype, seed=c.seed,
+                               device=device)
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos is not None and c.seq_len > max_pos:
+        raise ValueError(f"--seq-len {c.seq_len} exceeds the model's max_position_embeddings {max_pos}")
+    kind = method_kind(c.method)
+    baseline_hook = None
+    if kind == "baseline":
+        from slimopt import baselines
+        model, baseline_hook = baselines.prepare(model, c.method, seed=c.seed, **c.opt)
+        model.to(device)
+    _seed_everything(c.seed)
+    optimizer = make_optimizer(model, c.method, lr=c.lr, weight_decay=c.weight_decay,
+                               **({} if kind == "baseline" else c.opt))
+    peak_lr = resolve_lr(c.method, c.lr)
+    scheduler = build_scheduler(optimizer, total_steps, c.warmup, c.min_lr_ratio)
+    sampler = data_mod.BatchSampler(train_blocks, c.batch_size, seed=c.seed, rank=d.rank, world_size=d.world_size)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    # Resume: read the checkpoint (nothing is written yet).
+    start_step, tokens_seen, train_time = 0, 0, 0.0
+    state = None
+    if c.resume and ckpt.find_checkpoint(c.out) is not None:
+        state = ckpt.load_checkpoint(ckpt.find_checkpoint(c.out), map_location=device)
+        key = _resume_key(c, total_steps)
+        diff = {k: (state["resume_key"].get(k), v) for k, v in key.items() if state["resume_key"].get(k) != v}
+        if diff:
+            raise ValueError(f"cannot resume {c.out}: settings differ from the checkpoint's "
+                             f"(option: checkpoint -> now): {diff}")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(state["sampler"])
+        if baseline_hook is not None and "baseline" in state:
+            baseline_hook.load_state_dict(state["baseline"])
+        start_step, tokens_seen, train_time = state["step"], state["tokens"], state["train_time"]
+
+    # From here on the run writes (rank 0 only).
+    history_before: list[dict] = []
+    out = Path(c.out) if c.out is not None else None
+    logger = RunLogger(out, enabled=d.main, tensorboard=c.tensorboard,
+                       truncate_after_step=start_step if state is not None else None)
+    if state is None:
+        logger.log("config", step=0, config=asdict(c), total_steps=total_steps, peak_lr=peak_lr, params=n_params,
+                   trainable_params=n_trainable, world_size=d.world_size, device_used=str(device),
+                   train_blocks=int(train_blocks.shape[0]), val_blocks=int(val_blocks.shape[0]),
+                   data_meta={k: v for k, v in packed.meta.items() if isinstance(v, (int, float, str))})
+    else:
+        logger.log("resume", step=start_step, tokens=tokens_seen)
+    if state is not None:
+        ckpt.set_rng_state(state["rng"])
+        if logger.enabled:  # curves from before the interruption, as the truncated log has them
+            history_before = read_jsonl(logger.path)
+    del state
+
+    net = model
+    if d.world_size > 1:
+        net = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+    model.train()
+    micro = c.batch_size // d.world_size // c.grad_accum
+    eval_bs = c.eval_batch_size or 2 * micro
+    eval_every = c.eval_every if c.eval_every is not None else max(1, total_steps // 10)
+    step_tokens = c.batch_size * c.seq_len
+    ac = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
+    params = [p for p in model.parameters() if p.requires_grad]
+    history = {"train": [], "eval": []}
+    for r in history_before:
+        if r.get("event") == "train":
+            history["train"].append((r["tokens"], r["loss"]))
+        elif r.get("event") == "eval":
+            history["eval"].append((r["tokens"], r["val_loss"]))
+
+    def run_eval(step: int) -> dict:
+        r = evaluate(model, val_blocks, eval_bs, device, autocast_dtype, d.rank, d.world_size)
+        logger.log("eval", step=step, tokens=tokens_seen, **r)
+        history["eval"].append((tokens_seen, r["val_loss"]))
+        return r
+
+    def save(step: int) -> None:
+        if out is None or not d.main:
+            return
+        st = {"format": 1, "step": step, "tokens": tokens_seen, "train_time": train_time,
+              "resume_key": _resume_key(c, total_steps),
+              "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+              "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(), "rng": ckpt.rng_state()}
+        if baseline_hook is not None:
+            st["baseline"] = baseline_hook.state_dict()
+        ckpt.save_atomic(st, out / ckpt.CHECKPOINT_NAME)
+
+    checkpointing = out is not None and (c.save_every > 0 or c.resume)
+    if checkpointing and d.main:
+        bad = ckpt.check_weights_only_safe(optimizer.state_dict(), "optimizer state")
+        if bad is None and start_step == 0:
+            # State is created lazily: probe after the first step instead (see below).
+            pass
+        elif bad is not None:
+            raise ValueError(f"method {c.method!r} cannot be checkpointed for a weights_only resume: {bad}")
+
+    bar = None
+    if c.progress and d.main:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=total_steps, initial=start_step, desc=c.method, unit="step", dynamic_ncols=True,
+                   leave=True)
+
+    window_t, window_tokens = time.perf_counter(), 0
+    loss_val = float("nan")
+    done = start_step
+    for step in range(start_step, total_steps):
+        t0 = time.perf_counter()
+        batch = sampler.next_batch()  # [batch_size // world_size, seq_len]
+        chunks = batch.to(device, non_blocking=True).split(micro)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        for i, x in enumerate(chunks):
+            sync = i == len(chunks) - 1 or d.world_size == 1
+            ctx = nullcontext() if sync else net.no_sync()
+            with ctx:
+                with ac:
+                    loss = lm_loss(net, x)
+                (loss / c.grad_accum).backward()
+            loss_sum += loss.detach().float()
+        loss_mean = loss_sum / c.grad_accum
+        if d.world_size > 1:
+            import torch.distributed as dist
+            dist.all_reduce(loss_mean)  # SUM: gloo has no AVG
+            loss_mean /= d.world_size
+        grad_norm = None
+        if c.clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, c.clip)
+        lr_now = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        if baseline_hook is not None:
+            baseline_hook.after_step(step + 1, optimizer)
+        loss_val = loss_mean.item()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        train_time += dt
+        tokens_seen += step_tokens
+        window_tokens += step_tokens
+        done = step + 1
+
+        if checkpointing and d.main and done == 1:
+            bad = ckpt.check_weights_only_safe(optimizer.state_dict(), "optimizer state")
+            if bad is not None:
+                raise ValueError(f"method {c.method!r} cannot be checkpointed for a weights_only resume: {bad}; "
+                                 f"run it without --save-every/--resume")
+        rec = {"step": done, "tokens": tokens_seen, "loss": loss_val, "lr": lr_now}
+        history["train"].append((tokens_seen, loss_val))
+        if done % c.log_every == 0 or done == total_steps:
+            now = time.perf_counter()
+            tps = window_tokens / max(now - window_t, 1e-9)
+            window_t, window_tokens = now, 0
+            rec.update(tokens_per_s=tps, mem_bytes=probe.now(),
+                       **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}))
+            logger.log("train", **rec)
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tps:,.0f}",
+                                mem=f"{probe.now() / 2**20:,.0f}MiB", refresh=False)
+        if eval_every and done % eval_every == 0 and done != total_steps:
+            last_eval = run_eval(done)
+            window_t = time.perf_counter()  # evaluation time is not training throughput
+        if c.save_every and done % c.save_every == 0 and done != total_steps:
+            save(done)
+            window_t = time.perf_counter()
+        if bar is not None:
+            bar.update(1)
+        if not math.isfinite(loss_val):
+            logger.log("diverged", step=done, loss=loss_val)
+            break
+        if callback is not None:
+            callback(done, rec)
+
+    if bar is not None:
+        bar.close()
+    final_step = done
+    last_eval = run_eval(final_step)
+    if checkpointing:
+        save(final_step)
+    state_bytes = optimizer_state_nbytes(optimizer)
+    peak = probe.peak_delta()
+    wall = time.perf_counter() - t_start
+    summary = {
+        "method": c.method, "model": c.model, "data": c.data, "params": n_params, "trainable_params": n_trainable,
+        "steps": final_step, "tokens": tokens_seen, "lr": peak_lr,
+        "val_loss": last_eval["val_loss"], "val_ppl": last_eval["val_ppl"], "val_tokens": last_eval["val_tokens"],
+        "final_train_loss": loss_val,
+        "state_bytes": state_bytes, "state_bytes_per_param": state_bytes / max(1, n_trainable),
+        "peak_mem_bytes": peak, "peak_mem_kind": probe.kind,
+        "tokens_per_s": tokens_seen / train_time if train_time > 0 else float("nan"),
+        "train_time_s": train_time, "wall_time_s": wall, "device": str(device), "world_size": d.world_size, "rank": d.rank,
+    }
+    logger.log("final", step=final_step, **summary)
+    logger.close()
+    if out is not None and d.main and c.save_model:
+        target = baseline_hook.export(model) if baseline_hook is not None and hasattr(baseline_hook, "export") \
+            else model
+        target.save_pretrained(out / "final")
+        tokenizer.save_pretrained(out / "final")
+    summary["history"] = history
+    return summary
