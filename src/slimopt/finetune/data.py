@@ -33,9 +33,10 @@ Sources, chosen by the arguments:
 
 Built-in split (deterministic, independent of any random generator): within each class, the distinct texts
 are ordered by the SHA-1 of the text and taken, in that order, into the validation set until they make up
-``VALIDATION_FRACTION`` (20%, rounded) of the class. The split is therefore stratified, and identical texts (the BBC corpus holds 98 duplicated
-articles) never straddle it. Both KJV tasks use one split, stratified by book, so they hold out the same
-passages. Each split is then ordered by the SHA-1 of the item id, so classes are interleaved.
+``VALIDATION_FRACTION`` (20%, rounded) of the class. The split is therefore stratified, and identical texts
+(the BBC corpus holds 98 duplicated articles) never straddle it. Both KJV tasks use one split, stratified by
+book, so they hold out the same passages. Each split is then ordered by the SHA-1 of the item id, so classes
+are interleaved. Sizes (train / validation): bbc 1,781 / 444; kjv-testament and kjv-book 19,530 / 4,878.
 
 Subsampling for quick runs: ``max_train_samples`` / ``max_eval_samples`` draw, with
 ``numpy.random.default_rng(seed)``, a subset that keeps each class's share (largest-remainder rounding) for
