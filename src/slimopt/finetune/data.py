@@ -331,7 +331,9 @@ def load_task(
         splits = _load_glue_hub(spec)
         source = f"hub:{GLUE_DATASET}"
     else:
-        raise ValueError(f"task {spec.name!r} is a TaskSpec of your own: give data_dir or train_file and validation_file")
+        raise ValueError(
+            f"task {spec.name!r} is a TaskSpec of your own: give data_dir or train_file and validation_file"
+        )
 
     train_idx = _subsample(splits["train"].labels, max_train_samples, seed, 0, spec.is_regression)
     splits["train"] = _take(splits["train"], train_idx)
