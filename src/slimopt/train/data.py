@@ -34,6 +34,7 @@ them. Cache root: cache_dir, else $SLIMOPT_CACHE, else ~/.cache/slimopt.
 
 from __future__ import annotations
 
+import glob
 import gzip
 import hashlib
 import importlib.metadata
@@ -278,12 +279,13 @@ def resolve_source(source: str, text_field: str = "text", txt_split: str = "para
             if not config:
                 raise ValueError(f"data source {source!r}: the {name} builder needs files, "
                                  f"e.g. hf:{name}:/path/*.{name}")
-            files = sorted(Path().glob(config) if not Path(config).is_absolute()
-                           else Path(config).parent.glob(Path(config).name))
+            files = sorted(Path(f) for f in glob.glob(os.path.expanduser(config), recursive=True)
+                           if Path(f).is_file())
             if not files:
                 raise FileNotFoundError(f"data source {source!r}: no files match {config!r}")
             ident = f"hf|{name}|{config}|{_files_identity(files)}|{text_field}"
-            return TextSource(source, ident, True, lambda: _hf_documents(name, None, text_field, data_files=config))
+            pattern = os.path.expanduser(config)
+            return TextSource(source, ident, True, lambda: _hf_documents(name, None, text_field, data_files=pattern))
         local = Path(name).expanduser()
         if local.exists():  # a dataset folder (or script) on disk: finite, and its files are its identity
             files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
