@@ -167,8 +167,9 @@ def build_peer(model: torch.nn.Module, name: str, lr: float | None = None, weigh
         _no_extra(name, kw)
         groups = [{"params": regular},
                   {"params": projected, "rank": rank, "update_proj_gap": gap, "scale": scale, "proj_type": proj_type}]
-        cls = mod.GaLoreAdamW8bit if name.endswith("8bit") else mod.GaLoreAdamW
-        return cls(groups, lr=lr, weight_decay=weight_decay, **common)
+        if name.endswith("8bit"):
+            return mod.GaLoreAdamW8bit(groups, lr=lr, weight_decay=weight_decay, **common)
+        return mod.GaLoreAdamW(groups, lr=lr, weight_decay=weight_decay, no_deprecation_warning=True, **common)
     # APOLLO (channel-wise scaling, rank r) and APOLLO-Mini (rank 1, one scale per tensor).
     mini = name == "apollo-mini"
     scale = float(kw.pop("scale", 128.0 if mini else 1.0))

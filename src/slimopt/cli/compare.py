@@ -39,7 +39,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no per-method progress bars")
     add_data_model_args(p, d)
     add_recipe_args(p, d, f"default {d.tokens:.0e}")
-    p.add_argument("--eval-every", type=_int, default=None, help="steps between evaluations (default: ~10 per run)")
+    p.add_argument("--eval-every", type=_int, default=None, help="steps between evaluations (default: 8 per run)")
     return p
 
 
@@ -64,7 +64,7 @@ def run(args) -> int:
                    text_field=args.text_field, txt_split=args.txt_split, seq_len=args.seq_len,
                    batch_size=args.batch_size, grad_accum=args.grad_accum, max_steps=args.max_steps, tokens=tokens,
                    warmup=args.warmup, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
-                   clip=args.clip, dtype=args.dtype, seed=args.seed, device=args.device,
+                   clip=args.clip, dtype=args.dtype, seed=args.seed, device=args.device, threads=args.threads,
                    eval_tokens=args.eval_tokens, eval_every=args.eval_every, cache_dir=args.cache_dir)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
     cfg = CompareConfig(base=base, methods=methods, method_opts=_method_opts(args.set_opts), out=args.out,

@@ -105,6 +105,8 @@ def add_recipe_args(p: argparse.ArgumentParser, defaults, budget_default_help: s
                    help="fp32; fp32 weights with bf16 autocast; or bf16 weights (default: %(default)s)")
     g.add_argument("--seed", type=int, default=defaults.seed, help="(default: %(default)s)")
     g.add_argument("--device", default=defaults.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    g.add_argument("--threads", type=_int, default=defaults.threads,
+                   help="CPU threads for torch (default: one per core; 1 is faster on a busy machine)")
     g.add_argument("--eval-tokens", type=_int, default=defaults.eval_tokens,
                    help="held-out tokens per evaluation (default: %(default)s)")
 
@@ -129,7 +131,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--opt", action="append", metavar="KEY=VALUE",
                    help="any other method hyperparameter, repeatable (e.g. --opt projector=randomized_svd)")
     g = p.add_argument_group("evaluation, logging and checkpoints")
-    g.add_argument("--eval-every", type=_int, default=None, help="steps between evaluations (default: ~10 per run)")
+    g.add_argument("--eval-every", type=_int, default=None, help="steps between evaluations (default: 8 per run)")
     g.add_argument("--eval-batch-size", type=_int, default=None, help="(default: twice the micro-batch)")
     g.add_argument("--log-every", type=_int, default=d.log_every, help="steps between log records")
     g.add_argument("--save-every", type=_int, default=d.save_every, help="steps between checkpoints (0: none)")
@@ -160,7 +162,8 @@ def config_from_args(args):
         weight_decay=args.weight_decay, clip=args.clip, dtype=args.dtype, method=args.method, opt=opt,
         seed=args.seed, eval_every=args.eval_every, eval_tokens=args.eval_tokens,
         eval_batch_size=args.eval_batch_size, save_every=args.save_every, log_every=args.log_every, out=args.out,
-        resume=args.resume, overwrite=args.overwrite, device=args.device, cache_dir=args.cache_dir,
+        resume=args.resume, overwrite=args.overwrite, device=args.device, threads=args.threads,
+        cache_dir=args.cache_dir,
         progress=not args.no_progress, save_model=not args.no_save_model)
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from slimopt.train.loop import TrainConfig, known_methods, method_kind, train
 
 __all__ = ["DEFAULT_METHODS", "CompareConfig", "default_methods", "run_compare", "write_results", "read_results",
-           "CSV_COLUMNS"]
+           "CSV_COLUMNS", "scaled_schedule_opts"]
 
 # In the order the table lists them: full Adam, low-bit Adam, subspace methods, block methods, state-free
 # extremes, then the low-rank baselines the GaLore paper shows failing at pretraining.
@@ -37,7 +37,8 @@ DEFAULT_METHODS = ("adamw", "adamw8bit", "galore", "frugal", "frugal_rho0", "bad
                    "lowrank", "lora", "relora")
 
 CSV_COLUMNS = ("method", "kind", "status", "val_loss", "val_ppl", "state_mib", "state_bytes_per_param",
-               "peak_mem_mib", "tokens_per_s", "wall_time_s", "lr", "steps", "tokens", "trainable_params", "params")
+               "peak_mem_mib", "tokens_per_s", "wall_time_s", "lr", "settings", "steps", "tokens", "trainable_params",
+               "params")
 
 
 def default_methods() -> list[str]:
@@ -47,9 +48,51 @@ def default_methods() -> list[str]:
 
 
 def _compare_defaults() -> TrainConfig:
-    # Sized to finish the default method set in about 3-5 minutes on 2 CPU cores (see docs/compare-kjv.md).
-    return TrainConfig(model="tiny", data="kjv", seq_len=128, batch_size=32, tokens=1_000_000, eval_tokens=32768,
-                       eval_every=None, progress=False, save_model=False, tensorboard=False)
+    # Sized to finish the default method set in about 3-5 minutes on 2 CPU cores (see docs/compare-kjv.md):
+    # 128 steps of 16 x 64 tokens, a 2048-token BPE (the output layer dominates a tiny model's step).
+    return TrainConfig(model="tiny", data="kjv", vocab_size=2048, seq_len=64, batch_size=16, tokens=131_072,
+                       eval_tokens=8192, eval_every=None, progress=False, save_model=False, tensorboard=False)
+
+
+# A run shorter than this many refreshes of a method's default gap gets a gap scaled to the run (below).
+_MIN_REFRESHES = 20
+
+
+def scaled_schedule_opts(method: str, steps: int) -> dict:
+    """Hyperparameters that count steps, scaled down for runs too short for the papers' values.
+
+    GaLore refreshes its subspace, FRUGAL and BAdam switch blocks every `update_gap` steps (200 / 100 in the
+    papers, where runs last 10k+ steps); ReLoRA restarts every 5k steps. In a 100-step comparison those events
+    would never happen and each method would silently become a different one. Runs with fewer than
+    20 gaps' worth of steps get `update_gap = steps // 20` (ReLoRA: 4 restarts, re-warmup a tenth of the cycle).
+    """
+    kind = method_kind(method)
+    if kind == "baseline":
+        if method != "relora":
+            return {}
+        every = max(2, steps // 4)
+        return {"restart_every": every, "restart_warmup": max(1, every // 10)}
+    if kind != "slimopt":
+        gap = 200 if method.startswith(("galore", "apollo")) else None
+    else:
+        gap = _recipe_gap(method)
+    if gap is None or steps >= _MIN_REFRESHES * gap:
+        return {}
+    return {"update_gap": max(1, steps // _MIN_REFRESHES)}
+
+
+def _recipe_gap(method: str) -> int | None:
+    try:
+        from slimopt.optim.recipes import METHODS
+    except ImportError:
+        return None
+    spec = METHODS.get(method)
+    if spec is None:
+        return None
+    for settings in (spec.projectable, spec.rest):
+        if settings.get("update_gap") and settings.get("projector", "none") != "none":
+            return int(settings["update_gap"])
+    return None
 
 
 @dataclass
@@ -66,7 +109,8 @@ class CompareConfig:
 
 
 def _method_config(cfg: CompareConfig, method: str) -> TrainConfig:
-    extra = dict(cfg.method_opts.get(method, {}))
+    from slimopt.train.loop import _total_steps
+    extra = {**scaled_schedule_opts(method, _total_steps(cfg.base)), **cfg.method_opts.get(method, {})}
     lr = extra.pop("lr", None)
     return replace(cfg.base, method=method, opt={**cfg.base.opt, **extra}, lr=lr if lr is not None else None,
                    out=str(Path(cfg.out) / "runs" / method), overwrite=True, resume=False, save_every=0,
@@ -95,6 +139,29 @@ def _validate(cfg: CompareConfig, methods: list[str]) -> None:
         raise ValueError(f"--out {out} exists and is not a folder")
 
 
+def _dry_build(tc: TrainConfig, vocab_size: int) -> None:
+    """Build the model on the meta device (no memory, no init cost) and the method's optimizer over it, so a bad
+    hyperparameter of the 5th method fails before the 1st one trains."""
+    import torch
+
+    from slimopt.train import models
+    from slimopt.train.loop import make_optimizer
+    if tc.model.lower() not in models.LLAMA_SIZES:
+        return  # a checkpoint would have to be read; its method settings are checked when its run starts
+    try:
+        model = models.build_model(tc.model, vocab_size, tc.seq_len, seed=tc.seed, device="meta")
+        if method_kind(tc.method) == "baseline":
+            from slimopt import baselines
+            model, _ = baselines.prepare(model, tc.method, seed=tc.seed, **tc.opt)
+            make_optimizer(model, tc.method, lr=tc.lr, weight_decay=tc.weight_decay)
+        else:
+            make_optimizer(model, tc.method, lr=tc.lr, weight_decay=tc.weight_decay, **tc.opt)
+    except ValueError as e:
+        raise ValueError(f"method {tc.method!r}: {e}") from e
+    except Exception:  # noqa: BLE001 - something meta tensors cannot do; the real run will tell
+        return
+
+
 def _child_train(cfg: TrainConfig) -> dict:
     # Runs in a forked worker: keep the worker's output free of warnings that say nothing about the run.
     import warnings
@@ -107,8 +174,10 @@ _PRELOAD = ["slimopt", "slimopt.train.loop", "slimopt.train.models", "slimopt.tr
 
 
 def _run_isolated(cfg: TrainConfig) -> dict:
+    import importlib.util
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    optional = [m for m in ("peft",) if importlib.util.find_spec(m) is not None]
+    ctx.set_forkserver_preload(_PRELOAD + optional)
     with ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1) as ex:
         return ex.submit(_child_train, cfg).result()
 
@@ -120,6 +189,8 @@ def run_compare(cfg: CompareConfig, log=print) -> list[dict]:
     from slimopt.train.loop import _prepare_data, _total_steps
     t0 = time.perf_counter()
     _, packed = _prepare_data(cfg.base, _total_steps(cfg.base))  # once, so every run hits the cache
+    for m in methods:
+        _dry_build(_method_config(cfg, m), packed.vocab_size)
     steps = _total_steps(cfg.base)
     log(f"slimopt compare: {len(methods)} methods x {steps} steps of {cfg.base.batch_size}x{cfg.base.seq_len} "
         f"tokens ({steps * cfg.base.batch_size * cfg.base.seq_len:,} tokens), model {cfg.base.model}, "
@@ -132,10 +203,11 @@ def run_compare(cfg: CompareConfig, log=print) -> list[dict]:
         try:
             res = _run_isolated(tc) if cfg.isolate else train(tc)
             row = _row(res, m)
+            row["settings"] = _settings(tc)
         except Exception as e:  # one method failing must not lose the others' results
             tb = traceback.format_exc(limit=3)
             row = {"method": m, "kind": method_kind(m), "status": f"failed: {type(e).__name__}: {e}",
-                   "history": {"train": [], "eval": []}}
+                   "settings": _settings(tc), "history": {"train": [], "eval": []}}
             (out / "runs" / m).mkdir(parents=True, exist_ok=True)
             (out / "runs" / m / "error.txt").write_text(tb)
         if not cfg.isolate and row.get("status") == "ok":
@@ -146,6 +218,10 @@ def run_compare(cfg: CompareConfig, log=print) -> list[dict]:
     write_results(rows, cfg, out, elapsed=time.perf_counter() - t0)
     log(f"results: {out / 'results.md'} ({time.perf_counter() - t0:.0f} s in all)")
     return rows
+
+
+def _settings(tc: TrainConfig) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(tc.opt.items()))
 
 
 def _row(res: dict, method: str) -> dict:
@@ -222,7 +298,7 @@ def read_results(path: str | os.PathLike) -> list[dict]:
         rows = list(csv.DictReader(f))
     for r in rows:
         for k, v in r.items():
-            if k in ("method", "kind", "status"):
+            if k in ("method", "kind", "status", "settings"):
                 continue
             r[k] = float(v) if v not in ("", None) else None
     return rows
@@ -258,17 +334,20 @@ def _markdown(rows: list[dict], cfg: CompareConfig, elapsed: float | None) -> st
     ]
     if elapsed is not None:
         lines.append(f"- Wall time of the whole comparison: {elapsed:.0f} s.")
-    lines += ["", "| method | kind | val ppl | val loss | state MiB | state B/param | peak MiB | tokens/s | wall s | lr |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines.append(f"- Step-counting settings (subspace refresh / block switch / restart intervals) are scaled to the "
+                 f"run when it is shorter than {_MIN_REFRESHES} of the papers' intervals: column settings.")
+    lines += ["", "| method | kind | val ppl | val loss | state MiB | state B/param | peak MiB | tokens/s | wall s | lr "
+              "| settings |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if r["status"].startswith("failed"):
-            lines.append(f"| {r['method']} | {r['kind']} | {r['status']} | | | | | | | |")
+            lines.append(f"| {r['method']} | {r['kind']} | {r['status']} | | | | | | | | {r.get('settings', '')} |")
             continue
         ppl = _fmt(r["val_ppl"], ".2f") if r["status"] == "ok" else "diverged"
         lines.append(f"| {r['method']} | {r['kind']} | {ppl} | {_fmt(r['val_loss'], '.4f')} | "
                      f"{_fmt(r['state_mib'], '.3f')} | {_fmt(r['state_bytes_per_param'], '.2f')} | "
                      f"{_fmt(r['peak_mem_mib'], '.0f')} | {_fmt(r['tokens_per_s'], ',.0f')} | "
-                     f"{_fmt(r['wall_time_s'], '.1f')} | {_fmt(r['lr'], 'g')} |")
+                     f"{_fmt(r['wall_time_s'], '.1f')} | {_fmt(r['lr'], 'g')} | {r.get('settings', '')} |")
     ok = [r for r in rows if r["status"] == "ok"]
     if ok:
         ranked = sorted(ok, key=lambda r: r["val_ppl"])

@@ -64,7 +64,7 @@ class TrainConfig:
     method: str = "adamw"
     opt: dict[str, Any] = field(default_factory=dict)  # method hyperparameters (rank, density, update_gap, ...)
     seed: int = 0
-    eval_every: int | None = None       # steps between evaluations; None: about 10 per run; 0: only at the end
+    eval_every: int | None = None       # steps between evaluations; None: 8 per run; 0: only at the end
     eval_tokens: int = 32768            # held-out tokens scored per evaluation (the first ones of the split)
     eval_batch_size: int | None = None  # None: the per-rank micro-batch size times 2
     save_every: int = 0                 # steps between checkpoints; 0: none (the final one only with --resume)
@@ -73,6 +73,7 @@ class TrainConfig:
     resume: bool = False
     overwrite: bool = False
     device: str = "auto"
+    threads: int | None = None          # CPU threads for torch (None: torch's default, one per core)
     cache_dir: str | None = None
     progress: bool = True
     save_model: bool = True
@@ -201,6 +202,7 @@ def _check_config(c: TrainConfig, world_size: int) -> None:
     positive("eval_batch_size", c.eval_batch_size, allow_none=True)
     positive("save_every", c.save_every, allow_zero=True)
     positive("log_every", c.log_every)
+    positive("threads", c.threads, allow_none=True)
     if not isinstance(c.seed, int):
         raise ValueError(f"--seed must be an integer, got {c.seed!r}")
     if c.max_steps is not None and c.tokens is not None:
@@ -342,6 +344,21 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _ranks_agree(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether every rank holds the same parameters (a fingerprint of each tensor, gathered across ranks).
+
+    Ranks step on the same all-reduced gradients, so they must stay identical; a method whose random choices
+    (blocks, projections) differed between ranks would drift apart, which this catches.
+    """
+    import torch.distributed as dist
+    with torch.no_grad():
+        fp = torch.stack([p.detach().double().sum() for p in model.parameters()]
+                         + [p.detach().double().square().sum() for p in model.parameters()]).to(device)
+    gathered = [torch.empty_like(fp) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, fp)
+    return all(torch.equal(gathered[0], g) for g in gathered[1:])
+
+
 # --------------------------------------------------------------------------------------------- the loop
 
 def train(config: TrainConfig, callback: Callable[[int, dict], None] | None = None) -> dict:
@@ -366,6 +383,8 @@ def train(config: TrainConfig, callback: Callable[[int, dict], None] | None = No
 def _train(c: TrainConfig, d: _Dist, callback, t_start: float) -> dict:
     _check_config(c, d.world_size)
     device = _pick_device(c.device, d)
+    if c.threads is not None:
+        torch.set_num_threads(c.threads)
     weight_dtype, autocast_dtype = _model_dtype(c.dtype)
     total_steps = _total_steps(c)
 
@@ -445,7 +464,7 @@ def _train(c: TrainConfig, d: _Dist, callback, t_start: float) -> dict:
     model.train()
     micro = c.batch_size // d.world_size // c.grad_accum
     eval_bs = c.eval_batch_size or 2 * micro
-    eval_every = c.eval_every if c.eval_every is not None else max(1, total_steps // 10)
+    eval_every = c.eval_every if c.eval_every is not None else max(1, math.ceil(total_steps / 8))
     step_tokens = c.batch_size * c.seq_len
     ac = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -474,114 +493,108 @@ def _train(c: TrainConfig, d: _Dist, callback, t_start: float) -> dict:
         ckpt.save_atomic(st, out / ckpt.CHECKPOINT_NAME)
 
     checkpointing = out is not None and (c.save_every > 0 or c.resume)
-    if checkpointing and d.main:
-        bad = ckpt.check_weights_only_safe(optimizer.state_dict(), "optimizer state")
-        if bad is None and start_step == 0:
-            # State is created lazily: probe after the first step instead (see below).
-            pass
-        elif bad is not None:
-            raise ValueError(f"method {c.method!r} cannot be checkpointed for a weights_only resume: {bad}")
-
     bar = None
     if c.progress and d.main:
         from tqdm.auto import tqdm
         bar = tqdm(total=total_steps, initial=start_step, desc=c.method, unit="step", dynamic_ncols=True,
                    leave=True)
-
     window_t, window_tokens = time.perf_counter(), 0
     loss_val = float("nan")
     done = start_step
-    for step in range(start_step, total_steps):
-        t0 = time.perf_counter()
-        batch = sampler.next_batch()  # [batch_size // world_size, seq_len]
-        chunks = batch.to(device, non_blocking=True).split(micro)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-        for i, x in enumerate(chunks):
-            sync = i == len(chunks) - 1 or d.world_size == 1
-            ctx = nullcontext() if sync else net.no_sync()
-            with ctx:
-                with ac:
-                    loss = lm_loss(net, x)
-                (loss / c.grad_accum).backward()
-            loss_sum += loss.detach().float()
-        loss_mean = loss_sum / c.grad_accum
-        if d.world_size > 1:
-            import torch.distributed as dist
-            dist.all_reduce(loss_mean)  # SUM: gloo has no AVG
-            loss_mean /= d.world_size
-        grad_norm = None
-        if c.clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, c.clip)
-        lr_now = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        if baseline_hook is not None:
-            baseline_hook.after_step(step + 1, optimizer)
-        loss_val = loss_mean.item()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dt = time.perf_counter() - t0
-        train_time += dt
-        tokens_seen += step_tokens
-        window_tokens += step_tokens
-        done = step + 1
+    try:
+        for step in range(start_step, total_steps):
+            t0 = time.perf_counter()
+            batch = sampler.next_batch()  # [batch_size // world_size, seq_len]
+            chunks = batch.to(device, non_blocking=True).split(micro)
+            loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+            for i, x in enumerate(chunks):
+                # DDP all-reduces gradients on the last micro-batch only.
+                ctx = net.no_sync() if d.world_size > 1 and i < len(chunks) - 1 else nullcontext()
+                with ctx:
+                    with ac:
+                        loss = lm_loss(net, x)
+                    (loss / c.grad_accum).backward()
+                loss_sum += loss.detach().float()
+            loss_mean = loss_sum / c.grad_accum
+            if d.world_size > 1:
+                import torch.distributed as dist
+                dist.all_reduce(loss_mean)  # SUM (gloo has no AVG), then the mean over ranks
+                loss_mean /= d.world_size
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, c.clip) if c.clip > 0 else None
+            lr_now = optimizer.param_groups[0]["lr"]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            if baseline_hook is not None:
+                baseline_hook.after_step(step + 1, optimizer)
+            loss_val = loss_mean.item()  # also waits for the device, so dt below is the real step time
+            dt = time.perf_counter() - t0
+            train_time += dt
+            tokens_seen += step_tokens
+            window_tokens += step_tokens
+            done = step + 1
 
-        if checkpointing and d.main and done == 1:
-            bad = ckpt.check_weights_only_safe(optimizer.state_dict(), "optimizer state")
-            if bad is not None:
-                raise ValueError(f"method {c.method!r} cannot be checkpointed for a weights_only resume: {bad}; "
-                                 f"run it without --save-every/--resume")
-        rec = {"step": done, "tokens": tokens_seen, "loss": loss_val, "lr": lr_now}
-        history["train"].append((tokens_seen, loss_val))
-        if done % c.log_every == 0 or done == total_steps:
-            now = time.perf_counter()
-            tps = window_tokens / max(now - window_t, 1e-9)
-            window_t, window_tokens = now, 0
-            rec.update(tokens_per_s=tps, mem_bytes=probe.now(),
-                       **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}))
-            logger.log("train", **rec)
+            if checkpointing and d.main and done == start_step + 1:
+                # Optimizer state is created lazily; once it exists, make sure a resume will be able to load it.
+                bad = ckpt.check_weights_only_safe(optimizer.state_dict(), "optimizer state")
+                if bad is not None:
+                    raise ValueError(f"method {c.method!r} cannot be checkpointed for a weights_only resume: {bad}; "
+                                     f"run it without --save-every/--resume")
+            rec = {"step": done, "tokens": tokens_seen, "loss": loss_val, "lr": lr_now}
+            history["train"].append((tokens_seen, loss_val))
+            if done % c.log_every == 0 or done == total_steps:
+                now = time.perf_counter()
+                tps = window_tokens / max(now - window_t, 1e-9)
+                window_t, window_tokens = now, 0
+                mem = probe.now()
+                rec.update(tokens_per_s=tps, mem_bytes=mem,
+                           **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}))
+                logger.log("train", **rec)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tps:,.0f}", mem=f"{mem / 2**20:,.0f}MiB",
+                                    refresh=False)
+            if eval_every and done % eval_every == 0 and done != total_steps:
+                run_eval(done)
+                window_t = time.perf_counter()  # evaluation time is not training throughput
+            if c.save_every and done % c.save_every == 0 and done != total_steps:
+                save(done)
+                window_t = time.perf_counter()
             if bar is not None:
-                bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tps:,.0f}",
-                                mem=f"{probe.now() / 2**20:,.0f}MiB", refresh=False)
-        if eval_every and done % eval_every == 0 and done != total_steps:
-            last_eval = run_eval(done)
-            window_t = time.perf_counter()  # evaluation time is not training throughput
-        if c.save_every and done % c.save_every == 0 and done != total_steps:
-            save(done)
-            window_t = time.perf_counter()
+                bar.update(1)
+            if not math.isfinite(loss_val):
+                logger.log("diverged", step=done, loss=loss_val)
+                break
+            if callback is not None:
+                callback(done, rec)
         if bar is not None:
-            bar.update(1)
-        if not math.isfinite(loss_val):
-            logger.log("diverged", step=done, loss=loss_val)
-            break
-        if callback is not None:
-            callback(done, rec)
+            bar.close()
+            bar = None
 
-    if bar is not None:
-        bar.close()
-    final_step = done
-    last_eval = run_eval(final_step)
-    if checkpointing:
-        save(final_step)
-    state_bytes = optimizer_state_nbytes(optimizer)
-    peak = probe.peak_delta()
-    wall = time.perf_counter() - t_start
-    summary = {
-        "method": c.method, "model": c.model, "data": c.data, "params": n_params, "trainable_params": n_trainable,
-        "steps": final_step, "tokens": tokens_seen, "lr": peak_lr,
-        "val_loss": last_eval["val_loss"], "val_ppl": last_eval["val_ppl"], "val_tokens": last_eval["val_tokens"],
-        "final_train_loss": loss_val,
-        "state_bytes": state_bytes, "state_bytes_per_param": state_bytes / max(1, n_trainable),
-        "peak_mem_bytes": peak, "peak_mem_kind": probe.kind,
-        "tokens_per_s": tokens_seen / train_time if train_time > 0 else float("nan"),
-        "train_time_s": train_time, "wall_time_s": wall, "device": str(device), "world_size": d.world_size, "rank": d.rank,
-    }
-    logger.log("final", step=final_step, **summary)
-    logger.close()
+        last_eval = run_eval(done)
+        if checkpointing:
+            save(done)
+        state_bytes = optimizer_state_nbytes(optimizer)
+        peak = probe.peak_delta()
+        summary = {
+            "method": c.method, "model": c.model, "data": c.data, "params": n_params,
+            "trainable_params": n_trainable, "steps": done, "tokens": tokens_seen, "lr": peak_lr,
+            "val_loss": last_eval["val_loss"], "val_ppl": last_eval["val_ppl"], "val_tokens": last_eval["val_tokens"],
+            "final_train_loss": loss_val,
+            "state_bytes": state_bytes, "state_bytes_per_param": state_bytes / max(1, n_trainable),
+            "peak_mem_bytes": peak, "peak_mem_kind": probe.kind,
+            "tokens_per_s": tokens_seen / train_time if train_time > 0 else float("nan"),
+            "train_time_s": train_time, "device": str(device), "world_size": d.world_size, "rank": d.rank,
+        }
+        if d.world_size > 1:
+            summary["ranks_agree"] = _ranks_agree(model, device)
+        summary["wall_time_s"] = time.perf_counter() - t_start
+        logger.log("final", step=done, **summary)
+    finally:
+        if bar is not None:
+            bar.close()
+        logger.close()
     if out is not None and d.main and c.save_model:
-        target = baseline_hook.export(model) if baseline_hook is not None and hasattr(baseline_hook, "export") \
-            else model
+        target = baseline_hook.export(model) if baseline_hook is not None else model
         target.save_pretrained(out / "final")
         tokenizer.save_pretrained(out / "final")
     summary["history"] = history
