@@ -1,0 +1,202 @@
+"""Checkpoints: atomic writes survive a crash mid-save, RNG round trips, and a run interrupted and resumed ends
+bit-identical to one never stopped (parameters, optimizer state, and every logged loss)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from pretrain_helpers import fast_config, write_corpus
+from slimopt.train import checkpoint as ckpt
+from slimopt.train.logger import read_jsonl
+from slimopt.train.loop import known_methods, train
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ckpt")
+    return write_corpus(folder), folder / "cache"
+
+
+# ------------------------------------------------------------------------------------------------ atomic writes
+
+def test_save_and_load_weights_only(tmp_path):
+    obj = {"w": torch.arange(6.0).reshape(2, 3), "step": 3, "codes": torch.tensor([1, 2], dtype=torch.uint8),
+           "nested": {"lr": 0.1, "names": ["a", "b"]}}
+    path = ckpt.save_atomic(obj, tmp_path / "checkpoint.pt")
+    back = ckpt.load_checkpoint(path)  # weights_only=True inside
+    assert torch.equal(back["w"], obj["w"]) and back["codes"].dtype == torch.uint8
+    assert back["nested"] == obj["nested"] and back["step"] == 3
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.pt"]  # no temporary file left behind
+
+
+def test_crash_between_write_and_replace_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    ckpt.save_atomic({"step": 1, "w": torch.ones(4)}, path)
+
+    def crash(src, dst):
+        raise OSError("simulated crash before the rename")
+
+    monkeypatch.setattr(ckpt.os, "replace", crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        ckpt.save_atomic({"step": 2, "w": torch.zeros(4)}, path)
+    monkeypatch.undo()
+    back = ckpt.load_checkpoint(path)
+    assert back["step"] == 1 and torch.equal(back["w"], torch.ones(4))
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.pt"]
+
+
+def test_a_torn_temporary_file_from_a_killed_process_is_ignored(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    ckpt.save_atomic({"step": 5}, path)
+    (tmp_path / ".checkpoint.pt.abc123.tmp").write_bytes(b"PK\x03\x04 half a zip")  # what a SIGKILL leaves
+    assert ckpt.find_checkpoint(tmp_path) == path
+    assert ckpt.load_checkpoint(ckpt.find_checkpoint(tmp_path))["step"] == 5
+    ckpt.save_atomic({"step": 6}, path)  # the next save is unaffected
+    assert ckpt.load_checkpoint(path)["step"] == 6
+
+
+def test_python_objects_are_reported_before_they_break_a_resume():
+    class Projector:
+        pass
+
+    assert ckpt.check_weights_only_safe({"state": {0: {"exp_avg": torch.zeros(2), "step": 3}}}) is None
+    bad = ckpt.check_weights_only_safe({"state": {0: {"projector": Projector()}}}, "optimizer state")
+    assert "Projector" in bad and "projector" in bad
+
+
+def test_rng_state_round_trip():
+    torch.manual_seed(1), random.seed(2), np.random.seed(3)
+    torch.rand(3), random.random(), np.random.rand()
+    state = ckpt.rng_state()
+    ref = (torch.rand(5), random.random(), np.random.rand(4))
+    torch.manual_seed(99), random.seed(99), np.random.seed(99)
+    ckpt.set_rng_state(ckpt.load_checkpoint(ckpt.save_atomic(state, "/tmp/_slimopt_rng_test.pt")))
+    os.unlink("/tmp/_slimopt_rng_test.pt")
+    again = (torch.rand(5), random.random(), np.random.rand(4))
+    assert torch.equal(ref[0], again[0]) and ref[1] == again[1] and np.array_equal(ref[2], again[2])
+
+
+# ------------------------------------------------------------------------------------------------ exact resume
+
+class Crash(Exception):
+    pass
+
+
+def _crash_at(step_to_die: int):
+    def callback(step, record):
+        if step == step_to_die:
+            raise Crash(f"killed after step {step}")
+    return callback
+
+
+def _train_losses(out):
+    return [(r["step"], r["loss"]) for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"]
+
+
+def _eval_losses(out):
+    return [(r["step"], r["val_loss"]) for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "eval"]
+
+
+def _assert_same_checkpoint(a, b):
+    ca, cb = ckpt.load_checkpoint(a / "checkpoint.pt"), ckpt.load_checkpoint(b / "checkpoint.pt")
+    assert ca["step"] == cb["step"] and ca["tokens"] == cb["tokens"]
+    assert ca["model"].keys() == cb["model"].keys()
+    for k in ca["model"]:
+        assert torch.equal(ca["model"][k], cb["model"][k]), k
+    sa, sb = ca["optimizer"]["state"], cb["optimizer"]["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        assert sa[i].keys() == sb[i].keys()
+        for k, v in sa[i].items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, sb[i][k]), (i, k)
+            else:
+                assert v == sb[i][k], (i, k)
+    assert ca["scheduler"] == cb["scheduler"] and ca["sampler"] == cb["sampler"]
+
+
+RESUME_CASES = {
+    "adamw": {},
+    "galore": {"update_gap": 3},            # crosses subspace refreshes on both sides of the interruption
+    "frugal": {"update_gap": 3},            # random block choice must continue the same way
+    "adamw8bit": {},                        # uint8 codes and fp32 scales survive the round trip
+    "relora": {"restart_every": 4, "restart_warmup": 1},
+}
+
+
+@pytest.mark.parametrize("method", list(RESUME_CASES))
+def test_interrupted_and_resumed_equals_uninterrupted(data, tmp_path, method):
+    if method not in known_methods():
+        pytest.skip(f"{method} not available")
+    corpus, cache = data
+    cfg = fast_config(corpus, cache, method=method, opt=RESUME_CASES[method], max_steps=10, save_every=3,
+                      eval_every=4)
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    ref = train(replace(cfg, out=str(whole)))
+
+    with pytest.raises(Crash):
+        train(replace(cfg, out=str(broken)), callback=_crash_at(5))  # last checkpoint: step 3
+    assert ckpt.load_checkpoint(broken / "checkpoint.pt")["step"] == 3
+    res = train(replace(cfg, out=str(broken), resume=True))
+
+    _assert_same_checkpoint(whole, broken)
+    assert _train_losses(whole) == _train_losses(broken)  # exact floats, steps 1..10, no duplicates
+    assert [s for s, _ in _train_losses(broken)] == list(range(1, 11))
+    assert _eval_losses(whole) == _eval_losses(broken)
+    assert res["val_loss"] == ref["val_loss"]
+
+
+def test_resume_with_changed_settings_is_refused(data, tmp_path):
+    corpus, cache = data
+    out = tmp_path / "run"
+    cfg = fast_config(corpus, cache, max_steps=4, save_every=2, out=str(out))
+    with pytest.raises(Crash):
+        train(cfg, callback=_crash_at(3))
+    with pytest.raises(ValueError, match="batch_size"):
+        train(replace(cfg, batch_size=16, resume=True))
+
+
+def test_resume_without_a_checkpoint_starts_fresh_and_a_finished_run_stays_finished(data, tmp_path):
+    corpus, cache = data
+    out = tmp_path / "run"
+    cfg = fast_config(corpus, cache, max_steps=3, out=str(out), resume=True)
+    first = train(cfg)
+    assert first["steps"] == 3
+    again = train(cfg)  # resumes at the final checkpoint: no further step, the same model
+    assert again["steps"] == 3 and again["val_loss"] == first["val_loss"]
+    assert [s for s, _ in _train_losses(out)] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_sigkill_at_a_random_moment_then_resume(data, tmp_path):
+    """A real kill -9 of `slimopt train` mid-run; the resumed run must match an unbroken one."""
+    corpus, cache = data
+    args = ["--model", "tiny", "--data", str(corpus), "--vocab-size", "512", "--seq-len", "32", "--batch-size", "8",
+            "--max-steps", "40", "--save-every", "2", "--method", "frugal", "--update-gap", "3", "--threads", "1",
+            "--cache-dir", str(cache), "--no-progress", "--no-save-model", "--eval-every", "0", "--eval-tokens",
+            "1024"]
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    cmd = [sys.executable, "-m", "slimopt", "train", *args]
+    subprocess.run(cmd + ["--out", str(whole)], check=True, capture_output=True)
+    proc = subprocess.Popen(cmd + ["--out", str(broken)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:  # kill once a few checkpoints exist
+        if (broken / "checkpoint.pt").exists() and len(_train_losses(broken)) >= 7:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    subprocess.run(cmd + ["--out", str(broken), "--resume"], check=True, capture_output=True)
+    _assert_same_checkpoint(whole, broken)
+    assert _train_losses(whole) == _train_losses(broken)
