@@ -1,0 +1,142 @@
+"""`slimopt compare` on a very small budget: the table's rows and numbers, the CSV, and the two figures' content;
+bad input fails before anything is written."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import matplotlib.image
+import numpy as np
+import pytest
+
+from pretrain_helpers import VOCAB, fast_config, write_corpus
+from slimopt.cli import main
+from slimopt.train.compare import (CSV_COLUMNS, CompareConfig, default_methods, read_results, run_compare,
+                                   scaled_schedule_opts)
+from slimopt.train.logger import read_jsonl
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("compare")
+    return write_corpus(folder), folder / "cache"
+
+
+def _non_white_fraction(png) -> float:
+    img = matplotlib.image.imread(png)  # [H, W, 4] floats in [0, 1]
+    return float((img[..., :3].min(axis=-1) < 0.9).mean())
+
+
+@pytest.fixture(scope="module")
+def compared(data, tmp_path_factory):
+    corpus, cache = data
+    out = tmp_path_factory.mktemp("compare-out") / "results"
+    base = fast_config(corpus, cache, max_steps=6, eval_every=3)
+    cfg = CompareConfig(base=base, methods=["adamw", "galore", "frugal_rho0", "lowrank"],
+                        method_opts={"galore": {"rank": 16}}, out=str(out), isolate=True, progress=False)
+    rows = run_compare(cfg, log=lambda *_: None)
+    return cfg, rows, out
+
+
+def test_table_rows_and_numbers(compared):
+    cfg, rows, out = compared
+    csv_rows = read_results(out / "results.csv")
+    assert [r["method"] for r in csv_rows] == ["adamw", "galore", "frugal_rho0", "lowrank"]
+    assert list(csv_rows[0]) == list(CSV_COLUMNS)
+    tokens = 6 * cfg.base.batch_size * cfg.base.seq_len
+    for r in csv_rows:
+        assert r["status"] == "ok", r
+        assert 1 < r["val_ppl"] < VOCAB * 2 and math.isfinite(r["val_loss"])
+        assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]), rel=1e-9)
+        assert r["tokens"] == tokens and r["steps"] == 6
+        assert r["tokens_per_s"] > 0 and r["wall_time_s"] > 0 and r["peak_mem_mib"] >= 0
+        assert r["state_mib"] * 2**20 == pytest.approx(r["state_bytes_per_param"] * r["trainable_params"], rel=1e-9)
+    by = {r["method"]: r for r in csv_rows}
+    assert by["adamw"]["state_bytes_per_param"] == pytest.approx(8.0, abs=0.01)
+    assert by["galore"]["state_mib"] < by["adamw"]["state_mib"]
+    assert by["frugal_rho0"]["state_mib"] < by["galore"]["state_mib"]
+    assert by["lowrank"]["trainable_params"] < by["adamw"]["trainable_params"]
+    assert by["adamw"]["lr"] == pytest.approx(1e-3) and by["galore"]["lr"] == pytest.approx(1e-2)
+    assert "rank=16" in by["galore"]["settings"]
+
+    md = (out / "results.md").read_text()
+    table = [line for line in md.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + 4  # header + one row per method
+    for r in csv_rows:
+        row = next(line for line in table if line.startswith(f"| {r['method']} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[2]) == pytest.approx(r["val_ppl"], abs=0.006)
+        assert float(cells[4]) == pytest.approx(r["state_mib"], abs=0.0006)
+    assert "Ranking by validation perplexity" in md and "peak RSS" in md
+
+
+def test_curves_match_the_logs(compared):
+    _, rows, out = compared
+    for r in rows:
+        log = read_jsonl(out / "runs" / r["method"] / "metrics.jsonl")
+        evals = [(x["tokens"], x["val_loss"]) for x in log if x["event"] == "eval"]
+        assert [tuple(p) for p in r["history"]["eval"]] == evals and len(evals) == 2
+        assert len(r["history"]["train"]) == 6
+
+
+def test_figures_have_content(compared):
+    _, _, out = compared
+    curves = matplotlib.image.imread(out / "loss_curves.png")
+    assert curves.shape[:2] == (460, 1200)
+    assert _non_white_fraction(out / "loss_curves.png") > 0.02  # axes, 4 curves, legend
+    mem = matplotlib.image.imread(out / "memory.png")
+    assert mem.shape[1] == 1200 and mem.shape[0] >= 300
+    # The bars: a good share of the area is the bars' blue and orange.
+    rgb = mem[..., :3]
+    blue = ((rgb[..., 2] > 0.6) & (rgb[..., 0] < 0.3)).mean()
+    orange = ((rgb[..., 0] > 0.9) & (rgb[..., 1] > 0.4) & (rgb[..., 1] < 0.6) & (rgb[..., 2] < 0.2)).mean()
+    assert blue > 0.02 and orange > 0.02
+
+
+def test_a_diverging_method_is_reported_and_the_others_kept(data, tmp_path):
+    corpus, cache = data
+    base = fast_config(corpus, cache, max_steps=3)
+    cfg = CompareConfig(base=base, methods=["signsgd", "adamw"], out=str(tmp_path / "o"), isolate=False,
+                        progress=False, method_opts={"signsgd": {"lr": 1e30}})  # weights overflow to inf
+    rows = run_compare(cfg, log=lambda *_: None)
+    assert [r["status"] for r in rows] == ["diverged", "ok"]
+    csv_rows = read_results(tmp_path / "o" / "results.csv")
+    assert math.isnan(csv_rows[0]["val_ppl"]) and math.isfinite(csv_rows[1]["val_ppl"])
+    assert "| signsgd | slimopt | diverged |" in (tmp_path / "o" / "results.md").read_text()
+    assert (tmp_path / "o" / "loss_curves.png").stat().st_size > 10_000
+
+
+def test_default_methods_and_scaled_intervals():
+    methods = default_methods()
+    assert methods[0] == "adamw" and "galore" in methods and "frugal" in methods
+    assert scaled_schedule_opts("galore", 100) == {"update_gap": 5}
+    assert scaled_schedule_opts("galore", 10_000) == {}
+    assert scaled_schedule_opts("adamw", 100) == {}
+    if "relora" in methods:
+        assert scaled_schedule_opts("relora", 100) == {"restart_every": 25, "restart_warmup": 2}
+
+
+def test_cli_bad_input_writes_nothing(data, tmp_path, capsys):
+    corpus, cache = data
+    out = tmp_path / "cmp"
+    common = ["compare", "--data", str(corpus), "--vocab-size", str(VOCAB), "--cache-dir", str(cache),
+              "--max-steps", "2", "--out", str(out), "--no-progress"]
+    assert main(common + ["--methods", "adamw,nosuch"]) == 2
+    assert "unknown method 'nosuch'" in capsys.readouterr().err
+    assert main(common + ["--methods", "adamw,galore", "--set", "galore.rank=0"]) == 2
+    assert "galore" in capsys.readouterr().err
+    assert main(common + ["--methods", "adamw", "--set", "frugal.lr=1e-3"]) == 2
+    assert "not compared" in capsys.readouterr().err
+    assert main(common + ["--data", str(tmp_path / "missing.jsonl")]) == 2
+    assert not out.exists()
+
+
+def test_in_process_mode_says_memory_is_not_per_method(data, tmp_path):
+    corpus, cache = data
+    cfg = CompareConfig(base=replace(fast_config(corpus, cache, max_steps=2)), methods=["adamw"],
+                        out=str(tmp_path / "o"), isolate=False, progress=False)
+    rows = run_compare(cfg, log=lambda *_: None)
+    assert rows[0]["status"] == "ok" and "in-process" in rows[0]["peak_mem_kind"]
+    assert "in-process" in (tmp_path / "o" / "results.md").read_text()
+    assert np.isfinite(rows[0]["val_ppl"])
