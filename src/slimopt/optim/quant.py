@@ -1,0 +1,289 @@
+"""Pure quantize / dequantize functions for compressed optimizer state.
+
+Everything here is a stateless tensor function: the storage forms that hold codes and scales between steps live
+in `slimopt.optim.codecs`. The functions are written as whole-tensor ops (no Python loops over elements or
+blocks, no host syncs) so that a `torch.compile`d optimizer step can fuse them.
+
+What is provided:
+
+- Quantization maps (sorted fp32 code books):
+  - `dynamic_map(signed, bits)`: the dynamic-exponent map of Dettmers et al., "8-bit Optimizers via Block-wise
+    Quantization" (arXiv 2110.02861). Bit-identical to `bitsandbytes.functional.create_dynamic_map` (8 bits) and
+    to the maps `torchao.optim` uses for 8-bit state and for the signed 4-bit first moment.
+  - `linear_map(bits, zero=False)`: a linear map on (0, 1] without zero, used for the 4-bit second moment by
+    Li et al., "Memory Efficient Optimizers with 4-bit States" (arXiv 2309.01507) and by torchao's AdamW4bit:
+    a zero second moment would blow up 1/sqrt(v), so the smallest code is 1/16 of the block maximum.
+  - `TERNARY_MAP` = (-1, 0, +1).
+- Nearest and stochastic rounding onto any sorted map (`nearest_codes`, `stochastic_codes`), blockwise absmax
+  scaling with zero padding to whole blocks (`quantize_blockwise`, `dequantize_blockwise`).
+- Bit packing: 1/2/4-bit codes into bytes (`pack_bits`, `unpack_bits`; first element in the high bits, the order
+  torchao uses for 4-bit state), and ternary digits 5 per byte in base 3 (`pack_base3`, `unpack_base3`:
+  1.6 bits per value, 3^5 = 243 <= 256).
+- fp32 -> bf16 with nearest or stochastic rounding (`to_bf16`).
+
+Rounding rules (tested exactly against a brute-force argmin over the map):
+
+- Nearest: the code whose map value has the smallest fp32 distance |x - q| (computed as fp32 subtractions, as the
+  brute force does). Ties go to the HIGHER code (the larger map value); torchao's 8/4-bit quantizers also break
+  ties upwards. The search is one `torch.bucketize` (exact comparisons, no rounded midpoints) followed by one
+  distance comparison between the two bracketing codes, which equals the argmin for inputs within the map's
+  range because map spacing exceeds the fp32 rounding of the distances there (tested for every map).
+- Stochastic: for x between neighbouring map values lo <= x <= hi, round to hi with probability
+  (x - lo) / (hi - lo), so E[dequantize] = x inside the map's range (unbiased); values outside the range clamp
+  to the end codes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "TERNARY_MAP",
+    "dynamic_map",
+    "linear_map",
+    "get_map",
+    "nearest_codes",
+    "stochastic_codes",
+    "to_blocks",
+    "block_absmax",
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "pack_bits",
+    "unpack_bits",
+    "pack_base3",
+    "unpack_base3",
+    "base3_nbytes",
+    "uniform",
+    "to_bf16",
+]
+
+TERNARY_MAP = (-1.0, 0.0, 1.0)
+
+
+def dynamic_map(signed: bool = True, bits: int = 8) -> Tensor:
+    """The dynamic-exponent quantization map of arXiv 2110.02861, as a sorted fp32 tensor of 2**bits values.
+
+    Each decade 10**-(E-1) .. 10**0 (E = bits - 1 exponent values) holds the midpoints of a linear grid on
+    [0.1, 1] scaled by that decade; the number of fraction values doubles with every decade, so precision is
+    relative. The map also holds 0 and 1.0 (and, when signed, the negatives of the fractions, but not -1).
+    The construction follows the same fp32 arithmetic as bitsandbytes' `create_dynamic_map` (with
+    max_exponent_bits = bits - 1) so that the values are bit-identical.
+    """
+    if bits < 2 or bits > 8:
+        raise ValueError(f"dynamic_map: bits must be in 2..8, got {bits}")
+    exponents = bits - 1
+    values: list[Tensor] = []
+    for i in range(exponents):  # one linear grid per decade: construction time only
+        n_fractions = 2 ** i if signed else 2 ** (i + 1)
+        edges = torch.linspace(0.1, 1, n_fractions + 1, dtype=torch.float32)
+        mids = (edges[:-1] + edges[1:]) / 2.0
+        decade = mids * (10 ** (i - (exponents - 1)))
+        values.append(decade)
+        if signed:
+            values.append(-decade)
+    values.append(torch.tensor([0.0, 1.0]))
+    qmap = torch.cat(values).sort().values
+    assert qmap.numel() == 2**bits
+    return qmap
+
+
+def linear_map(bits: int = 4, zero: bool = False) -> Tensor:
+    """A linear map on [0, 1] with 2**bits values: 1/2**bits, 2/2**bits, ..., 1 (no zero), or with zero
+    0, 1/(2**bits - 1), ..., 1. The zero-free form is the 4-bit second-moment map of arXiv 2309.01507."""
+    n = 2**bits
+    if zero:
+        return torch.linspace(0, 1, n, dtype=torch.float32)
+    return torch.linspace(0, 1, n + 1, dtype=torch.float32)[1:].contiguous()
+
+
+def _build_map(name: str) -> Tensor:
+    if name == "dynamic8_signed":
+        return dynamic_map(True, 8)
+    if name == "dynamic8_unsigned":
+        return dynamic_map(False, 8)
+    if name == "dynamic4_signed":
+        return dynamic_map(True, 4)
+    if name == "linear4_nozero":
+        return linear_map(4, zero=False)
+    if name == "ternary":
+        return torch.tensor(TERNARY_MAP, dtype=torch.float32)
+    raise ValueError(
+        f"get_map: unknown map name {name!r}; allowed: dynamic8_signed, dynamic8_unsigned, dynamic4_signed, "
+        "linear4_nozero, ternary"
+    )
+
+
+_MAPS: dict[tuple[str, str], Tensor] = {}
+
+
+def get_map(name: str, device: torch.device | str | None = None) -> Tensor:
+    """A named map on `device`, built once and cached (maps are tiny constants, shared by all codecs)."""
+    dev = torch.device("cpu" if device is None else device)
+    key = (name, str(dev))
+    qmap = _MAPS.get(key)
+    if qmap is None:
+        qmap = _build_map(name).to(dev)
+        _MAPS[key] = qmap
+    return qmap
+
+
+def _bracket(x: Tensor, qmap: Tensor) -> tuple[Tensor, Tensor]:
+    """Indices (lo, hi = lo + 1) of the map values bracketing each x: qmap[lo] <= x < qmap[hi] inside the range,
+    clamped to the first/last pair outside it. One binary search per element, exact comparisons."""
+    n = qmap.numel()
+    hi = torch.bucketize(x, qmap, right=True).clamp_(1, n - 1)
+    return hi - 1, hi
+
+
+def nearest_codes(x: Tensor, qmap: Tensor) -> Tensor:
+    """x (any shape, fp32) -> int64 codes (same shape) of the nearest map value; ties to the higher code.
+
+    qmap: (n,) sorted ascending, fp32, same device as x.
+    """
+    lo, hi = _bracket(x, qmap)
+    d_lo = x - qmap[lo]  # >= 0 inside the range
+    d_hi = qmap[hi] - x  # >= 0 inside the range
+    return torch.where(d_hi <= d_lo, hi, lo)
+
+
+def stochastic_codes(x: Tensor, qmap: Tensor, u: Tensor) -> Tensor:
+    """x (any shape, fp32), u (same shape, uniform in [0, 1)) -> int64 codes, rounding up with probability
+    (x - lo) / (hi - lo) between the bracketing map values (unbiased inside the map's range)."""
+    lo, hi = _bracket(x, qmap)
+    q_lo = qmap[lo]
+    p_up = ((x - q_lo) / (qmap[hi] - q_lo)).clamp_(0.0, 1.0)
+    return torch.where(u < p_up, hi, lo)
+
+
+def uniform(shape: torch.Size | tuple[int, ...], device: torch.device,
+            generator: torch.Generator | None = None) -> Tensor:
+    """Uniform [0, 1) fp32 noise of `shape`; from `generator` when given, else from torch's default generator."""
+    return torch.rand(shape, device=device, generator=generator)
+
+
+def to_blocks(x: Tensor, block_size: int) -> Tensor:
+    """x (any shape) -> (n_blocks, block_size) fp32, flattened in row-major order and zero-padded at the end.
+
+    Zero padding never changes a block's absmax, so the padded tail quantizes like a short block.
+    """
+    flat = x.reshape(-1).float()
+    pad = (-flat.numel()) % block_size
+    if pad:
+        flat = F.pad(flat, (0, pad))
+    return flat.view(-1, block_size)
+
+
+def block_absmax(blocks: Tensor) -> Tensor:
+    """blocks (n_blocks, block_size) -> (n_blocks,) fp32 absmax. An all-zero block has scale 0 and decodes to
+    exactly 0 whatever its codes, for every map."""
+    return blocks.abs().amax(dim=-1)
+
+
+def _normalize(blocks: Tensor, scale: Tensor) -> Tensor:
+    # Divide (not multiply by a reciprocal) so that the largest entry maps to exactly +-1.0; the clamp only
+    # guards all-zero blocks (0 / tiny = 0).
+    return blocks / scale.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+
+
+def quantize_blockwise(x: Tensor, qmap: Tensor, block_size: int, *, stochastic: bool = False,
+                       generator: torch.Generator | None = None, noise: Tensor | None = None
+                       ) -> tuple[Tensor, Tensor]:
+    """Blockwise absmax quantization (arXiv 2110.02861 section 2.1) onto `qmap`.
+
+    x: any shape, any float dtype; flattened and zero-padded to whole blocks.
+    qmap: (n,) sorted fp32 map with n <= 256, on x's device.
+    Returns codes (n_blocks * block_size,) uint8 and scale (n_blocks,) fp32, the per-block absmax.
+    stochastic=True rounds stochastically with noise from `generator` (default generator when None), or with
+    `noise`: uniform [0, 1) fp32 of n_blocks * block_size elements drawn by the caller (e.g. outside a compiled
+    region, where a generator argument would break the graph).
+    """
+    blocks = to_blocks(x, block_size)
+    scale = block_absmax(blocks)
+    normed = _normalize(blocks, scale)
+    if stochastic:
+        u = uniform(normed.shape, normed.device, generator) if noise is None else noise.view(normed.shape)
+        codes = stochastic_codes(normed, qmap, u)
+    else:
+        codes = nearest_codes(normed, qmap)
+    return codes.to(torch.uint8).view(-1), scale
+
+
+def dequantize_blockwise(codes: Tensor, scale: Tensor, qmap: Tensor, numel: int | None = None) -> Tensor:
+    """codes (n_blocks * block_size,) integer, scale (n_blocks,) fp32 -> (numel,) fp32 (padding dropped;
+    numel=None keeps the padded length)."""
+    values = qmap[codes.long()].view(scale.shape[0], -1) * scale.unsqueeze(-1)
+    flat = values.view(-1)
+    return flat if numel is None else flat[:numel]
+
+
+def pack_bits(codes: Tensor, bits: int) -> Tensor:
+    """codes (n,) integer in [0, 2**bits), n divisible by 8 // bits -> (n * bits // 8,) uint8.
+
+    bits in {1, 2, 4}; within a byte the first code takes the highest bits (torchao's 4-bit order).
+    """
+    if bits not in (1, 2, 4):
+        raise ValueError(f"pack_bits: bits must be 1, 2 or 4, got {bits}")
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte - 1, -1, -1, device=codes.device, dtype=torch.int32) * bits
+    grouped = codes.reshape(-1, per_byte).to(torch.int32) << shifts
+    return grouped.sum(dim=-1).to(torch.uint8)  # disjoint bit fields: sum == bitwise or
+
+
+def unpack_bits(packed: Tensor, bits: int) -> Tensor:
+    """packed (m,) uint8 -> (m * 8 // bits,) int32 codes; inverse of `pack_bits`."""
+    if bits not in (1, 2, 4):
+        raise ValueError(f"unpack_bits: bits must be 1, 2 or 4, got {bits}")
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte - 1, -1, -1, device=packed.device, dtype=torch.int32) * bits
+    return ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).view(-1)
+
+
+_POW3 = (1, 3, 9, 27, 81)
+
+
+def base3_nbytes(n: int) -> int:
+    """Bytes that `pack_base3` produces for n ternary digits: ceil(n / 5)."""
+    return -(-n // 5)
+
+
+def pack_base3(trits: Tensor) -> Tensor:
+    """trits (n,) integer in {0, 1, 2} -> (ceil(n / 5),) uint8, digit k of each byte weighted 3**k
+    (zero-padded to a multiple of 5 digits)."""
+    flat = trits.reshape(-1).to(torch.int32)
+    pad = (-flat.numel()) % 5
+    if pad:
+        flat = F.pad(flat, (0, pad))
+    weights = torch.tensor(_POW3, dtype=torch.int32, device=flat.device)
+    return (flat.view(-1, 5) * weights).sum(dim=-1).to(torch.uint8)
+
+
+def unpack_base3(packed: Tensor, n: int | None = None) -> Tensor:
+    """packed (m,) uint8 -> (n,) int32 digits in {0, 1, 2} (n = 5 * m when None); inverse of `pack_base3`."""
+    weights = torch.tensor(_POW3, dtype=torch.int32, device=packed.device)
+    digits = torch.div(packed.to(torch.int32).unsqueeze(-1), weights, rounding_mode="floor") % 3
+    flat = digits.view(-1)
+    return flat if n is None else flat[:n]
+
+
+def to_bf16(x: Tensor, *, stochastic: bool = False, generator: torch.Generator | None = None,
+            noise: Tensor | None = None) -> Tensor:
+    """x fp32 (any shape) -> bf16, round-to-nearest-even, or stochastically rounded (unbiased).
+
+    Stochastic rounding adds a uniform 16-bit integer to the low half of the fp32 bit pattern and truncates:
+    the magnitude rounds up (away from zero) with probability equal to the dropped fraction, so E[bf16(x)] = x.
+    The integer comes from `generator`, or from `noise` (uniform [0, 1) fp32 of x's size: floor(u * 2**16) is
+    an exact uniform 16-bit integer). NaN and inf pass through unchanged.
+    """
+    x = x.float()
+    if not stochastic:
+        return x.to(torch.bfloat16)
+    x = x.contiguous()  # the bit view needs it
+    if noise is None:
+        r16 = torch.randint(0, 1 << 16, x.shape, device=x.device, dtype=torch.int32, generator=generator)
+    else:
+        r16 = (noise.view(x.shape) * 65536.0).to(torch.int32)
+    bits = (x.view(torch.int32) + r16) & -65536  # -65536 == 0xFFFF0000 as int32
+    rounded = bits.view(torch.float32)
+    return torch.where(torch.isfinite(x), rounded, x).to(torch.bfloat16)
