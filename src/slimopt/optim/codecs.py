@@ -1,0 +1,464 @@
+"""Storage forms ("codecs") of optimizer moments: how an fp32 moment is kept between steps.
+
+The optimizer computes in fp32 and stores narrow (DESIGN.md section 3): each step it calls
+``decode(key, state, shape)``, updates the moment in fp32, and ``encode(key, x, state, generator)`` writes it back
+into the same state tensors in place. A codec is a thin, stateless object around the pure functions of
+`slimopt.optim.quant`; everything it stores is a plain tensor in the optimizer state, named ``key`` (the main
+tensor) or ``key + "_<suffix>"``, so state_dicts load with ``torch.load(weights_only=True)``.
+
+Specs (``make_codec``), with the exact bytes of the state of an n-element moment (``nbytes``); nb = ceil(n / B):
+
+==============  =====  ===============================================================  ======================
+spec            roles  state tensors                                                    bytes
+==============  =====  ===============================================================  ======================
+fp32            m, v   key: fp32, the moment's shape                                    4 n
+bf16, bf16_sr   m, v   key: bf16 (nearest / stochastic rounding)                        2 n
+int8            m, v   key: uint8 codes (256 nb,), key_scale: fp32 (nb,); B = 256       256 nb + 4 nb
+int4            m, v   key: uint8, two codes a byte (64 nb,), key_scale: fp32; B = 128  64 nb + 4 nb
+ternary_sr      m      key: uint8, five trits a byte, key_scale: fp32; B = 256          ceil(256 nb / 5) + 4 nb
+ternary_ef      m      as ternary_sr, plus key_err: uint8, the residual trits           2 ceil(256 nb / 5) + 4 nb
+factored        v      2-D (R, C): key: fp32 row means (R,), key_col: fp32 (C,)         4 (R + C)
+==============  =====  ===============================================================  ======================
+
+"auto" is bf16 for bf16 parameters and fp32 otherwise; "ternary" is the default ternary form (``TERNARY_DEFAULT``).
+Moments with fewer than ``SMALL_NUMEL`` elements are always fp32 (as bitsandbytes and torchao do), and
+``factored`` stores a moment that is not 2-D in fp32. Per parameter of a 4096 x 4096 matrix, AdamW's m and v
+together take (bytes): fp32 8, bf16 4, int8 2.031, int4 1.062, int4 m + factored v 0.533, ternary_sr m +
+factored v 0.218, ternary_ef m + factored v 0.418.
+
+- int8: blockwise absmax, dynamic-exponent map, signed for m and unsigned for v (arXiv 2110.02861); the codes and
+  maps are those of bitsandbytes and torchao's AdamW8bit.
+- int4: arXiv 2309.01507 as torchao's AdamW4bit stores it: block 128, signed 4-bit dynamic map for m, the linear
+  map 1/16 .. 1 without zero for v (a zero v would blow up 1/sqrt(v)).
+- factored (v only): Adafactor (arXiv 1804.04235) row and column means of the 2-D second moment, decoded as
+  outer(row, col) / mean(row). Encoding the full updated v by its row/column means reproduces Adafactor's running
+  row/column statistics exactly, since the decoded v has the stored means.
+- ternary (m only; v >= 0 has nothing to store in a sign): {-1, 0, +1} times the block absmax. The moment is
+  re-rounded at every step, and nearest rounding zeroes every entry below half the block's step each time, so a
+  small but persistent momentum component never registers (in our runs AdamW with it diverged). Two remedies:
+
+  - ``ternary_sr``: stochastic rounding; unbiased (E[decode] = x) and free, but the rounding noise (variance up
+    to s^2 / 4 per entry and step) is fed back into the moment at every step and accumulates through it, to
+    about 1 / (1 - beta1^2) times that variance.
+  - ``ternary_ef``: error feedback. Encode rounds y = x + r_prev to the nearest trit and carries the residual
+    r = y - decode(y), at most half the block step, to the next encode. What is worth storing: a residual of b
+    bits makes m a (log2(3) + b)-bit state, so it cannot be cheaper than 1 extra bit per value; and it must be
+    able to hold exactly zero. A 1-bit residual (+-s/2) cannot: it puts +-s/2 into entries whose moment is
+    exactly zero (e.g. embedding rows of tokens not seen yet, whose v is zero too), and AdamW then divides that
+    by eps and diverges (NaN in our runs, with factored v and with fp32 v). So the residual is one more trit,
+    {-s/2, 0, +s/2}, rounded stochastically (unbiased; a zero residual stays zero) and scaled by the block scale
+    already stored, so it needs no scale of its own: 1.6 bits per value. With an fp32 residual instead, error
+    feedback matched fp32 AdamW (table below): the residual's own rounding noise is what remains.
+
+  Comparison (a 3-layer character-level MLP language model on the KJV text, 0.2M parameters, AdamW lr 2e-3,
+  800 steps of 64 sequences, validation cross-entropy; codecs apply to the three matrices, fp32 m + fp32 v:
+  1.936, fp32 m + factored v 1.949, int4 m + int4 v 1.947):
+
+  ==============================  ========================  =====================
+  m codec (v factored)            bytes / param (4096^2)    validation loss
+  ==============================  ========================  =====================
+  ternary, nearest rounding       0.218                     diverged (36.2)
+  ternary_sr                      0.218                     2.648
+  ternary_sr, block 32            0.327                     2.414
+  error feedback, 1-bit residual  0.343                     NaN
+  ternary_ef (trit residual)      0.418                     2.314
+  error feedback, fp32 residual   4.218                     1.949
+  ==============================  ========================  =====================
+
+  Error feedback trains better than stochastic rounding, so ``ternary`` means ``ternary_ef``; ``ternary_sr`` is
+  the choice under a hard budget of 0.3 bytes per parameter. Neither comes
+  within a few percent of fp32 on this test: for that, int4 m (0.53 bytes with factored v) is the cheapest form
+  measured here.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Mapping, MutableMapping
+
+import torch
+from torch import Tensor
+
+from . import quant as Q
+
+__all__ = [
+    "SMALL_NUMEL",
+    "M_SPECS",
+    "V_SPECS",
+    "TERNARY_DEFAULT",
+    "Codec",
+    "Fp32Codec",
+    "Bf16Codec",
+    "BlockCodec",
+    "TernaryCodec",
+    "FactoredCodec",
+    "make_codec",
+    "resolve_codecs",
+]
+
+SMALL_NUMEL = 4096  # tensors with fewer elements are always stored fp32 (as the peers do)
+
+# The default behind the spec "ternary": the better of the two remedies in the comparison above.
+TERNARY_DEFAULT = "ternary_ef"
+
+_COMMON_SPECS = ("auto", "fp32", "bf16", "bf16_sr", "int8", "int4")
+M_SPECS = _COMMON_SPECS + ("ternary", "ternary_sr", "ternary_ef")
+V_SPECS = _COMMON_SPECS + ("factored",)
+_ALL_SPECS = tuple(dict.fromkeys(M_SPECS + V_SPECS))
+_STATE_BITS = {32: "fp32", 16: "bf16", 8: "int8", 4: "int4", 2: "ternary"}
+
+
+def _numel(shape: torch.Size | tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _check_into(key: str, new: Tensor, state: Mapping[str, Tensor]) -> None:
+    old = state[key]
+    if old.shape != new.shape:  # copy_ would broadcast silently
+        raise ValueError(f"encode: state[{key!r}] has shape {tuple(old.shape)} but the value encodes to "
+                         f"{tuple(new.shape)}; was the moment initialised for another shape?")
+
+
+def _copy_dense(key: str, x: Tensor, state: MutableMapping[str, Tensor]) -> None:
+    """Copy x into a dense state tensor of the same number of elements (any view of the moment's shape)."""
+    dst = state[key]
+    if x.numel() != dst.numel():
+        raise ValueError(f"encode: state[{key!r}] has shape {tuple(dst.shape)} but x has shape {tuple(x.shape)}")
+    dst.copy_(x.reshape(dst.shape))
+
+
+class Codec:
+    """How one moment is stored. Stateless: all data lives in the state tensors it creates.
+
+    name: the canonical spec of what is stored (e.g. "int8"); needs_generator: True when encode draws random
+    numbers (stochastic rounding); encode then uses the generator it is given, or torch's default one, or the
+    uniform noise it is handed (``noise``, of ``noise_numel(shape)`` elements: a compiled step can draw it
+    outside the graph, since a generator argument inside it breaks the graph).
+    """
+
+    name: str = "codec"
+    needs_generator: bool = False
+
+    def init(self, key: str, shape: torch.Size, device) -> dict[str, Tensor]:
+        """State tensors of an all-zero moment of `shape`: ``key`` is the main tensor, others ``key_<suffix>``."""
+        raise NotImplementedError
+
+    def decode(self, key: str, state: Mapping[str, Tensor], shape: torch.Size) -> Tensor:
+        """The stored moment as a new fp32 tensor of `shape`."""
+        raise NotImplementedError
+
+    def encode(self, key: str, x: Tensor, state: MutableMapping[str, Tensor],
+               generator: torch.Generator | None = None, noise: Tensor | None = None) -> None:
+        """Store x (fp32, the moment's shape) into the existing state tensors in place (copy_).
+
+        noise: optional uniform [0, 1) fp32 tensor of noise_numel(shape) elements, used instead of drawing from
+        `generator`; ignored by deterministic codecs."""
+        raise NotImplementedError
+
+    def noise_numel(self, shape: torch.Size) -> int:
+        """Number of uniform draws one encode of `shape` consumes (0 for deterministic codecs)."""
+        return 0
+
+    def nbytes(self, shape: torch.Size) -> int:
+        """Exact bytes of the tensors ``init`` creates for `shape`, padding included."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class Fp32Codec(Codec):
+    """Plain fp32: 4 bytes per value."""
+
+    name = "fp32"
+
+    def init(self, key, shape, device):
+        return {key: torch.zeros(shape, dtype=torch.float32, device=device)}
+
+    def decode(self, key, state, shape):
+        return state[key].float().clone().view(shape)  # a new tensor: the caller may update it in place
+
+    def encode(self, key, x, state, generator=None, noise=None):
+        _copy_dense(key, x, state)
+
+    def nbytes(self, shape):
+        return 4 * _numel(shape)
+
+
+class Bf16Codec(Codec):
+    """bf16 (2 bytes per value), round-to-nearest-even or stochastic rounding (unbiased)."""
+
+    def __init__(self, stochastic: bool = False):
+        self.stochastic = stochastic
+        self.name = "bf16_sr" if stochastic else "bf16"
+        self.needs_generator = stochastic
+
+    def init(self, key, shape, device):
+        return {key: torch.zeros(shape, dtype=torch.bfloat16, device=device)}
+
+    def decode(self, key, state, shape):
+        return state[key].float().view(shape)
+
+    def encode(self, key, x, state, generator=None, noise=None):
+        _copy_dense(key, Q.to_bf16(x, stochastic=self.stochastic, generator=generator, noise=noise), state)
+
+    def noise_numel(self, shape):
+        return _numel(shape) if self.stochastic else 0
+
+    def nbytes(self, shape):
+        return 2 * _numel(shape)
+
+
+class BlockCodec(Codec):
+    """Blockwise absmax quantization onto a fixed map: int8 (block 256, dynamic map) or int4 (block 128, two
+    codes a byte; dynamic map for m, linear map without zero for v).
+
+    State: key = uint8 codes, flat and padded to whole blocks ((n_blocks * block * bits / 8,)); key_scale = fp32
+    per-block absmax (n_blocks,). Bytes: n_blocks * (block * bits / 8 + 4) with n_blocks = ceil(n / block):
+    int8 ceil(n/256) * 256 + 4 ceil(n/256), int4 ceil(n/128) * 64 + 4 ceil(n/128).
+    """
+
+    def __init__(self, name: str, map_name: str, bits: int, block_size: int):
+        if bits not in (4, 8):
+            raise ValueError(f"BlockCodec: bits must be 4 or 8, got {bits}")
+        self.name = name
+        self.map_name = map_name
+        self.bits = bits
+        self.block_size = block_size
+
+    def _nblocks(self, shape) -> int:
+        return -(-_numel(shape) // self.block_size)
+
+    def init(self, key, shape, device):
+        nb = self._nblocks(shape)
+        return {key: torch.zeros(nb * self.block_size * self.bits // 8, dtype=torch.uint8, device=device),
+                key + "_scale": torch.zeros(nb, dtype=torch.float32, device=device)}
+
+    def decode(self, key, state, shape):
+        codes = state[key]
+        if self.bits == 4:
+            codes = Q.unpack_bits(codes, 4)
+        qmap = Q.get_map(self.map_name, codes.device)
+        return Q.dequantize_blockwise(codes, state[key + "_scale"], qmap, _numel(shape)).view(shape)
+
+    def encode(self, key, x, state, generator=None, noise=None):
+        qmap = Q.get_map(self.map_name, x.device)
+        codes, scale = Q.quantize_blockwise(x, qmap, self.block_size)
+        if self.bits == 4:
+            codes = Q.pack_bits(codes, 4)
+        _check_into(key, codes, state)
+        state[key].copy_(codes)
+        state[key + "_scale"].copy_(scale)
+
+    def nbytes(self, shape):
+        nb = self._nblocks(shape)
+        return nb * self.block_size * self.bits // 8 + 4 * nb
+
+
+class TernaryCodec(Codec):
+    """Ternary {-1, 0, +1} x per-block absmax (block 256), five trits a byte (base 3: 1.6 bits per value).
+
+    feedback=False: stochastic rounding (``ternary_sr``). feedback=True: nearest rounding with the residual
+    carried to the next encode as one more trit, r in {-s/2, 0, +s/2} rounded stochastically (``ternary_ef``; see
+    the module docstring for why a trit). State: key = uint8 (ceil(n_blocks * 256 / 5),), key_scale = fp32
+    (n_blocks,), and for feedback key_err = uint8 (ceil(n_blocks * 256 / 5),).
+    Bytes: ceil(256 nb / 5) + 4 nb, twice the codes with feedback.
+    """
+
+    def __init__(self, feedback: bool, block_size: int = 256):
+        if block_size < 1:
+            raise ValueError(f"TernaryCodec: block_size must be >= 1, got {block_size}")
+        self.feedback = feedback
+        self.block_size = block_size
+        self.name = "ternary_ef" if feedback else "ternary_sr"
+        self.needs_generator = True  # both remedies draw random numbers
+
+    def _nblocks(self, shape) -> int:
+        return -(-_numel(shape) // self.block_size)
+
+    def init(self, key, shape, device):
+        nb = self._nblocks(shape)
+        n_pad = nb * self.block_size
+        out = {key: torch.zeros(Q.base3_nbytes(n_pad), dtype=torch.uint8, device=device),
+               key + "_scale": torch.zeros(nb, dtype=torch.float32, device=device)}
+        if self.feedback:
+            out[key + "_err"] = torch.zeros(Q.base3_nbytes(n_pad), dtype=torch.uint8, device=device)
+        return out
+
+    @staticmethod
+    def _trits_times_scale(packed: Tensor, scale: Tensor, n_pad: int, unit: float) -> Tensor:
+        """packed base-3 digits {0, 1, 2} -> (digit - 1) * unit * block scale, (n_blocks, block) fp32."""
+        trits = Q.unpack_base3(packed, n_pad)
+        return ((trits - 1).float() * unit).view(scale.shape[0], -1) * scale.unsqueeze(-1)
+
+    def _values(self, key, state, n_pad) -> Tensor:
+        """Decoded moment, padded: (n_blocks, block) fp32."""
+        return self._trits_times_scale(state[key], state[key + "_scale"], n_pad, 1.0)
+
+    def _residual(self, key, state, n_pad) -> Tensor:
+        """Carried residual, padded: (n_blocks, block) fp32, in {-s/2, 0, +s/2}."""
+        return self._trits_times_scale(state[key + "_err"], state[key + "_scale"], n_pad, 0.5)
+
+    def decode(self, key, state, shape):
+        n_pad = state[key + "_scale"].shape[0] * self.block_size
+        return self._values(key, state, n_pad).view(-1)[: _numel(shape)].view(shape)
+
+    def noise_numel(self, shape):
+        return self._nblocks(shape) * self.block_size
+
+    def encode(self, key, x, state, generator=None, noise=None):
+        n = x.numel()
+        tmap = Q.get_map("ternary", x.device)
+        if self.feedback:
+            nb = state[key + "_scale"].shape[0]
+            carried = self._residual(key, state, nb * self.block_size).view(-1)[:n]
+            blocks = Q.to_blocks(x.reshape(-1) + carried, self.block_size)  # padding stays exactly zero
+        else:
+            blocks = Q.to_blocks(x, self.block_size)
+        scale = Q.block_absmax(blocks)
+        normed = Q._normalize(blocks, scale)
+        u = Q.uniform(normed.shape, normed.device, generator) if noise is None else noise.view(normed.shape)
+        if self.feedback:
+            trits = Q.nearest_codes(normed, tmap)
+            resid2 = (normed - (trits - 1).float()) * 2.0  # twice the residual: in [-1, 1], exact
+            err = Q.pack_base3(Q.stochastic_codes(resid2, tmap, u).view(-1))
+            _check_into(key + "_err", err, state)
+            state[key + "_err"].copy_(err)
+        else:
+            trits = Q.stochastic_codes(normed, tmap, u)
+        packed = Q.pack_base3(trits.view(-1))
+        _check_into(key, packed, state)
+        state[key].copy_(packed)
+        state[key + "_scale"].copy_(scale)
+
+    def nbytes(self, shape):
+        nb = self._nblocks(shape)
+        n_pad = nb * self.block_size
+        return Q.base3_nbytes(n_pad) * (2 if self.feedback else 1) + 4 * nb
+
+
+class FactoredCodec(Codec):
+    """Adafactor-style second moment (arXiv 1804.04235) for 2-D (R, C) moments: key = fp32 row means (R,),
+    key_col = fp32 column means (C,); decoded as outer(row, col) / mean(row). Any other shape is stored fp32.
+    Bytes: 4 (R + C) for 2-D, else 4 n."""
+
+    name = "factored"
+
+    def init(self, key, shape, device):
+        if len(shape) != 2:
+            return {key: torch.zeros(shape, dtype=torch.float32, device=device)}
+        rows, cols = shape
+        return {key: torch.zeros(rows, dtype=torch.float32, device=device),
+                key + "_col": torch.zeros(cols, dtype=torch.float32, device=device)}
+
+    def decode(self, key, state, shape):
+        if len(shape) != 2:
+            return state[key].float().clone().view(shape)
+        row, col = state[key], state[key + "_col"]
+        # mean(row) == mean(col) == mean(v); an all-zero v has mean 0 and decodes to 0 (0 / tiny).
+        denom = row.mean().clamp_min(torch.finfo(torch.float32).tiny)
+        return torch.outer(row, col) / denom
+
+    def encode(self, key, x, state, generator=None, noise=None):
+        if x.dim() != 2 or key + "_col" not in state:
+            _copy_dense(key, x, state)
+            return
+        row, col = x.mean(dim=1), x.mean(dim=0)
+        _check_into(key, row, state)
+        _check_into(key + "_col", col, state)
+        state[key].copy_(row)
+        state[key + "_col"].copy_(col)
+
+    def nbytes(self, shape):
+        if len(shape) != 2:
+            return 4 * _numel(shape)
+        return 4 * (shape[0] + shape[1])
+
+
+@functools.lru_cache(maxsize=None)
+def _codec(name: str, role: str) -> Codec:
+    """One shared instance per (canonical spec, role): codecs hold no data."""
+    if name == "fp32":
+        return Fp32Codec()
+    if name in ("bf16", "bf16_sr"):
+        return Bf16Codec(stochastic=name == "bf16_sr")
+    if name == "int8":
+        return BlockCodec("int8", "dynamic8_signed" if role == "m" else "dynamic8_unsigned", 8, 256)
+    if name == "int4":
+        return BlockCodec("int4", "dynamic4_signed" if role == "m" else "linear4_nozero", 4, 128)
+    if name in ("ternary_sr", "ternary_ef"):
+        return TernaryCodec(feedback=name == "ternary_ef")
+    if name == "factored":
+        return FactoredCodec()
+    raise AssertionError(name)
+
+
+def make_codec(spec: str, role: str, numel: int, param_dtype: torch.dtype) -> Codec:
+    """The codec storing one moment. role "m" (signed first moment / momentum) or "v" (non-negative second
+    moment); numel: elements of the moment (below SMALL_NUMEL always fp32); param_dtype: the parameter's dtype,
+    which "auto" follows (bf16 for bf16 parameters, else fp32)."""
+    if role not in ("m", "v"):
+        raise ValueError(f"make_codec: role must be 'm' or 'v', got {role!r}")
+    allowed = M_SPECS if role == "m" else V_SPECS
+    if spec not in allowed:
+        why = ""
+        if spec in _ALL_SPECS:
+            why = (" (the second moment is non-negative: a ternary sign code has nothing to store)" if role == "v"
+                   else " (factored stores a non-negative second moment only)")
+        raise ValueError(f"make_codec: spec={spec!r} is not allowed for role {role!r}{why}; "
+                         f"allowed: {', '.join(allowed)}")
+    if numel < SMALL_NUMEL:
+        return _codec("fp32", role)
+    if spec == "auto":
+        spec = "bf16" if param_dtype == torch.bfloat16 else "fp32"
+    elif spec == "ternary":
+        spec = TERNARY_DEFAULT
+    return _codec(spec, role)
+
+
+def resolve_codecs(codec: str | None, m_codec: str | None, v_codec: str | None, state_bits: int | None
+                   ) -> tuple[str, str]:
+    """Per-param-group settings -> (m_spec, v_spec).
+
+    codec: applies to both moments; a ternary codec means ternary m with factored v. m_codec / v_codec: override
+    one moment. state_bits: 32 / 16 / 8 / 4 / 2, shorthand for fp32 / bf16 / int8 / int4 / ternary. codec and
+    state_bits together must agree. Default (all None): ("auto", "auto").
+    """
+    for name, value, allowed in (("codec", codec, _ALL_SPECS), ("m_codec", m_codec, M_SPECS),
+                                 ("v_codec", v_codec, V_SPECS)):
+        if value is not None and value not in allowed:
+            raise ValueError(f"{name}={value!r} is not a codec allowed here; allowed: {', '.join(allowed)}")
+    if state_bits is not None:
+        if isinstance(state_bits, bool) or state_bits not in _STATE_BITS:
+            raise ValueError(f"state_bits={state_bits!r} is not allowed; allowed: "
+                             f"{', '.join(f'{b} ({s})' for b, s in _STATE_BITS.items())}")
+        implied = _STATE_BITS[state_bits]
+        if codec is not None and _canonical_family(codec) != _canonical_family(implied):
+            raise ValueError(f"codec={codec!r} conflicts with state_bits={state_bits} (which means {implied!r}); "
+                             "set one of them")
+        if codec is None:
+            codec = implied
+    m_spec = v_spec = "auto"
+    if codec is not None:
+        if codec == "factored":
+            raise ValueError("codec='factored' would factor the first moment too; it stores the second moment "
+                             "only: use v_codec='factored'")
+        if codec.startswith("ternary"):
+            m_spec, v_spec = codec, "factored"
+        else:
+            m_spec = v_spec = codec
+    if m_codec is not None:
+        m_spec = m_codec
+    if v_codec is not None:
+        v_spec = v_codec
+    return m_spec, v_spec
+
+
+def _canonical_family(spec: str) -> str:
+    """The storage family a spec belongs to, for comparing codec with state_bits (ternary_ef is 2-bit too)."""
+    if spec.startswith("ternary"):
+        return "ternary"
+    if spec.startswith("bf16"):
+        return "bf16"
+    return spec
