@@ -284,6 +284,30 @@ def _nearest_ternary_roundtrip(x):
     return ((t - 1).float() * s.unsqueeze(-1)).view(-1)[: x.numel()].view(x.shape)
 
 
+def test_estimate_and_clear_feedback():
+    """estimate = decode + carried residual (error feedback only); after clear_feedback it equals decode, which
+    is what transforming a stored moment (rotate estimate, clear, encode) needs."""
+    shape = torch.Size((64, 256))
+    x = moment(shape, "m", seed=22)
+    for spec in ("int8", "ternary_sr", "ternary_ef"):
+        codec = C.make_codec(spec, "m", x.numel(), torch.float32)
+        state = codec.init("m", shape, "cpu")
+        assert bool((codec.estimate("m", state, shape) == 0).all())
+        codec.encode("m", x, state, generator=gen(23))
+        d, e = codec.decode("m", state, shape), codec.estimate("m", state, shape)
+        if spec == "ternary_ef":
+            scale = state["m_scale"].repeat_interleave(256).view(shape)
+            r = e - d
+            assert bool(((r == 0) | (r == scale / 2) | (r == -scale / 2)).all()) and bool((r != 0).any())
+            # the residual trit is the rounded remainder: the estimate is within one residual step of x
+            assert bool(((e - x).abs() <= scale / 2 * (1 + 1e-6)).all())
+        else:
+            assert torch.equal(d, e)
+        codec.clear_feedback("m", state)
+        assert torch.equal(codec.estimate("m", state, shape), d)
+        assert torch.equal(codec.decode("m", state, shape), d)
+
+
 def test_ternary_codecs_keep_exact_zeros_zero():
     """Entries whose moment is exactly zero (e.g. embedding rows of unseen tokens, whose v is zero too) must
     decode to exactly zero at every step, or AdamW divides the noise by eps. A 1-bit residual (+-s/2) would

@@ -51,8 +51,9 @@ factored v 0.218, ternary_ef m + factored v 0.418.
     feedback matched fp32 AdamW (table below): the residual's own rounding noise is what remains.
 
   Comparison (a 3-layer character-level MLP language model on the KJV text, 0.2M parameters, AdamW lr 2e-3,
-  800 steps of 64 sequences, validation cross-entropy; codecs apply to the three matrices, fp32 m + fp32 v:
-  1.936, fp32 m + factored v 1.949, int4 m + int4 v 1.947):
+  800 steps of 64 sequences of 16 characters, validation cross-entropy; codecs apply to the three matrices.
+  For reference: fp32 m + fp32 v 1.936, fp32 m + factored v 1.949, int8 1.940, int4 1.947, int4 m + factored v
+  1.950):
 
   ==============================  ========================  =====================
   m codec (v factored)            bytes / param (4096^2)    validation loss
@@ -160,6 +161,16 @@ class Codec:
         """Number of uniform draws one encode of `shape` consumes (0 for deterministic codecs)."""
         return 0
 
+    def estimate(self, key: str, state: Mapping[str, Tensor], shape: torch.Size) -> Tensor:
+        """The codec's best fp32 estimate of the moment: decode plus any residual carried for error feedback.
+
+        For transforming a stored moment (e.g. rotating it into a new subspace): rotate ``estimate``, call
+        ``clear_feedback``, then ``encode``; the carried residual lives in the old coordinates."""
+        return self.decode(key, state, shape)
+
+    def clear_feedback(self, key: str, state: MutableMapping[str, Tensor]) -> None:
+        """Zero any residual carried for error feedback, in place (nothing to do for other codecs)."""
+
     def nbytes(self, shape: torch.Size) -> int:
         """Exact bytes of the tensors ``init`` creates for `shape`, padding included."""
         raise NotImplementedError
@@ -256,6 +267,9 @@ class BlockCodec(Codec):
         return nb * self.block_size * self.bits // 8 + 4 * nb
 
 
+_ZERO_TRITS = 121  # a byte of five base-3 digits 1 (1 + 3 + 9 + 27 + 81): five zero trits
+
+
 class TernaryCodec(Codec):
     """Ternary {-1, 0, +1} x per-block absmax (block 256), five trits a byte (base 3: 1.6 bits per value).
 
@@ -280,10 +294,11 @@ class TernaryCodec(Codec):
     def init(self, key, shape, device):
         nb = self._nblocks(shape)
         n_pad = nb * self.block_size
-        out = {key: torch.zeros(Q.base3_nbytes(n_pad), dtype=torch.uint8, device=device),
+        # every digit 1, i.e. trit 0: the codes mean zero whatever the scale (which starts at 0 as well)
+        out = {key: torch.full((Q.base3_nbytes(n_pad),), _ZERO_TRITS, dtype=torch.uint8, device=device),
                key + "_scale": torch.zeros(nb, dtype=torch.float32, device=device)}
         if self.feedback:
-            out[key + "_err"] = torch.zeros(Q.base3_nbytes(n_pad), dtype=torch.uint8, device=device)
+            out[key + "_err"] = torch.full((Q.base3_nbytes(n_pad),), _ZERO_TRITS, dtype=torch.uint8, device=device)
         return out
 
     @staticmethod
@@ -304,6 +319,17 @@ class TernaryCodec(Codec):
         n_pad = state[key + "_scale"].shape[0] * self.block_size
         return self._values(key, state, n_pad).view(-1)[: _numel(shape)].view(shape)
 
+    def estimate(self, key, state, shape):
+        if not self.feedback:
+            return self.decode(key, state, shape)
+        n_pad = state[key + "_scale"].shape[0] * self.block_size
+        full = self._values(key, state, n_pad) + self._residual(key, state, n_pad)
+        return full.view(-1)[: _numel(shape)].view(shape)
+
+    def clear_feedback(self, key, state):
+        if self.feedback:
+            state[key + "_err"].fill_(_ZERO_TRITS)
+
     def noise_numel(self, shape):
         return self._nblocks(shape) * self.block_size
 
@@ -317,20 +343,22 @@ class TernaryCodec(Codec):
         else:
             blocks = Q.to_blocks(x, self.block_size)
         scale = Q.block_absmax(blocks)
-        normed = Q._normalize(blocks, scale)
+        normed = Q.normalize_blocks(blocks, scale)
         u = Q.uniform(normed.shape, normed.device, generator) if noise is None else noise.view(normed.shape)
+        err = None
         if self.feedback:
             trits = Q.nearest_codes(normed, tmap)
             resid2 = (normed - (trits - 1).float()) * 2.0  # twice the residual: in [-1, 1], exact
             err = Q.pack_base3(Q.stochastic_codes(resid2, tmap, u).view(-1))
             _check_into(key + "_err", err, state)
-            state[key + "_err"].copy_(err)
         else:
             trits = Q.stochastic_codes(normed, tmap, u)
         packed = Q.pack_base3(trits.view(-1))
         _check_into(key, packed, state)
         state[key].copy_(packed)
         state[key + "_scale"].copy_(scale)
+        if err is not None:
+            state[key + "_err"].copy_(err)
 
     def nbytes(self, shape):
         nb = self._nblocks(shape)

@@ -48,6 +48,7 @@ __all__ = [
     "stochastic_codes",
     "to_blocks",
     "block_absmax",
+    "normalize_blocks",
     "quantize_blockwise",
     "dequantize_blockwise",
     "pack_bits",
@@ -181,7 +182,8 @@ def block_absmax(blocks: Tensor) -> Tensor:
     return blocks.abs().amax(dim=-1)
 
 
-def _normalize(blocks: Tensor, scale: Tensor) -> Tensor:
+def normalize_blocks(blocks: Tensor, scale: Tensor) -> Tensor:
+    """blocks (n_blocks, block_size) / scale (n_blocks,) -> values in [-1, 1]."""
     # Divide (not multiply by a reciprocal) so that the largest entry maps to exactly +-1.0; the clamp only
     # guards all-zero blocks (0 / tiny = 0).
     return blocks / scale.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
@@ -201,7 +203,7 @@ def quantize_blockwise(x: Tensor, qmap: Tensor, block_size: int, *, stochastic: 
     """
     blocks = to_blocks(x, block_size)
     scale = block_absmax(blocks)
-    normed = _normalize(blocks, scale)
+    normed = normalize_blocks(blocks, scale)
     if stochastic:
         u = uniform(normed.shape, normed.device, generator) if noise is None else noise.view(normed.shape)
         codes = stochastic_codes(normed, qmap, u)
