@@ -110,6 +110,13 @@ def test_a_few_steps_lower_the_loss(data, method):
     assert res["state_bytes"] >= 0 and res["trainable_params"] <= res["params"]
 
 
+@pytest.mark.parametrize("dtype", ["bf16-autocast", "bf16"])
+def test_bf16_training_lowers_the_loss(data, dtype):
+    corpus, cache = data
+    res = train(fast_config(corpus, cache, method="adamw", max_steps=8, dtype=dtype))
+    assert res["val_loss"] < res["history"]["train"][0][1] - 0.1
+
+
 def test_state_bytes_match_the_method(data):
     corpus, cache = data
     adamw = train(fast_config(corpus, cache, method="adamw", max_steps=2))

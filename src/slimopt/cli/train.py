@@ -106,7 +106,9 @@ def add_recipe_args(p: argparse.ArgumentParser, defaults, budget_default_help: s
     g.add_argument("--seed", type=int, default=defaults.seed, help="(default: %(default)s)")
     g.add_argument("--device", default=defaults.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     g.add_argument("--threads", type=_int, default=defaults.threads,
-                   help="CPU threads for torch (default: one per core; 1 is faster on a busy machine)")
+                   help="CPU threads for torch (default: "
+                        f"{'one per core' if defaults.threads is None else defaults.threads}; 1 is faster on a busy "
+                        f"machine)")
     g.add_argument("--eval-tokens", type=_int, default=defaults.eval_tokens,
                    help="held-out tokens per evaluation (default: %(default)s)")
 

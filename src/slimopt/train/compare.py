@@ -37,8 +37,8 @@ DEFAULT_METHODS = ("adamw", "adamw8bit", "galore", "frugal", "frugal_rho0", "bad
                    "lowrank", "lora", "relora")
 
 CSV_COLUMNS = ("method", "kind", "status", "val_loss", "val_ppl", "state_mib", "state_bytes_per_param",
-               "peak_mem_mib", "tokens_per_s", "wall_time_s", "lr", "settings", "steps", "tokens", "trainable_params",
-               "params")
+               "peak_mem_mib", "tokens_per_s", "wall_time_s", "cpu_time_s", "lr", "settings", "steps", "tokens",
+               "trainable_params", "params")
 
 
 def default_methods() -> list[str]:
@@ -48,10 +48,13 @@ def default_methods() -> list[str]:
 
 
 def _compare_defaults() -> TrainConfig:
-    # Sized to finish the default method set in about 3-5 minutes on 2 CPU cores (see docs/compare-kjv.md):
-    # 128 steps of 16 x 64 tokens, a 2048-token BPE (the output layer dominates a tiny model's step).
+    # Sized to finish the default method set in about 3-5 minutes on 2 CPU cores (see docs/pretraining.md):
+    # 128 steps of 16 x 64 tokens, a 2048-token BPE (the output layer dominates a tiny model's step). One torch
+    # thread: the tiny model gains little from a second one, and on a machine busy with other work, OpenMP
+    # threads competing for the cores slow every step several-fold (--threads changes it).
     return TrainConfig(model="tiny", data="kjv", vocab_size=2048, seq_len=64, batch_size=16, tokens=131_072,
-                       eval_tokens=8192, eval_every=None, progress=False, save_model=False, tensorboard=False)
+                       eval_tokens=8192, eval_every=None, threads=1, progress=False, save_model=False,
+                       tensorboard=False)
 
 
 # A run shorter than this many refreshes of a method's default gap gets a gap scaled to the run (below).
@@ -231,7 +234,8 @@ def _row(res: dict, method: str) -> dict:
         "val_loss": res["val_loss"], "val_ppl": res["val_ppl"], "val_tokens": res["val_tokens"],
         "state_mib": res["state_bytes"] / 2**20, "state_bytes_per_param": res["state_bytes_per_param"],
         "peak_mem_mib": res["peak_mem_bytes"] / 2**20, "peak_mem_kind": res["peak_mem_kind"],
-        "tokens_per_s": res["tokens_per_s"], "wall_time_s": res["wall_time_s"], "lr": res["lr"],
+        "tokens_per_s": res["tokens_per_s"], "wall_time_s": res["wall_time_s"], "cpu_time_s": res["cpu_time_s"],
+        "lr": res["lr"],
         "steps": res["steps"], "tokens": res["tokens"], "trainable_params": res["trainable_params"],
         "params": res["params"], "device": res["device"], "history": res["history"],
     }
@@ -307,7 +311,8 @@ def read_results(path: str | os.PathLike) -> list[dict]:
 def _title(cfg: CompareConfig) -> str:
     b = cfg.base
     steps = _steps(b)
-    return f"{b.model} on {b.data}, {steps * b.batch_size * b.seq_len:,} tokens, seed {b.seed}"
+    data = Path(b.data).name if Path(b.data).expanduser().exists() else b.data  # a path: its file or folder name
+    return f"{b.model} on {data}, {steps * b.batch_size * b.seq_len:,} tokens, seed {b.seed}"
 
 
 def _steps(b: TrainConfig) -> int:
@@ -330,24 +335,27 @@ def _markdown(rows: list[dict], cfg: CompareConfig, elapsed: float | None) -> st
         f"seed {b.seed}; each method at its paper learning rate (column lr).",
         f"- Validation: true mean cross-entropy over {_val_tokens(rows)} held-out tokens (documents never trained "
         f"on); perplexity = exp(loss).",
-        f"- Peak memory: {'; '.join(kinds) or 'n/a'}. Optimizer state: exact bytes of every state tensor.",
+        f"- Peak memory: {'; '.join(kinds) or 'n/a'}. Optimizer state: bytes of every state tensor as allocated. "
+        f"Tokens/s: training steps only; wall s: the whole run (model build, evaluations); CPU s: processor time "
+        f"of the run over all its threads, which other work on the machine does not inflate.",
     ]
     if elapsed is not None:
         lines.append(f"- Wall time of the whole comparison: {elapsed:.0f} s.")
     lines.append(f"- Step-counting settings (subspace refresh / block switch / restart intervals) are scaled to the "
                  f"run when it is shorter than {_MIN_REFRESHES} of the papers' intervals: column settings.")
-    lines += ["", "| method | kind | val ppl | val loss | state MiB | state B/param | peak MiB | tokens/s | wall s | lr "
-              "| settings |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines += ["", "| method | kind | val ppl | val loss | state MiB | state B/param | peak MiB | tokens/s | wall s "
+              "| CPU s | lr | settings |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if r["status"].startswith("failed"):
-            lines.append(f"| {r['method']} | {r['kind']} | {r['status']} | | | | | | | | {r.get('settings', '')} |")
+            lines.append(f"| {r['method']} | {r['kind']} | {r['status']} | | | | | | | | | {r.get('settings', '')} |")
             continue
         ppl = _fmt(r["val_ppl"], ".2f") if r["status"] == "ok" else "diverged"
         lines.append(f"| {r['method']} | {r['kind']} | {ppl} | {_fmt(r['val_loss'], '.4f')} | "
                      f"{_fmt(r['state_mib'], '.3f')} | {_fmt(r['state_bytes_per_param'], '.2f')} | "
                      f"{_fmt(r['peak_mem_mib'], '.0f')} | {_fmt(r['tokens_per_s'], ',.0f')} | "
-                     f"{_fmt(r['wall_time_s'], '.1f')} | {_fmt(r['lr'], 'g')} | {r.get('settings', '')} |")
+                     f"{_fmt(r['wall_time_s'], '.1f')} | {_fmt(r['cpu_time_s'], '.1f')} | {_fmt(r['lr'], 'g')} | "
+                     f"{r.get('settings', '')} |")
     ok = [r for r in rows if r["status"] == "ok"]
     if ok:
         ranked = sorted(ok, key=lambda r: r["val_ppl"])

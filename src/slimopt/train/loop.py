@@ -367,20 +367,22 @@ def train(config: TrainConfig, callback: Callable[[int, dict], None] | None = No
     callback(step, record) is called on every rank after each optimizer step (and after that step's checkpoint);
     raising from it stops the run as a crash would.
     Returns a dict: method, model, params, steps, tokens, val_loss, val_ppl, state_bytes, state_bytes_per_param,
-    peak_mem_bytes, peak_mem_kind, tokens_per_s, train_time_s, wall_time_s, lr, history (train and eval curves).
+    peak_mem_bytes, peak_mem_kind, tokens_per_s, train_time_s, wall_time_s, cpu_time_s, lr, history (train and
+    eval curves).
     """
     t_start = time.perf_counter()
+    cpu_start = time.process_time()
     c = config
     dist_info = _setup_distributed(c.device)
     try:
-        return _train(c, dist_info, callback, t_start)
+        return _train(c, dist_info, callback, t_start, cpu_start)
     finally:
         if dist_info.initialised_here:
             import torch.distributed as dist
             dist.destroy_process_group()
 
 
-def _train(c: TrainConfig, d: _Dist, callback, t_start: float) -> dict:
+def _train(c: TrainConfig, d: _Dist, callback, t_start: float, cpu_start: float) -> dict:
     _check_config(c, d.world_size)
     device = _pick_device(c.device, d)
     if c.threads is not None:
@@ -476,6 +478,10 @@ def _train(c: TrainConfig, d: _Dist, callback, t_start: float) -> dict:
             history["eval"].append((r["tokens"], r["val_loss"]))
 
     def run_eval(step: int) -> dict:
+        if d.world_size > 1 and not _ranks_agree(model, device):
+            # Fail fast: ranks that drifted apart (different random blocks or subspaces) waste the rest of the run.
+            raise RuntimeError(f"data-parallel ranks hold different parameters at step {step}: the method's "
+                               f"choices (blocks, subspaces, random projections) differ between ranks")
         r = evaluate(model, val_blocks, eval_bs, device, autocast_dtype, d.rank, d.world_size)
         logger.log("eval", step=step, tokens=tokens_seen, **r)
         history["eval"].append((tokens_seen, r["val_loss"]))
@@ -586,8 +592,9 @@ def _train(c: TrainConfig, d: _Dist, callback, t_start: float) -> dict:
             "train_time_s": train_time, "device": str(device), "world_size": d.world_size, "rank": d.rank,
         }
         if d.world_size > 1:
-            summary["ranks_agree"] = _ranks_agree(model, device)
+            summary["ranks_agree"] = True  # checked at every evaluation, the last one included
         summary["wall_time_s"] = time.perf_counter() - t_start
+        summary["cpu_time_s"] = time.process_time() - cpu_start  # all threads of this process; load-independent
         logger.log("final", step=done, **summary)
     finally:
         if bar is not None:
