@@ -25,6 +25,9 @@ from .partition import check_owners, classify
 _STATE_FREE = {"projector": "block", "density": 0.0, "free_rule": "sign"}
 _GALORE = {"projector": "svd", "rank": 128, "update_gap": 200, "scale": 0.25, "on_refresh": "keep"}
 _FRUGAL = {"projector": "block", "density": 0.25, "update_gap": 200, "free_rule": "sign", "on_refresh": "reset"}
+_TACO = {"rule": "taco"}  # taco_* settings: slimopt.optim.taco.DEFAULTS
+
+TACO_LR = 1e-4  # a fine-tuning learning rate (the AdamW fallback's); TACO's matrices step lr * taco_alpha * m / n
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,8 @@ METHODS: dict[str, Method] = {
     "badam": Method("BAdam: Adam on one Linear weight at a time (switching every 100 steps), the others frozen",
                     1e-3, projectable={"projector": "block", "rank": 1, "update_gap": 100, "free_rule": "none",
                                        "on_refresh": "reset"}),
+    "taco": Method("TACO: one-sparse ternary step per column of each Linear weight, k fp8 components of state per "
+                   "column; AdamW on embeddings, norms, biases and head", TACO_LR, projectable=dict(_TACO)),
     "signsgd": Method("signSGD on every parameter: no optimizer state", 3e-4, projectable=dict(_STATE_FREE),
                       rest=dict(_STATE_FREE)),
 }
@@ -210,3 +215,27 @@ class BAdam(SlimOptimizer):
         if settings.get("density") is not None and "rank" not in settings:
             settings["rank"] = None
         super().__init__(params, lr=lr, **{**base, **settings})
+
+
+class TACO(SlimOptimizer):
+    """TACO (arXiv 2610.02199): per column of each 2-D weight, a step of lr * taco_alpha * m / n on the one entry
+    whose accumulated gradient is largest, in its sign; k low-precision components of state per column.
+
+    2-D tensors take TACO (``slimopt.optim.taco`` documents the direction, the normalization, the history and
+    which choices are ours); other tensors take AdamW through the group's codecs. Settings: ``taco_k``,
+    ``taco_decay``, ``taco_format``, ``taco_scale_dtype``, ``taco_norm``, ``taco_alpha`` and every SlimOptimizer
+    setting. Use ``slimopt.build(model, "taco")`` to keep embeddings, norms and the head in AdamW.
+
+    Example::
+
+        >>> import torch, slimopt
+        >>> w, b = torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.zeros(64))
+        >>> opt = slimopt.TACO([w, b], lr=1e-4)
+        >>> w.grad, b.grad = torch.randn(64, 32), torch.randn(64)
+        >>> opt.step()
+        >>> sorted(opt.state[w])
+        ['step', 'taco_absmax', 'taco_rows', 'taco_values']
+    """
+
+    def __init__(self, params, lr: float = TACO_LR, **settings: Any) -> None:
+        super().__init__(params, lr=lr, **{**_TACO, **settings})

@@ -7,6 +7,8 @@ afterwards, so a rule never knows the storage format. State-free rules act on th
   weight decay is decoupled (Loshchilov & Hutter, arXiv 1711.05101) and applied by the optimizer, not here.
 - ``lion``: sign of an interpolated momentum (Chen et al., arXiv 2302.06675).
 - ``sgdm``: heavy-ball momentum, as torch.optim.SGD with dampening 0.
+- ``taco``: TACO (arXiv 2610.02199). Its 2-D step and compact state live in ``taco.py`` (the optimizer dispatches
+  there); what reaches ``direction`` under this name is its fallback for other tensors: AdamW, same moments.
 - state-free ``sign`` (signSGD, Bernstein et al., arXiv 1802.04434, as FRUGAL uses it), ``sgd`` and ``none``.
 """
 
@@ -17,7 +19,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
-RULES = ("adamw", "lion", "sgdm")
+RULES = ("adamw", "lion", "sgdm", "taco")
 FREE_RULES = ("sign", "sgd", "none")
 
 # state key and role ("m": signed first moment, "v": non-negative second moment) of each rule's moments
@@ -25,6 +27,7 @@ MOMENTS: dict[str, tuple[tuple[str, str], ...]] = {
     "adamw": (("exp_avg", "m"), ("exp_avg_sq", "v")),
     "lion": (("exp_avg", "m"),),
     "sgdm": (("momentum_buffer", "m"),),
+    "taco": (("exp_avg", "m"), ("exp_avg_sq", "v")),  # the AdamW fallback for tensors that are not 2-D
 }
 
 
@@ -34,7 +37,7 @@ def direction(rule: str, g: Tensor, mom: Mapping[str, Tensor], step: int, group:
 
     g: fp32 gradient (full or projected); mom: fp32 moments of g's shape, keyed as in MOMENTS[rule].
     """
-    if rule == "adamw":
+    if rule in ("adamw", "taco"):  # "taco" arrives here only for its AdamW fallback
         beta1, beta2 = group["betas"]
         m, v = mom["exp_avg"], mom["exp_avg_sq"]
         m.lerp_(g, 1 - beta1)

@@ -1,0 +1,288 @@
+"""TACO: a ternary, column-wise one-sparse update with a compact per-column history.
+
+TACO (Jiang, McGee, Bergou, Cai, Dutta; arXiv 2610.02199) is steepest descent under a dimension-normalized
+1->1 operator norm, for full-parameter fine-tuning with almost no optimizer state. This module holds all of it:
+the direction, the dimension normalization, the per-column state and its update. ``SlimOptimizer`` dispatches to
+``update`` for 2-D tensors of a group with ``rule="taco"``; other tensors of such a group take AdamW's rule and
+moments, stored through the group's codecs (``rules.py``).
+
+The direction. The 1->1 operator norm of a matrix is its largest column l1 norm, so its unit ball is the
+product of one l1 ball per column and the linear maximiser of <G, D> splits into columns: for a gradient G (m x n)
+the steepest direction D puts sign(G_ij) at i = argmax_k |G_kj| and zero elsewhere (ternary, exactly one nonzero
+per column), and <G, D> = sum_j max_i |G_ij| (the dual norm). ``ternary_direction`` computes it; a zero column
+gives a zero column (sign(0) = 0).
+
+The dimension normalization. Measure inputs (R^n) and outputs (R^m) of the layer by their mean absolute value,
+||x||_1 / n and ||y||_1 / m, so that a vector of +-1 has norm 1 whatever its length. The induced operator norm
+is (n / m) ||W||_{1->1}, whose unit ball is m / n times the 1->1 ball: the steepest step is (m / n) D. For an
+``nn.Linear`` weight (out_features, in_features) this is m / n = out / in (the value the paper reports). It makes
+the step dimension-free: with |x_j| ~ a, the update changes the layer's output by lr * a per coordinate on
+average, whatever m and n. ``taco_norm="none"`` drops it (the plain 1->1 step). Under a projector the factor
+still comes from the parameter's shape: it belongs to the layer's fan-in and fan-out, not to the subspace.
+
+The history ("practical TACO"). The bare direction follows the noise of one minibatch. The paper keeps "a small
+set of low-precision gradient components per column"; its accumulation rule is not available to us, so the rule
+here is ours. Per column j the state is k components (row index r, value v), an absmax-scaled sparse sketch of
+the exponential moving average of the gradient (decay beta = ``taco_decay``):
+
+1. Decode the stored values; a component whose stored value is 0 is an empty slot.
+2. Every stored component follows the exact EMA of its own gradient entry: v <- beta v + (1 - beta) G_rj.
+3. Candidates: the k entries of largest |G_ij| among the rows not stored, each with value (1 - beta) G_ij.
+4. Keep the k components of largest |value| among the (up to) 2k stored and candidate ones.
+5. The direction of column j is the sign of the largest kept component, at its row: a one-sparse, ternary
+   column, as in the bare direction. Its choice uses the fp32 values, before they are quantized.
+6. Store the kept values with a per-column absmax scale.
+
+So a stored entry is exactly the EMA momentum of that coordinate since it entered the sketch (a heavy-hitters
+sketch of the dense momentum); TACO's step is then to Signum/Lion what the 1->1 geometry is to the l-infinity one:
+the steepest direction of a momentum, not of one gradient. With beta = 0 it is the bare direction of the current
+gradient (up to ties), and with ``taco_k=0`` no history is kept at all.
+
+Ties are broken deterministically (the same state and gradient give the same step on every device): among
+candidates the smaller row index wins (torch.argmax returns the first maximum); in the selection of step 4 a stored
+component beats a new one of equal magnitude, and an earlier slot beats a later one (a stable sort of the stored
+slots, which are kept in descending order, followed by the candidates in their order).
+
+State per 2-D tensor (tensors only; loads with ``torch.load(weights_only=True)``):
+
+- ``taco_rows``: (k, n), row indices in the narrowest integer dtype that holds m - 1: uint8 (m <= 256),
+  int16 (m <= 32768), int32 beyond;
+- ``taco_values``: (k, n), float8_e4m3fn (``taco_format="fp8"``, value / absmax * 448) or int8 (``"int8"``,
+  round(value / absmax * 127));
+- ``taco_absmax``: (n,), the per-column scale, float32 or bfloat16 (``taco_scale_dtype``);
+
+plus the optimizer's 4-byte ``step``. Bytes: n * (k * (b_row + 1) + b_scale) + 4 (``state_nbytes``), which is O(n):
+a 4096 x 4096 weight with k = 4, int16 rows and fp32 scales stores 4096 * 16 + 4 = 65,540 bytes (0.031 bit per
+parameter) against 134 MB for fp32 Adam moments.
+
+Settings (per parameter group, validated by ``validate``): ``taco_k`` (history size k >= 0), ``taco_decay``
+(beta in [0, 1)), ``taco_format`` (``fp8`` | ``int8``), ``taco_scale_dtype`` (``fp32`` | ``bf16``),
+``taco_norm`` (``m/n`` | ``none``), ``taco_alpha`` (> 0; TACO's step is lr * taco_alpha * norm * D, so one lr
+serves TACO's matrices and the AdamW fallback of the same model, as GaLore's alpha does).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, MutableMapping
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "FORMATS",
+    "SCALE_DTYPES",
+    "NORMS",
+    "KEYS",
+    "DEFAULTS",
+    "ternary_direction",
+    "dual_norm",
+    "row_dtype",
+    "dimension_factor",
+    "state_nbytes",
+    "owns",
+    "reset",
+    "init_state",
+    "decode",
+    "update",
+    "validate",
+]
+
+FORMATS = {"fp8": (torch.float8_e4m3fn, 448.0), "int8": (torch.int8, 127.0)}  # storage dtype, largest code
+SCALE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+NORMS = ("m/n", "none")
+KEYS = ("taco_rows", "taco_values", "taco_absmax")
+
+DEFAULTS: dict[str, Any] = dict(
+    taco_k=4,
+    taco_decay=0.9,
+    taco_format="fp8",
+    taco_scale_dtype="fp32",
+    taco_norm="m/n",
+    taco_alpha=1.0,
+)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the direction and its scale
+
+
+def ternary_direction(g: Tensor) -> Tensor:
+    """The steepest direction of g (m, n) over the 1->1 unit ball: (m, n), in each column j the value sign(g_ij)
+    at i = argmax_k |g_kj| (the smallest such i on a tie) and zero elsewhere."""
+    if g.dim() != 2:
+        raise ValueError(f"ternary_direction needs a 2-D tensor, got shape {tuple(g.shape)}")
+    rows = g.abs().argmax(dim=0, keepdim=True)  # (1, n); argmax returns the first maximum
+    d = torch.zeros_like(g)
+    return d.scatter_(0, rows, g.gather(0, rows).sign())
+
+
+def dual_norm(g: Tensor) -> Tensor:
+    """sum_j max_i |g_ij| for g (m, n): the dual of the 1->1 norm, the value <g, ternary_direction(g)>."""
+    return g.abs().amax(dim=0).sum()
+
+
+def row_dtype(m: int) -> torch.dtype:
+    """The narrowest integer dtype that holds every row index of an m-row matrix."""
+    if m <= 256:
+        return torch.uint8
+    if m <= 2 ** 15:
+        return torch.int16
+    if m <= 2 ** 31:
+        return torch.int32
+    return torch.int64
+
+
+def dimension_factor(shape: torch.Size | tuple[int, ...], norm: str) -> float:
+    """The dimension normalization of a step on a (m, n) weight: m / n for ``"m/n"``, 1 for ``"none"``."""
+    if norm == "m/n":
+        m, n = shape
+        return m / n
+    if norm == "none":
+        return 1.0
+    raise ValueError(f"taco_norm must be one of {', '.join(NORMS)}; got {norm!r}")
+
+
+def state_nbytes(shape: torch.Size | tuple[int, ...], k: int, fmt: str = "fp8", scale_dtype: str = "fp32",
+                 step: bool = True) -> int:
+    """Exact bytes of TACO's state for a (m, n) weight: n * (k * (b_row + 1) + b_scale), plus the 4-byte
+    ``step`` counter when ``step``. k = 0 keeps only the counter."""
+    m, n = shape
+    per_column = 0
+    if k > 0:
+        b_row = torch.empty((), dtype=row_dtype(m)).element_size()
+        b_value = torch.empty((), dtype=FORMATS[fmt][0]).element_size()
+        b_scale = torch.empty((), dtype=SCALE_DTYPES[scale_dtype]).element_size()
+        per_column = k * (b_row + b_value) + b_scale
+    return n * per_column + (4 if step else 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# settings
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def validate(group: Mapping[str, Any]) -> None:
+    """Raise ValueError naming the first invalid ``taco_*`` setting of a parameter group and what is allowed."""
+    k = group["taco_k"]
+    if not _is_int(k) or k < 0:
+        raise ValueError(f"taco_k (the per-column history size) must be an integer >= 0, got {k!r}")
+    decay = group["taco_decay"]
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= float(decay) < 1.0:
+        raise ValueError(f"taco_decay must be a number in [0, 1), got {decay!r}")
+    for name, allowed in (("taco_format", tuple(FORMATS)), ("taco_scale_dtype", tuple(SCALE_DTYPES)),
+                          ("taco_norm", NORMS)):
+        if group[name] not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {group[name]!r}")
+    alpha = group["taco_alpha"]
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (0.0 < float(alpha) < math.inf):
+        raise ValueError(f"taco_alpha must be a finite number > 0, got {alpha!r}")
+
+
+def owns(group: Mapping[str, Any], shape: torch.Size | tuple[int, ...]) -> bool:
+    """True when TACO's own state (not the AdamW fallback) holds the tensor of `shape` in `group`."""
+    return group["rule"] == "taco" and len(shape) == 2
+
+
+def reset(state: MutableMapping[str, Tensor]) -> None:
+    """Forget the history (it starts empty again at the next update)."""
+    for key in KEYS:
+        state.pop(key, None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the state
+
+
+def init_state(shape: torch.Size | tuple[int, ...], k: int, fmt: str, scale_dtype: str, device) -> dict[str, Tensor]:
+    """An empty history for a (m, n) weight: every slot's value is 0."""
+    m, n = shape
+    return {
+        "taco_rows": torch.zeros((k, n), dtype=row_dtype(m), device=device),
+        "taco_values": torch.zeros((k, n), dtype=FORMATS[fmt][0], device=device),
+        "taco_absmax": torch.zeros((n,), dtype=SCALE_DTYPES[scale_dtype], device=device),
+    }
+
+
+def decode(state: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """(rows, values): (k, n) int64 row indices and (k, n) fp32 values of the stored components."""
+    codes = state["taco_values"]
+    top = 448.0 if codes.dtype == torch.float8_e4m3fn else 127.0
+    step = state["taco_absmax"].float() / top  # (n,)
+    return state["taco_rows"].long(), codes.float() * step
+
+
+def _encode(state: MutableMapping[str, Tensor], rows: Tensor, values: Tensor) -> None:
+    """Store rows (k, n) and fp32 values (k, n) into the existing state tensors in place."""
+    codes_t = state["taco_values"]
+    top = 448.0 if codes_t.dtype == torch.float8_e4m3fn else 127.0
+    absmax = values.abs().amax(dim=0).to(state["taco_absmax"].dtype)  # (n,), rounded as stored
+    scale = absmax.float()
+    normed = torch.where(scale > 0, values / scale.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    normed = normed.clamp_(-1.0, 1.0).mul_(top)  # a bf16 scale may round below the absmax
+    if codes_t.dtype == torch.int8:
+        normed = normed.round_()
+    state["taco_values"].copy_(normed.to(codes_t.dtype))
+    state["taco_absmax"].copy_(absmax)
+    state["taco_rows"].copy_(rows.to(state["taco_rows"].dtype))
+
+
+def _candidates(a: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest entries of each column of a (m, n) (non-negative, -1 marks rows not to take), largest first,
+    the smaller row first on ties. Returns rows (k, n) int64 and valid (k, n) bool (False once a column has
+    fewer than k rows left). Overwrites a."""
+    m, n = a.shape
+    rows = torch.empty((k, n), dtype=torch.long, device=a.device)
+    valid = torch.empty((k, n), dtype=torch.bool, device=a.device)
+    for t in range(k):
+        r = a.argmax(dim=0, keepdim=True)  # (1, n): first maximum, deterministic
+        rows[t] = r[0]
+        valid[t] = a.gather(0, r)[0] >= 0
+        a.scatter_(0, r, -1.0)
+    return rows, valid
+
+
+def update(state: MutableMapping[str, Tensor], g: Tensor, group: Mapping[str, Any],
+           shape: torch.Size | tuple[int, ...] | None = None) -> tuple[Tensor, float]:
+    """One TACO step for a 2-D gradient; returns (d, c): the update is lr * c * d.
+
+    g: (m, n) fp32 gradient (or its projection); state: the tensor's optimizer state (history created on first
+    use); shape: the parameter's (m, n) for the dimension normalization (default g's shape). d is (m, n), ternary,
+    one nonzero per column (zero columns stay zero).
+    """
+    if g.dim() != 2:
+        raise ValueError(f"TACO's update needs a 2-D gradient, got shape {tuple(g.shape)}")
+    c = float(group["taco_alpha"]) * dimension_factor(shape if shape is not None else g.shape, group["taco_norm"])
+    k = group["taco_k"]
+    if k == 0:
+        return ternary_direction(g), c
+    m, n = g.shape
+    if "taco_rows" not in state or state["taco_rows"].shape != (k, n):
+        state.update(init_state(g.shape, k, group["taco_format"], group["taco_scale_dtype"], g.device))
+    beta = float(group["taco_decay"])
+
+    rows, values = decode(state)  # (k, n), (k, n)
+    live = values != 0
+    # 2. stored components follow the EMA of their own entry; empty slots stay empty
+    values = torch.where(live, values.mul_(beta).add_(g.gather(0, rows), alpha=1.0 - beta), 0.0)
+    # 3. candidates among the rows not stored (amin is order-independent, so duplicate rows of empty slots are
+    # harmless)
+    a = g.abs()
+    hide = torch.where(live, -1.0, math.inf)
+    a.scatter_reduce_(0, rows, hide, reduce="amin")
+    kc = min(k, m)
+    cand_rows, valid = _candidates(a, kc)
+    cand_values = g.gather(0, cand_rows).mul_(1.0 - beta).masked_fill_(~valid, 0.0)
+    # 4. keep the k largest |value| of stored + candidates (stable: stored first, earlier slots first)
+    all_rows = torch.cat([rows, cand_rows])  # (k + kc, n)
+    all_values = torch.cat([values, cand_values])
+    order = all_values.abs().sort(dim=0, descending=True, stable=True).indices[:k]
+    kept_rows, kept_values = all_rows.gather(0, order), all_values.gather(0, order)
+    # 5. the direction: the sign of the largest kept component (slot 0 after the sort), at its row
+    d = torch.zeros_like(g).scatter_(0, kept_rows[:1], kept_values[:1].sign())
+    # 6. store
+    _encode(state, kept_rows, kept_values)
+    return d, c
