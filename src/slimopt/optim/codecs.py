@@ -180,21 +180,30 @@ class Codec:
 
 
 class Fp32Codec(Codec):
-    """Plain fp32: 4 bytes per value."""
+    """Plain fp32 (or fp64 for fp64 parameters under "auto"): 4 (8) bytes per value.
 
-    name = "fp32"
+    decode returns the stored tensor itself, so the rule's in-place update is the store and encode has nothing
+    left to copy: the full-precision path costs no extra pass over memory.
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        self.dtype = dtype
+        self.name = "fp32" if dtype == torch.float32 else "fp64"
 
     def init(self, key, shape, device):
-        return {key: torch.zeros(shape, dtype=torch.float32, device=device)}
+        return {key: torch.zeros(shape, dtype=self.dtype, device=device)}
 
     def decode(self, key, state, shape):
-        return state[key].float().clone().view(shape)  # a new tensor: the caller may update it in place
+        return state[key].view(shape)
 
     def encode(self, key, x, state, generator=None, noise=None):
+        dst = state[key]
+        if x.data_ptr() == dst.data_ptr() and x.numel() == dst.numel():
+            return  # x is the stored tensor, updated in place
         _copy_dense(key, x, state)
 
     def nbytes(self, shape):
-        return 4 * _numel(shape)
+        return torch.tensor([], dtype=self.dtype).element_size() * _numel(shape)
 
 
 class Bf16Codec(Codec):
@@ -409,6 +418,8 @@ def _codec(name: str, role: str) -> Codec:
     """One shared instance per (canonical spec, role): codecs hold no data."""
     if name == "fp32":
         return Fp32Codec()
+    if name == "fp64":
+        return Fp32Codec(torch.float64)
     if name in ("bf16", "bf16_sr"):
         return Bf16Codec(stochastic=name == "bf16_sr")
     if name == "int8":
@@ -436,10 +447,11 @@ def make_codec(spec: str, role: str, numel: int, param_dtype: torch.dtype) -> Co
                    else " (factored stores a non-negative second moment only)")
         raise ValueError(f"make_codec: spec={spec!r} is not allowed for role {role!r}{why}; "
                          f"allowed: {', '.join(allowed)}")
+    full = "fp64" if param_dtype == torch.float64 else "fp32"  # fp64 parameters compute and store in fp64
     if numel < SMALL_NUMEL:
-        return _codec("fp32", role)
+        return _codec(full, role)
     if spec == "auto":
-        spec = "bf16" if param_dtype == torch.bfloat16 else "fp32"
+        spec = "bf16" if param_dtype == torch.bfloat16 else full
     elif spec == "ternary":
         spec = TERNARY_DEFAULT
     return _codec(spec, role)
