@@ -234,3 +234,49 @@ def test_existing_run_is_not_overwritten(data, tmp_path):
     assert (out / "checkpoint.pt").read_bytes() == before
     cfg = fast_config(corpus, cache, max_steps=2, out=str(out), overwrite=True)
     assert train(replace(cfg, save_every=0))["steps"] == 2
+
+
+# ------------------------------------------------------------------------------------------------ peers
+
+def _one_step(model, opt):
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    lm_loss(model, x).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_peer_state_bytes_count_what_is_allocated():
+    from slimopt.peers import build_peer, optimizer_state_nbytes
+    model = models.build_model("tiny", VOCAB, 16)
+    n = sum(p.numel() for p in model.parameters())
+    n_tensors = len(list(model.parameters()))
+
+    opt = build_peer(model, "torch-adamw")
+    _one_step(model, opt)
+    assert optimizer_state_nbytes(opt) == 8 * n + 4 * n_tensors  # two fp32 moments + an fp32 step each
+
+    opt = build_peer(model, "bnb-adamw8bit")
+    _one_step(model, opt)
+    assert 2.0 < optimizer_state_nbytes(opt) / n < 3.0  # uint8 moments (+ absmax, fp32 for tensors < 4096)
+
+    opt = build_peer(model, "galore-torch", rank=8)
+    _one_step(model, opt)
+    moments = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                  if isinstance(v, torch.Tensor))
+    mats = [st["projector"].ortho_matrix for st in opt.state.values() if "projector" in st]
+    # galore-torch keeps its rank-r basis as a slice of the SVD's full factor, which stays allocated: the count is
+    # of the storage held, larger than the r rows in use.
+    held = sum(m.untyped_storage().nbytes() for m in mats)
+    assert held > sum(m.numel() * 4 for m in mats) > 0
+    assert optimizer_state_nbytes(opt) == moments + held
+
+
+def test_missing_peer_is_a_clear_error(monkeypatch):
+    from slimopt import peers
+    monkeypatch.setitem(peers.PEERS, "bnb-adamw8bit",
+                        replace(peers.PEERS["bnb-adamw8bit"], package="slimopt_absent_package"))
+    assert "pip install bitsandbytes" in peers.available_peers()["bnb-adamw8bit"]
+    with pytest.raises(ImportError, match="pip install bitsandbytes"):
+        peers.build_peer(models.build_model("tiny", VOCAB, 16), "bnb-adamw8bit")
+    with pytest.raises(ValueError, match="known peers"):
+        peers.build_peer(models.build_model("tiny", VOCAB, 16), "bnb-adamw9bit")

@@ -168,7 +168,8 @@ def _dry_build(tc: TrainConfig, vocab_size: int) -> None:
 def _child_train(cfg: TrainConfig) -> dict:
     # Runs in a forked worker: keep the worker's output free of warnings that say nothing about the run.
     import warnings
-    warnings.filterwarnings("ignore", category=UserWarning)
+    for category in (UserWarning, FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
     return train(cfg)
 
 
