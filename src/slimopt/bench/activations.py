@@ -1,0 +1,127 @@
+"""How much memory a training step's activations take, from a model config alone.
+
+LLaMA-family decoders (``model_type`` llama, mistral, qwen2: RMSNorm, rotary positions, SwiGLU MLP, grouped-query
+attention through ``scaled_dot_product_attention``) get an exact count of the tensors autograd saves for the
+backward pass of Hugging Face's implementation. With e the activation element size (2 for bf16/fp16 weights, 4 for
+fp32), h = hidden_size, hq = heads * head_dim, hkv = kv_heads * head_dim, i = intermediate_size, a = heads, per
+token and per decoder layer, in bytes:
+
+    RMSNorm x 2        2 * (4h + 4 + e h)   fp32 copy of the input, fp32 1/rms, normalised output in e
+    q/k/v input        e h
+    q, k after rotary  e hq + e hkv          (saved by attention)
+    v                  e hkv
+    attention output   e hq + 4 a           (also o_proj's input; 4 a = fp32 log-sum-exp per head)
+    gate/up input      e h
+    SwiGLU             4 e i                 gate, up, silu(gate), silu(gate) * up (down_proj's input)
+    -----------------------------------------------------------------
+    layer(e)           8h + 8 + 4 e h + 2 e hq + 2 e hkv + 4 a + 4 e i
+
+For LLaMA-7B in bf16 that is 182 KiB per token and layer (5.7 MiB per token over its 32 layers). Outside the layers, per
+token: the input ids (int64, 8), the final RMSNorm and the head's input (4h + 4 + 2 e h), the fp32 log-softmax of
+the logits that the loss keeps (4 V) and the shifted labels (8); per sequence position the rotary cos/sin tables
+(2 e head_dim, shared by the batch); and the 4-byte loss. Attention through SDPA's flash / memory-efficient kernels
+keeps no T x T scores, so nothing grows with T^2. At the start of the backward pass the loss adds two fp32
+logit-sized gradients (8 V per token) that are gone before the layers' backward runs.
+
+With activation checkpointing (``model.gradient_checkpointing_enable()``, one checkpoint per decoder layer) each
+layer keeps only its input (e h per token), L e h per token plus the same head terms; during the backward pass
+one layer's activations, layer(e) per token, are recomputed and held at a time (``recompute``).
+
+Any other architecture gets the estimate of Korthikanti et al. (arXiv 2205.05198): 34 h bytes per token and layer
+at 16 bits with a 4h MLP, written with the config's MLP width as (18 h + 4 i) e / 2, plus 5 a T e / 2 for the
+attention scores when the model runs eager attention; ``exact`` is False for it.
+
+The exact formula is checked in tests/test_planner.py against the bytes autograd saves for real LLaMA models
+(bf16 and fp32, grouped-query attention included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["LLAMA_LIKE", "ActivationEstimate", "activation_bytes"]
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """Activation memory of one forward pass over a (batch, seq) token block, in bytes.
+
+    saved: what autograd holds at the end of the forward pass (the bulk of the step's peak);
+    loss_grad: the loss's temporaries at the start of the backward pass, on top of `saved`;
+    head: the part of `saved` that the loss and output layer hold (their backward frees it first);
+    recompute: with checkpointing, one decoder layer's activations, rebuilt during its backward (else 0);
+    exact: True for the LLaMA-family count, False for the generic estimate; formula: which one was used.
+    """
+
+    saved: int
+    loss_grad: int
+    head: int
+    recompute: int
+    exact: bool
+    formula: str
+
+
+def _get(config, name: str, default=None):
+    value = getattr(config, name, None)
+    return default if value is None else value
+
+
+def _dims(config) -> dict[str, int]:
+    hidden = _get(config, "hidden_size") or _get(config, "n_embd") or _get(config, "d_model")
+    layers = _get(config, "num_hidden_layers") or _get(config, "n_layer") or _get(config, "num_layers")
+    heads = _get(config, "num_attention_heads") or _get(config, "n_head")
+    if not (hidden and layers and heads):
+        raise ValueError(f"cannot estimate activations for model_type={_get(config, 'model_type')!r}: its config "
+                         "has no hidden_size / num_hidden_layers / num_attention_heads (or n_embd / n_layer / n_head)")
+    inter = _get(config, "intermediate_size") or _get(config, "n_inner") or _get(config, "ffn_dim") or 4 * hidden
+    head_dim = _get(config, "head_dim") or hidden // heads
+    kv_heads = _get(config, "num_key_value_heads", heads)
+    vocab = _get(config, "vocab_size", 0)
+    return dict(h=int(hidden), L=int(layers), a=int(heads), i=int(inter), d=int(head_dim), kv=int(kv_heads),
+                V=int(vocab))
+
+
+def llama_layer_bytes(h: int, hq: int, hkv: int, i: int, a: int, e: int) -> int:
+    """Saved bytes per token of one LLaMA decoder layer (see the module docstring)."""
+    return 8 * h + 8 + 4 * e * h + 2 * e * hq + 2 * e * hkv + 4 * a + 4 * e * i
+
+
+def activation_bytes(config, batch: int, seq: int, elem_size: int, checkpointing: bool = False,
+                     has_lm_head: bool = True) -> ActivationEstimate:
+    """Activation bytes of one forward pass of `batch` sequences of `seq` tokens.
+
+    config: a transformers config; elem_size: bytes per activation element (2 for bf16/fp16 models, 4 for fp32);
+    checkpointing: one activation checkpoint per decoder layer; has_lm_head: the model computes vocabulary logits
+    and a loss over them (causal / masked LM), else only the hidden states.
+    """
+    for name, v in (("batch", batch), ("seq", seq)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+    if elem_size not in (2, 4):
+        raise ValueError(f"elem_size must be 2 (bf16/fp16) or 4 (fp32), got {elem_size!r}")
+    if batch == 0 or seq == 0:
+        return ActivationEstimate(0, 0, 0, 0, True, "no activations (batch or seq is 0)")
+    dims = _dims(config)
+    h, L, a, i, d, kv, V = (dims[k] for k in ("h", "L", "a", "i", "d", "kv", "V"))
+    e = elem_size
+    tokens = batch * seq
+    V = V if has_lm_head else 0
+    mode = "checkpointed layers" if checkpointing else "no checkpointing"
+    model_type = _get(config, "model_type", "")
+    if model_type in LLAMA_LIKE:
+        layer = llama_layer_bytes(h, a * d, kv * d, i, a, e)
+        head = (4 * h + 4 + 2 * e * h) + (4 * V + 8 if V else 0)  # final norm, head input, log-softmax, labels
+        per_token = 8 + (L * e * h if checkpointing else L * layer) + head  # 8: the input ids
+        saved = tokens * per_token + 2 * e * d * seq + (4 if V else 0)
+        return ActivationEstimate(saved, 8 * V * tokens, head * tokens, layer * tokens if checkpointing else 0,
+                                  True, f"LLaMA exact ({model_type}, SDPA attention, {mode})")
+    eager = _get(config, "_attn_implementation", "eager") == "eager"
+    layer = (18 * h + 4 * i) * e // 2 + (5 * a * seq * e // 2 if eager else 0)
+    head = 4 * V
+    per_token = 8 + (L * e * h if checkpointing else L * layer) + head
+    formula = (f"generic estimate (Korthikanti et al. 2205.05198; {'eager' if eager else 'fused'} attention, "
+               f"{mode})")
+    return ActivationEstimate(tokens * per_token, 8 * V * tokens, head * tokens,
+                              layer * tokens if checkpointing else 0, False, formula)

@@ -1,0 +1,495 @@
+"""The memory planner: what a training step of a model needs, per method, before anything is allocated.
+
+For a model config (a LLaMA size name or a local folder holding any Hugging Face config.json, read offline), a
+method (every slimopt method, and the peers torch AdamW, bitsandbytes, torchao and galore-torch) and a dtype, the
+planner builds the model on the meta device (no memory, no weights), enumerates its parameters and gives:
+
+- weights: every parameter and buffer, in the model's dtype;
+- gradients: one per trainable parameter in its dtype, or, with layer-wise (optimizer-in-backward) updates, only
+  the largest one, since each is freed right after its parameter steps;
+- optimizer state, exact: for slimopt methods the optimizer that ``slimopt train`` builds is constructed over the
+  meta parameters (same partition, same recipe, same default rank), and each parameter's state is sized with the
+  optimizer's own helpers: its layout (``SlimOptimizer._layout``), subspace side and rank
+  (``projectors.side_for`` / ``subspace_rank``), the moment shape (``optimizer.state_shape``), the moment codecs
+  it would pick (``SlimOptimizer._moment_codecs``) and their exact ``nbytes``, TACO's ``taco.state_nbytes``, and
+  the block schedule (``SlimOptimizer._block_active``). It equals ``slimopt.state_nbytes`` of the real optimizer
+  (tests/test_planner.py checks it for every method and codec). Peers' states come from ``peer_state``;
+- projections: the part of the state that is a subspace basis (``proj``) or coordinate set (``proj_index``);
+- activations for a batch of B sequences of T tokens (``activations.py`` documents the formula);
+- the peak of a step (below), and the largest batch that fits a memory budget.
+
+Blocks that hold moments only while active (FRUGAL's blockwise selection, BAdam) make the state depend on the
+step. ``step=None`` (the default) reports the schedule's maximum: the largest state over one period of the
+deterministic block orders (ascending / descending, exact for the recipes' single block group), or the k largest
+blocks for ``block_order="random"`` (a bound that a draw can reach). ``step=s`` reports the state right after
+optimizer step s, as ``state_nbytes`` would measure it.
+
+The peak of a step. With W the weights, S the optimizer state, A the activations saved by the forward pass, H
+the part of A that the loss and output layer hold, L the loss's gradient temporaries at the start of the backward
+pass (8 V bytes per token: two fp32 logit-sized tensors), R one recomputed layer (activation checkpointing only),
+G all gradients, and X the update's scratch (below), the peak is the largest of what is alive at these moments:
+
+    start of the backward pass     W + S + A + L
+    a checkpointed layer's rerun   W + S + A - H + R
+    the optimizer step             W + S + G + X                 (activations are gone, every gradient exists)
+    layer-wise updates instead:    W + S + A - H + g_p + X_p     (parameter p steps inside the backward pass)
+
+The backward pass frees a layer's activations as it creates that layer's gradients, so in between the sum stays
+below its two ends when a layer's activations outweigh its gradients (the usual case at training batch sizes).
+X is what the update allocates: slimopt and galore-torch update one parameter at a time in fp32, so X is a
+per-element cost of the largest parameter that depends on the codec (20 bytes per element for plain moments, 53
+for 8-bit, measured on CPU with torch's MemTracker; ``_SCRATCH``); fused kernels (torch fused AdamW,
+bitsandbytes) allocate nothing; torch's foreach AdamW one state-sized temporary for all parameters at once.
+On CPU, against MemTracker's count of every tensor, this peak is within a few percent for LLaMA models with and
+without checkpointing and layer-wise updates (tests/test_planner.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from slimopt.bench.activations import ActivationEstimate, activation_bytes
+
+__all__ = [
+    "DTYPES",
+    "GALORE_7B",
+    "ParamState",
+    "MemoryPlan",
+    "load_config",
+    "meta_model",
+    "planner_methods",
+    "state_plan",
+    "Prepared",
+    "prepare",
+    "plan",
+    "plan_many",
+    "max_batch",
+]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_COUNTER = 4  # ``step`` and ``moment_step``: fp32 0-D tensors (optimizer.py)
+
+# The setting of GaLore's Figure 1 / section 5.5 (arXiv 2403.03507): LLaMA-7B, bf16, a token batch of 256,
+# no activation checkpointing; 8-bit GaLore at rank 1024 with per-layer weight updates.
+GALORE_7B = dict(dtype="bf16", batch=1, seq=256)
+
+
+@dataclass(frozen=True)
+class ParamState:
+    """Optimizer-state bytes of one parameter: moments (codec tensors, counters, maps) and projections."""
+
+    name: str
+    group: str
+    shape: tuple[int, ...]
+    layout: str
+    moments: int
+    projections: int
+    scratch: int = 0  # estimated temporaries while this parameter is updated
+
+    @property
+    def total(self) -> int:
+        return self.moments + self.projections
+
+
+@dataclass
+class MemoryPlan:
+    """One method's memory for one model, batch and dtype, in bytes (see the module docstring)."""
+
+    model: str
+    method: str
+    dtype: str
+    params: int
+    trainable: int
+    weights: int
+    grads: int
+    state: int  # moments, counters and maps
+    projections: int
+    activations: int
+    loss_grad: int
+    scratch: int
+    peak: int
+    batch: int
+    seq: int
+    layerwise: bool
+    checkpointing: bool
+    step: int | None
+    activation_formula: str
+    activations_exact: bool
+    peak_parts: dict[str, int] = field(default_factory=dict)  # what is alive at the peak; sums to `peak`
+    groups: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def optimizer_state(self) -> int:
+        """Everything in ``optimizer.state``: what ``slimopt.state_nbytes`` measures."""
+        return self.state + self.projections
+
+    @property
+    def state_bytes_per_param(self) -> float:
+        return self.optimizer_state / max(1, self.trainable)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["optimizer_state"] = self.optimizer_state
+        out["state_bytes_per_param"] = self.state_bytes_per_param
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# models
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {name!r}")
+    return DTYPES[name]
+
+
+def load_config(model: str, vocab_size: int | None = None):
+    """(label, transformers config) of a LLaMA size name or a local folder with a config.json (read offline)."""
+    import transformers
+
+    from slimopt.train.models import LLAMA_SIZES, llama_config
+
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model must be a LLaMA size ({', '.join(LLAMA_SIZES)}) or a folder with a config.json; "
+                         f"got {model!r}")
+    if model.lower() in LLAMA_SIZES:
+        # rotary positions have no parameters: the sequence length only matters for activations
+        return f"llama-{model.lower()}", llama_config(model, vocab_size=vocab_size, seq_len=4096)
+    path = Path(model).expanduser()
+    cfg_file = path / "config.json" if path.is_dir() else path
+    if cfg_file.name == "config.json" and cfg_file.is_file():
+        try:
+            config = transformers.AutoConfig.from_pretrained(str(cfg_file.parent), local_files_only=True)
+        except (OSError, ValueError, KeyError) as err:
+            raise ValueError(f"cannot read the model config {str(cfg_file)!r}: {err}") from err
+        if vocab_size is not None:
+            config.vocab_size = int(vocab_size)
+        return getattr(config, "_name_or_path", None) or path.name or str(path), config
+    raise ValueError(f"unknown model {model!r}: not a LLaMA size ({', '.join(LLAMA_SIZES)}) and not a folder "
+                     "holding a config.json")
+
+
+def meta_model(config, dtype: str = "bf16") -> nn.Module:
+    """The model of `config` on the meta device: real shapes and dtypes, no memory."""
+    import transformers
+
+    torch_dtype = _dtype(dtype)
+    errors = []
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM, transformers.AutoModel):
+        try:
+            with torch.device("meta"):
+                model = auto.from_config(config, dtype=torch_dtype)
+            return model.to(torch_dtype)
+        except (ValueError, KeyError) as err:  # the config has no class of this auto kind
+            errors.append(f"{auto.__name__}: {err}")
+    raise ValueError(f"cannot build model_type={getattr(config, 'model_type', None)!r} from its config: "
+                     + "; ".join(errors))
+
+
+def _has_lm_head(model: nn.Module) -> bool:
+    get = getattr(model, "get_output_embeddings", None)
+    return callable(get) and get() is not None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# optimizer state
+
+
+def planner_methods() -> list[str]:
+    """Every method the planner sizes: slimopt's, then the peers with a state formula."""
+    import slimopt
+    from slimopt.bench.peer_state import PEER_FORMULAS
+
+    return list(slimopt.methods()) + list(PEER_FORMULAS)
+
+
+def _slim_moments(opt, p: torch.Tensor, group: dict, shape: torch.Size) -> int:
+    """Bytes of the state-full rule's state for a moment of `shape` (full or projected), as ``_stateful``
+    creates it: TACO's compact per-column state, or the codec tensors plus ``moment_step``."""
+    from slimopt.optim import taco
+
+    if taco.owns(group, shape):
+        return taco.state_nbytes(shape, group["taco_k"], group["taco_format"], group["taco_scale_dtype"], step=False)
+    return sum(codec.nbytes(shape) for _, codec in opt._moment_codecs(group, shape, p.dtype)) + _COUNTER
+
+
+# Bytes per element of a parameter that the update allocates on top of the weights, gradient and state while it
+# runs (fp32 gradient copy, decoded moments, direction, quantization buffers), for bf16 weights; fp32 weights skip
+# the gradient copy and a cast (8 fewer). Measured with torch's MemTracker on CPU (a 1024 x 512 weight and a LLaMA
+# step); an estimate of what any device allocates, since kernels differ.
+_SCRATCH = {"plain": 20, "8bit": 53, "ternary_sr": 57, "ternary_ef": 77, "taco": 12, "state_free": 10,
+            "projected": 11, "projected_8bit": 17, "coordinates": 18}
+
+
+def _codec_family(opt, p: torch.Tensor, group: dict, shape) -> str:
+    names = {codec.name for _, codec in opt._moment_codecs(group, shape, p.dtype)}
+    if "ternary_ef" in names:
+        return "ternary_ef"
+    if "ternary_sr" in names:
+        return "ternary_sr"
+    return "8bit" if names & {"int8", "int4"} else "plain"
+
+
+def _scratch_bytes(kind: str, p: torch.Tensor) -> int:
+    c = _SCRATCH[kind] - (8 if p.dtype in (torch.float32, torch.float64) else 0)
+    return max(0, c) * p.numel()
+
+
+def _slim_param(opt, p: torch.Tensor, group: dict) -> tuple[str, int, int, int]:
+    """(layout, moment bytes when the parameter holds moments, projection bytes, update scratch), as ``_update``
+    creates them."""
+    from slimopt.optim import projectors as P
+    from slimopt.optim import taco
+    from slimopt.optim.optimizer import state_shape
+
+    layout = opt._layout(p, group)
+    if layout in ("none", "block"):
+        never = layout == "block" and (group["rank"] == 0 or (group["rank"] is None and group["density"] == 0))
+        kind = "state_free" if never else "taco" if taco.owns(group, p.shape) else _codec_family(opt, p, group,
+                                                                                                  p.shape)
+        return layout, _slim_moments(opt, p, group, p.shape), 0, _scratch_bytes(kind, p)
+    side = P.side_for(p.shape, group["proj_side"]) if layout in P.ORTHO_PROJECTORS else None
+    r = P.subspace_rank(p.shape, layout, side, group["rank"], group["density"])
+    if r == 0:  # density 0: everything state-free, nothing stored but the step counter
+        return layout, 0, 0, _scratch_bytes("state_free", p)
+    shape = state_shape(layout, side, p.shape, r)
+    if layout in P.ORTHO_PROJECTORS:
+        dim = p.shape[0] if side == "left" else p.shape[1]
+        # the basis is computed in fp32 (fp64 for fp64 weights) and stored in the weights' dtype when narrower
+        dtype = p.dtype if p.dtype in (torch.bfloat16, torch.float16, torch.float64) else torch.float32
+        proj = dim * r * torch.empty((), dtype=dtype, device="meta").element_size()
+        kind = "projected" if _codec_family(opt, p, group, shape) == "plain" else "projected_8bit"
+    else:
+        proj = r * 8  # int64 coordinates
+        kind = "coordinates"
+    return layout, _slim_moments(opt, p, group, shape), proj, _scratch_bytes(kind, p)
+
+
+def _block_steps(opt, group: dict) -> list[int]:
+    """Steps that start each refresh period of one period of a block group's schedule."""
+    n = len(group["params"])
+    gap = group["update_gap"]
+    active0 = sum(opt._block_active(p, group, 1) for p in group["params"])
+    if active0 == 0:
+        return [1]
+    period = n // math.gcd(n, active0)
+    return [idx * gap + 1 for idx in range(period)]
+
+
+def _slim_state(model: nn.Module, method: str, step: int | None, hparams: dict[str, Any]) -> list[ParamState]:
+    from slimopt.train.loop import make_optimizer
+
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step must be an integer >= 0 (the state after that many steps) or None (the "
+                         f"schedule's maximum); got {step!r}")
+    opt = make_optimizer(model, method, **hparams)  # what `slimopt train` and `slimopt bench` build
+    names = {id(p): n for n, p in model.named_parameters()}
+    base = [(p, group, *_slim_param(opt, p, group)) for group in opt.param_groups for p in group["params"]]
+
+    def states(active) -> list[ParamState]:
+        """active(p, group) -> bool: whether a block-layout parameter holds its moments."""
+        return [ParamState(names[id(p)], group.get("name", ""), tuple(p.shape), layout,
+                           _COUNTER + (mom if layout != "block" or active(p, group) else 0), proj, scratch)
+                for p, group, layout, mom, proj, scratch in base]
+
+    if step == 0:
+        return [ParamState(names[id(p)], g.get("name", ""), tuple(p.shape), lay, 0, 0, x)
+                for p, g, lay, _, _, x in base]
+    if step is not None:
+        return states(lambda p, g: opt._block_active(p, g, step))
+    blocks = [g for g in opt.param_groups if any(item[2] == "block" for item in base if item[1] is g)]
+    if not blocks:
+        return states(lambda p, g: True)
+    if any(g["block_order"] == "random" for g in blocks):
+        # no period to walk: the k largest blocks of each group, which one draw can pick together
+        chosen: set[int] = set()
+        for g in blocks:
+            k = sum(opt._block_active(p, g, 1) for p in g["params"])
+            ranked = sorted((item for item in base if item[1] is g), key=lambda item: -item[3])
+            chosen.update(id(item[0]) for item in ranked[:k])
+        return states(lambda p, g: id(p) in chosen)
+    candidates = sorted({s for g in blocks for s in _block_steps(opt, g)})
+    return max((states(lambda p, g, s=s: opt._block_active(p, g, s)) for s in candidates),
+               key=lambda st: sum(x.total for x in st))
+
+
+def state_plan(model: nn.Module, method: str, step: int | None = None, **hparams: Any) -> list[ParamState]:
+    """Per-parameter optimizer state of `method` over `model` (real or meta parameters).
+
+    step: None for the block schedule's maximum, or the state right after that optimizer step (see the module
+    docstring). hparams: method settings, as ``slimopt train --opt`` passes them (rank, density, codec, ...); for
+    the galore-torch peers ``rank`` and ``proj_type``.
+    """
+    import slimopt
+    from slimopt.bench.peer_state import PEER_FORMULAS, peer_state
+
+    if method in slimopt.methods():
+        return _slim_state(model, method, step, hparams)
+    if method in PEER_FORMULAS:
+        if step == 0:
+            return []
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        return [ParamState(s.name, "projected" if s.projections else "", shapes.get(s.name, ()), "peer",
+                           s.moments, s.projections, s.scratch) for s in peer_state(model, method, **hparams)]
+    raise ValueError(f"unknown method {method!r}; the planner knows: {', '.join(planner_methods())}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the whole step
+
+
+@dataclass
+class Prepared:
+    """A model and one method's per-parameter state, sized once; ``plan`` and ``max_batch`` then cost only
+    arithmetic, for any batch."""
+
+    net: nn.Module
+    config: Any
+    label: str
+    method: str
+    dtype: str
+    states: list[ParamState]
+    step: int | None
+
+    def plan(self, batch: int = 0, seq: int = 0, layerwise: bool = False, checkpointing: bool = False
+             ) -> MemoryPlan:
+        return _assemble(self, batch, seq, layerwise, checkpointing)
+
+    def max_batch(self, budget: int, seq: int, layerwise: bool = False, checkpointing: bool = False,
+                  limit: int = 1 << 20) -> int:
+        """The largest batch of `seq`-token sequences whose planned peak fits in `budget` bytes (0 if none,
+        `limit` if even that fits): the peak grows with the batch, so doubling then bisection finds it."""
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+            raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+            raise ValueError(f"seq must be an integer >= 1, got {seq!r}")
+
+        def fits(b: int) -> bool:
+            return _assemble(self, b, seq, layerwise, checkpointing).peak <= budget
+
+        if not fits(1):
+            return 0
+        lo, hi = 1, 2
+        while hi <= limit and fits(hi):
+            lo, hi = hi, hi * 2
+        if hi > limit:
+            return limit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+
+def prepare(model: str | nn.Module, method: str, *, dtype: str = "bf16", step: int | None = None,
+            vocab_size: int | None = None, label: str | None = None, config=None, **hparams: Any) -> Prepared:
+    """Build `model` on the meta device (unless given a module) and size `method`'s optimizer state on it.
+
+    model: a LLaMA size name, a folder with a config.json, or a model already built (meta or real; its
+    ``config`` attribute, or `config`, serves the activation estimate). dtype: the weights' (and activations')
+    dtype, bf16 | fp16 | fp32. step: see ``state_plan``. vocab_size: overrides the config's. hparams: method
+    settings (rank, density, codec, ...).
+    """
+    _dtype(dtype)
+    if isinstance(model, nn.Module):
+        net, config = model, config if config is not None else getattr(model, "config", None)
+        label = label or type(model).__name__
+    else:
+        label, config = load_config(model, vocab_size)
+        net = meta_model(config, dtype)
+    return Prepared(net, config, label, method, dtype, state_plan(net, method, step=step, **hparams), step)
+
+
+def plan(model: str | nn.Module, method: str, *, dtype: str = "bf16", batch: int = 0, seq: int = 0,
+         layerwise: bool = False, checkpointing: bool = False, step: int | None = None,
+         vocab_size: int | None = None, label: str | None = None, config=None, **hparams: Any) -> MemoryPlan:
+    """The memory of one training step of `method` on `model` (keywords as ``prepare``).
+
+    batch, seq: the token block per step (0 leaves activations out). layerwise: gradients freed as each parameter
+    steps inside the backward pass. checkpointing: one activation checkpoint per decoder layer.
+    """
+    prep = prepare(model, method, dtype=dtype, step=step, vocab_size=vocab_size, label=label, config=config,
+                   **hparams)
+    return prep.plan(batch, seq, layerwise, checkpointing)
+
+
+def max_batch(model: str | nn.Module, method: str, budget: int, seq: int, *, dtype: str = "bf16",
+              layerwise: bool = False, checkpointing: bool = False, step: int | None = None,
+              vocab_size: int | None = None, config=None, limit: int = 1 << 20, **hparams: Any) -> int:
+    """The largest batch of `seq`-token sequences whose planned peak fits in `budget` bytes; 0 if none does.
+    Keywords as for ``plan``; see ``Prepared.max_batch``."""
+    prep = prepare(model, method, dtype=dtype, step=step, vocab_size=vocab_size, config=config, **hparams)
+    return prep.max_batch(budget, seq, layerwise, checkpointing, limit)
+
+
+def plan_many(model: str, methods: Iterable[str], **kw: Any) -> list[MemoryPlan]:
+    """``plan`` for several methods on one model config (read once)."""
+    dtype = kw.pop("dtype", "bf16")
+    label, config = load_config(model, kw.pop("vocab_size", None))
+    # a fresh meta model per method: an optimizer must not see another's parameters (cheap: no memory)
+    return [plan(meta_model(config, dtype), m, dtype=dtype, config=config, label=label, **kw) for m in methods]
+
+
+def _assemble(prep: Prepared, batch: int, seq: int, layerwise: bool, checkpointing: bool) -> MemoryPlan:
+    net = prep.net
+    params = list({id(p): p for p in net.parameters()}.values())
+    trainable = [p for p in params if p.requires_grad]
+    weights = sum(p.numel() * p.element_size() for p in params)
+    weights += sum(b.numel() * b.element_size() for b in net.buffers())
+    grad_sizes = [p.numel() * p.element_size() for p in trainable]
+    largest_grad = max(grad_sizes, default=0)
+    grads = largest_grad if layerwise else sum(grad_sizes)
+    moments = sum(s.moments for s in prep.states)
+    projections = sum(s.projections for s in prep.states)
+    if batch and seq:
+        if prep.config is None:
+            raise ValueError("activations need the model's config: pass config= or leave batch/seq at 0")
+        elem = 4 if prep.dtype == "fp32" else 2
+        act = activation_bytes(prep.config, batch, seq, elem, checkpointing, _has_lm_head(net))
+    else:
+        act = ActivationEstimate(0, 0, 0, True, "no activations (batch or seq not given)")
+    scratch = _scratch(prep.method, prep.states)
+    sizes = {name: p.numel() * p.element_size() for name, p in net.named_parameters()}
+    # layer-wise: a parameter's gradient and its update's scratch exist together, one parameter at a time
+    worst = max(((sizes.get(s.name, 0), s.scratch) for s in prep.states), key=sum, default=(largest_grad, 0))
+    held = {"weights": weights, "optimizer state": moments, "projections": projections}
+    a_after_loss = act.saved - act.head  # the loss and head's backward has run: their activations are gone
+    phases = [  # what is alive besides `held` at each candidate peak
+        {"gradients": 0, "activations": act.saved, "temporaries": act.loss_grad},  # start of the backward pass
+        {"gradients": 0, "activations": a_after_loss + act.recompute, "temporaries": 0},  # a recomputed layer
+    ]
+    if layerwise:
+        phases.append({"gradients": worst[0], "activations": a_after_loss, "temporaries": worst[1]})
+    else:
+        phases.append({"gradients": grads, "activations": 0, "temporaries": scratch})  # the optimizer step
+    phase = max(phases, key=lambda ph: sum(ph.values()))
+    peak_parts = {**held, **phase}
+    groups: dict[str, dict[str, int]] = {}
+    for s in prep.states:
+        g = groups.setdefault(s.group or "all", {"params": 0, "numel": 0, "state": 0, "projections": 0})
+        g["params"] += 1
+        g["numel"] += math.prod(s.shape) if s.shape else 0
+        g["state"] += s.moments
+        g["projections"] += s.projections
+    return MemoryPlan(model=prep.label, method=prep.method, dtype=prep.dtype, params=sum(p.numel() for p in params),
+                      trainable=sum(p.numel() for p in trainable), weights=weights, grads=grads, state=moments,
+                      projections=projections, activations=act.saved, loss_grad=act.loss_grad, scratch=scratch,
+                      peak=sum(peak_parts.values()), batch=batch, seq=seq, layerwise=layerwise,
+                      checkpointing=checkpointing, step=prep.step, activation_formula=act.formula,
+                      activations_exact=act.exact, peak_parts=peak_parts, groups=groups)
+
+
+def _scratch(method: str, states: list[ParamState]) -> int:
+    """The optimizer step's temporaries: the largest one parameter's update allocates, or all parameters' at once
+    for torch's foreach AdamW (estimates; see ``_SCRATCH`` and ``peer_state.SCRATCH_PER_ELEMENT``)."""
+    from slimopt.bench.peer_state import ALL_AT_ONCE
+
+    if method in ALL_AT_ONCE:
+        return sum(s.scratch for s in states)
+    return max((s.scratch for s in states), default=0)
