@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU benchmark in one call: LLaMA-1B, bf16 weights, every slimopt method and every peer on one H200, plus the
+# memory planner against torch.cuda.max_memory_allocated for a real training step at batch 8 x 512. Fits one
+# 8-minute run (each stage has its own time limit; methods left when the budget is spent get a "skipped" row).
+#
+# Prepare once, where PyPI is reachable (the GPU machine has no network):
+#     bash benchmarks/fetch_wheels.sh            # -> .whl/ (git-ignored): bitsandbytes, torchao, galore-torch, apollo
+# Run on the GPU machine, from the repository root (with the device tool: carry [".whl"], timeout_s 590):
+#     bash benchmarks/gpu_bench.sh
+# Results land in $OUT (default ./gpu-bench): bench.md (tables, goals), bench.json, bench.png, memory-1b.md,
+# env.txt, log.txt. Copy them into docs/benchmarks.md with the date and device they name.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu-bench}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+SITE=/tmp/slimopt-peers
+
+# 1. the peers, from the carried wheels (without them every peer row reads "not installed")
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+        || echo "installing the carried wheels failed: the peers will read 'not installed'"
+else
+    echo "no .whl/ folder: run benchmarks/fetch_wheels.sh first and carry .whl; the peers will read 'not installed'"
+fi
+# slimopt from the working tree, the peers from the wheels, everything else from the machine
+export PYTHONPATH="$PWD/src:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -c "import sys, torch, transformers; print('python', sys.version.split()[0], '| torch', torch.__version__,
+'| cuda', torch.version.cuda, '| transformers', transformers.__version__)"
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+# 2. every method's step, state and peak memory; the refresh timing; the planner against a real training step.
+# Cheap and goal-bearing methods first, the full-SVD ones (about 40 s per GaLore refresh of LLaMA-1B) last.
+METHODS=torch-adamw-fused,torch-adamw,adamw,adamw+compile=true,adamw8bit,adamw8bit+compile=true,bnb-adamw8bit
+METHODS=$METHODS,frugal,frugal_rho0,taco,galore_rsvd,adamw4bit,ternary_adamw,frugal8bit,frugal_ternary,badam
+METHODS=$METHODS,signsgd,apollo,apollo-mini,torchao-adamw8bit,torchao-adamw4bit,galore,galore8bit,galore-torch
+METHODS=$METHODS,galore-torch-8bit
+timeout 420 python3 -m slimopt bench --model 1b --device cuda --dtype bf16 --methods "$METHODS" \
+    --steps 20 --warmup 3 --max-minutes 4 --check-planner --batch 8 --seq 512 --out "$OUT" 2>&1 | tee "$OUT/log.txt"
+status=${PIPESTATUS[0]}
+
+# 3. the planner's table for the same model and batch (seconds, no GPU work), next to the measurements
+timeout 60 python3 -m slimopt memory --model 1b --method all --gpu-memory 139GiB --batch 8 --seq 512 \
+    > "$OUT/memory-1b.md" 2>> "$OUT/log.txt"
+echo "gpu_bench: slimopt bench exited with $status; results in $OUT"
+exit "$status"
