@@ -15,7 +15,7 @@ import sys
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 
 # Subcommand modules, in the order `slimopt --help` lists them.
-SUBCOMMANDS = ["train", "compare", "finetune", "methods"]
+SUBCOMMANDS = ["train", "compare", "finetune", "memory", "bench", "methods"]
 
 
 def build_parser() -> argparse.ArgumentParser:
