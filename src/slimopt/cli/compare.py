@@ -31,7 +31,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--methods", default=None,
                    help="comma-separated methods (slimopt, peers, baselines; default: those of "
                         f"{', '.join(DEFAULT_METHODS)} that exist)")
-    p.add_argument("--out", default="slimopt-compare", help="output folder (default: %(default)s)")
+    p.add_argument("--out", default="runs/compare", help="output folder (default: %(default)s)")
     p.add_argument("--set", action="append", metavar="METHOD.KEY=VALUE", dest="set_opts",
                    help="a hyperparameter for one method, repeatable (e.g. --set galore.rank=64 --set frugal.lr=3e-3)")
     p.add_argument("--in-process", action="store_true",

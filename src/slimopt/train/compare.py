@@ -106,7 +106,7 @@ class CompareConfig:
     base: TrainConfig = field(default_factory=_compare_defaults)
     methods: list[str] | None = None
     method_opts: dict[str, dict] = field(default_factory=dict)
-    out: str = "slimopt-compare"
+    out: str = "runs/compare"
     isolate: bool = True
     progress: bool = True
 
@@ -145,20 +145,22 @@ def _validate(cfg: CompareConfig, methods: list[str]) -> None:
 def _dry_build(tc: TrainConfig, vocab_size: int) -> None:
     """Build the model on the meta device (no memory, no init cost) and the method's optimizer over it, so a bad
     hyperparameter of the 5th method fails before the 1st one trains."""
-    import torch
+    import warnings
 
     from slimopt.train import models
     from slimopt.train.loop import make_optimizer
     if tc.model.lower() not in models.LLAMA_SIZES:
         return  # a checkpoint would have to be read; its method settings are checked when its run starts
     try:
-        model = models.build_model(tc.model, vocab_size, tc.seq_len, seed=tc.seed, device="meta")
-        if method_kind(tc.method) == "baseline":
-            from slimopt import baselines
-            model, _ = baselines.prepare(model, tc.method, seed=tc.seed, **tc.opt)
-            make_optimizer(model, tc.method, lr=tc.lr, weight_decay=tc.weight_decay)
-        else:
-            make_optimizer(model, tc.method, lr=tc.lr, weight_decay=tc.weight_decay, **tc.opt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # libraries' deprecation notices say nothing about this run
+            model = models.build_model(tc.model, vocab_size, tc.seq_len, seed=tc.seed, device="meta")
+            if method_kind(tc.method) == "baseline":
+                from slimopt import baselines
+                model, _ = baselines.prepare(model, tc.method, seed=tc.seed, **tc.opt)
+                make_optimizer(model, tc.method, lr=tc.lr, weight_decay=tc.weight_decay)
+            else:
+                make_optimizer(model, tc.method, lr=tc.lr, weight_decay=tc.weight_decay, **tc.opt)
     except ValueError as e:
         raise ValueError(f"method {tc.method!r}: {e}") from e
     except Exception:  # noqa: BLE001 - something meta tensors cannot do; the real run will tell
