@@ -27,7 +27,7 @@ _GALORE = {"projector": "svd", "rank": 128, "update_gap": 200, "scale": 0.25, "o
 _FRUGAL = {"projector": "block", "density": 0.25, "update_gap": 200, "free_rule": "sign", "on_refresh": "reset"}
 _TACO = {"rule": "taco"}  # taco_* settings: slimopt.optim.taco.DEFAULTS
 
-TACO_LR = 1e-4  # a fine-tuning learning rate (the AdamW fallback's); TACO's matrices step lr * taco_alpha * m / n
+TACO_LR = 3e-4  # a fine-tuning learning rate (the AdamW fallback's); TACO's matrices step lr * taco_alpha * m / n
 
 
 @dataclass(frozen=True)
@@ -230,7 +230,7 @@ class TACO(SlimOptimizer):
 
         >>> import torch, slimopt
         >>> w, b = torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.zeros(64))
-        >>> opt = slimopt.TACO([w, b], lr=1e-4)
+        >>> opt = slimopt.TACO([w, b], lr=3e-4)
         >>> w.grad, b.grad = torch.randn(64, 32), torch.randn(64)
         >>> opt.step()
         >>> sorted(opt.state[w])
