@@ -410,11 +410,13 @@ def _train(c: TrainConfig, d: _Dist, callback, t_start: float, cpu_start: float)
         raise ValueError(f"--seq-len {c.seq_len} exceeds the model's max_position_embeddings {max_pos}")
     kind = method_kind(c.method)
     baseline_hook = None
+    # Seed before anything that draws from the global generators (LoRA's adapter init, random projections), so
+    # a run depends on its seed alone, not on what the process did before.
+    _seed_everything(c.seed)
     if kind == "baseline":
         from slimopt import baselines
         model, baseline_hook = baselines.prepare(model, c.method, seed=c.seed, **c.opt)
         model.to(device)
-    _seed_everything(c.seed)
     optimizer = make_optimizer(model, c.method, lr=c.lr, weight_decay=c.weight_decay,
                                **({} if kind == "baseline" else c.opt))
     peak_lr = resolve_lr(c.method, c.lr)
