@@ -1,8 +1,11 @@
-"""How many bytes an optimizer's state occupies."""
+"""How many bytes an optimizer's state occupies: on this rank, or summed over the ranks of a sharded run."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 
@@ -16,15 +19,25 @@ def tensor_nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def state_nbytes(opt: torch.optim.Optimizer) -> int:
+def state_nbytes(opt: torch.optim.Optimizer, total: bool = False, group: Any = None) -> int:
     """Exact bytes of every tensor in ``opt.state`` (codes, scales, padding, bases, step counters).
 
-    Works for any torch optimizer whose state holds plain tensors; for a sharded (DTensor) state it counts the
-    shard held by this rank.
+    Works for any torch optimizer whose state holds plain tensors or DTensors. Under FSDP2 (a process group is
+    initialised) it counts what this rank holds: its shards, and its copy of replicated state (bases, indices,
+    TACO's history, steps). ``total=True`` sums that over the ranks of ``group`` (default: all ranks) with one
+    all-reduce, so every rank must call it; replicated state then counts once per rank that holds it, which is
+    the memory the whole job spends on it.
     """
-    total = 0
+    count = 0
     for st in opt.state.values():
         for v in st.values():
             if isinstance(v, Tensor):
-                total += tensor_nbytes(v)
-    return total
+                count += tensor_nbytes(v)
+    if not total or not (dist.is_available() and dist.is_initialized()):
+        return count
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":  # nccl reduces GPU tensors only
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([count], dtype=torch.int64, device=device)
+    dist.all_reduce(t, group=group)
+    return int(t.item())

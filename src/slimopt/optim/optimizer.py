@@ -31,7 +31,9 @@ import torch
 from torch import Tensor
 
 from . import compiled
+from . import portable
 from . import projectors as P
+from . import sharded
 from . import taco
 from .codecs import make_codec, resolve_codecs
 from .rules import FREE_RULES, MOMENTS, RULES, direction, free_direction
@@ -251,6 +253,9 @@ class SlimOptimizer(torch.optim.Optimizer):
         grad = p.grad
         if grad.is_sparse:
             raise RuntimeError("slimopt does not support sparse gradients (use a dense embedding)")
+        if sharded.is_sharded(p):  # an FSDP2 (DTensor) parameter: stepped on its local shard, see sharded.py
+            sharded.update(self, p, group)
+            return
         if grad.is_complex() or p.is_complex():
             raise RuntimeError("slimopt does not support complex parameters or gradients")
         state = self.state[p]
@@ -405,6 +410,12 @@ class SlimOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------------------------
     # state dict
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state_dict; for DTensor (FSDP2) parameters, or inside ``portable.portable_state(self)``, the
+        world-size-free form that ``torch.distributed.checkpoint`` saves and reshards (``portable.py``)."""
+        state_dict = super().state_dict()
+        return portable.to_portable(self, state_dict) if portable.wanted(self) else state_dict
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As torch.optim.Optimizer.load_state_dict, but every state tensor keeps its saved dtype.
 
@@ -412,6 +423,9 @@ class SlimOptimizer(torch.optim.Optimizer):
         would turn 8-bit codes into floats and fp32 scales into bf16. State tensors only move to the parameter's
         device; ``step`` stays on the CPU.
         """
+        if portable.is_portable(state_dict):  # a DCP / resharding checkpoint (portable.py)
+            portable.load_portable(self, state_dict)
+            return
         saved = state_dict["state"]
         super().load_state_dict({**state_dict, "state": {}})
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]

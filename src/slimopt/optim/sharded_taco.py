@@ -1,0 +1,152 @@
+"""TACO (arXiv 2610.02199) on a row-sharded 2-D tensor: the same step as one process, with O(n) communication.
+
+TACO picks, per column, the entry of largest magnitude over all rows, and rows live on different ranks:
+
+- the bare direction (``taco_k=0``) is one max-loc all-reduce: every rank packs its best entry of each column
+  into an int64 key whose order is (|value|, then the smaller row) and whose low bit keeps the sign, and a MAX
+  all-reduce of the n keys is torch.argmax's choice over all rows (the first row on ties);
+- with a history of k components per column (``taco.update``), the history (k x n row indices and values, a few
+  bytes per column) is replicated; the stored entries' gradients are all-reduced (k x n, each has one owner and
+  the others add zeros, so the sum is exact) and the k best candidates of all ranks are merged by k max-loc
+  all-reduces (8 k n bytes, independent of the world size). Steps 4-6 of ``taco.update`` then run on identical
+  data on every rank, and each rank applies the direction to the rows it holds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import taco
+from .shardcomm import Rows, all_reduce
+
+__all__ = ["pack_keys", "unpack_keys", "taco_direction", "merge_top_keys", "taco_update"]
+
+
+_ROW_BITS = 31  # rows < 2**31 (taco.row_dtype covers int32 rows)
+
+
+def pack_keys(absval: Tensor, rows_global: Tensor, negative: Tensor) -> Tensor:
+    """Order-preserving int64 keys of (|value|, row, sign): larger |value| first, then the smaller row.
+
+    absval: fp32 >= 0 (its bit pattern orders like the value); rows_global: int64; negative: bool. Key layout:
+    bits 32..62 |value|, bits 1..31 (2**31 - 1 - row), bit 0 the sign. A MAX over keys is a max-loc with
+    torch.argmax's tie rule (the first row)."""
+    bits = absval.float().contiguous().view(torch.int32).to(torch.int64)
+    inv_row = (1 << _ROW_BITS) - 1 - rows_global
+    return (bits << 32) | (inv_row << 1) | negative.to(torch.int64)
+
+
+def unpack_keys(keys: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Inverse of ``pack_keys`` for keys >= 0: (signed fp32 value, int64 row, valid). Keys < 0 are empty
+    (valid False, row 0, value 0)."""
+    valid = keys >= 0
+    k = keys.clamp_min(0)
+    bits = (k >> 32).to(torch.int32)
+    absval = bits.view(torch.float32)
+    rows = (1 << _ROW_BITS) - 1 - ((k >> 1) & ((1 << _ROW_BITS) - 1))
+    value = torch.where((k & 1).bool(), -absval, absval)
+    return torch.where(valid, value, 0.0), torch.where(valid, rows, 0), valid
+
+
+def taco_direction(g: Tensor, rows: Rows) -> Tensor:
+    """``taco.ternary_direction`` of a row-sharded g: one max-loc all-reduce of n keys. Local (rows.local, n)."""
+    n = g.shape[1]
+    if g.shape[0]:
+        a = g.abs()
+        r = a.argmax(dim=0, keepdim=True)  # (1, n), first maximum
+        v = g.gather(0, r)[0]
+        keys = pack_keys(v.abs(), r[0] + rows.start, torch.signbit(v))
+    else:
+        keys = torch.full((n,), -1, dtype=torch.int64, device=g.device)
+    all_reduce(keys, rows, op=dist.ReduceOp.MAX)
+    value, row, valid = unpack_keys(keys)
+    return _one_per_column(g, row, value.sign(), valid, rows)
+
+
+def _one_per_column(g: Tensor, row: Tensor, sign: Tensor, valid: Tensor, rows: Rows) -> Tensor:
+    """A local (rows.local, n) tensor with sign[j] at global row[j] of column j where this rank holds that row."""
+    d = torch.zeros_like(g)
+    mine = valid & (row >= rows.start) & (row < rows.stop)
+    cols = torch.nonzero(mine).flatten()
+    if cols.numel():
+        d[row[cols] - rows.start, cols] = sign[cols].to(d.dtype)
+    return d
+
+
+def merge_top_keys(keys: Tensor, kc: int, rows: Rows) -> Tensor:
+    """The kc largest keys per column over all ranks, largest first. keys: (kc, n), each rank's own, sorted
+    descending, -1 for none. kc rounds of a max-loc all-reduce (n keys each): in round t every rank proposes its
+    best key not yet taken, the maximum is the t-th global candidate, and the rank that proposed it moves on.
+    8 kc n bytes a step whatever the world size (an all-gather of every rank's keys would send 8 W kc n)."""
+    if not rows.distributed:
+        return keys
+    n = keys.shape[1]
+    cols = torch.arange(n, device=keys.device)
+    ptr = torch.zeros(n, dtype=torch.long, device=keys.device)
+    out = torch.empty_like(keys)
+    for t in range(kc):
+        mine = torch.where(ptr < kc, keys[ptr.clamp(max=kc - 1), cols], -1)
+        best = all_reduce(mine.clone(), rows, op=dist.ReduceOp.MAX)
+        out[t] = best
+        ptr += ((mine == best) & (best >= 0)).long()  # keys are unique (rows differ): one rank moves on
+    return out
+
+
+def taco_update(state, g: Tensor, group, shape, rows: Rows) -> tuple[Tensor, float]:
+    """``taco.update`` for a row-sharded 2-D g (local rows of a (rows.total, n) tensor), with a replicated history.
+
+    Steps 2-6 of taco.py, with the rows of other ranks brought in exactly: stored entries' gradients by an
+    all-reduce of (k, n) values (each entry is owned by one rank, the others add zeros), candidates by merging
+    every rank's k best (packed keys, ``merge_top_keys``), which orders them as ``taco._candidates`` does
+    (largest first, the smaller row on ties). Returns the local rows of d, and c.
+    """
+    if g.dtype != torch.float32:
+        raise ValueError(f"TACO under FSDP needs fp32 (or bf16, computed in fp32) gradients, got {g.dtype}")
+    c = float(group["taco_alpha"]) * taco.dimension_factor(shape, group["taco_norm"])
+    k = group["taco_k"]
+    if k == 0:
+        return taco_direction(g, rows), c
+    m, n = rows.total, g.shape[1]
+    if "taco_rows" not in state or state["taco_rows"].shape != (k, n):
+        state.update(taco.init_state((m, n), k, group["taco_format"], group["taco_scale_dtype"], g.device))
+    beta = float(group["taco_decay"])
+    stored_rows, values = taco.decode(state)  # (k, n) global rows, fp32 values: replicated
+    live = values != 0
+    mine = (stored_rows >= rows.start) & (stored_rows < rows.stop)
+    rel = (stored_rows - rows.start).clamp(0, max(0, rows.local - 1))
+    if rows.local:
+        at_stored = torch.where(mine, g.gather(0, rel), 0.0)
+    else:
+        at_stored = torch.zeros((k, n), dtype=g.dtype, device=g.device)
+    all_reduce(at_stored, rows)  # exact: one owner per entry, zeros elsewhere
+    # 2. stored components follow the EMA of their own entry (same arithmetic as taco.update)
+    values = torch.where(live, values.mul_(beta).add_(at_stored, alpha=1.0 - beta), 0.0)
+    # 3. candidates among the rows not stored: every rank's best, merged by packed keys
+    kc = min(k, m)
+    kl = min(kc, rows.local)
+    keys = torch.full((kc, n), -1, dtype=torch.int64, device=g.device)
+    if kl:
+        a = g.abs()
+        hide = torch.where(live & mine, -1.0, math.inf)
+        a.scatter_reduce_(0, rel, hide, reduce="amin")
+        cand_rel, ok = taco._candidates(a, kl)
+        v = g.gather(0, cand_rel)
+        keys[:kl] = torch.where(ok, pack_keys(v.abs(), cand_rel + rows.start, torch.signbit(v)), -1)
+    keys = merge_top_keys(keys, kc, rows)  # (kc, n): the global candidates in taco._candidates' order
+    cand_value, cand_rows, valid = unpack_keys(keys)
+    cand_values = cand_value.mul_(1.0 - beta).masked_fill_(~valid, 0.0)
+    # 4. keep the k largest |value| of stored + candidates (stable: stored first)
+    all_rows = torch.cat([stored_rows, cand_rows])
+    all_values = torch.cat([values, cand_values])
+    order = all_values.abs().sort(dim=0, descending=True, stable=True).indices[:k]
+    kept_rows, kept_values = all_rows.gather(0, order), all_values.gather(0, order)
+    # 5. the direction at the largest kept component, on the rank that holds its row
+    d = _one_per_column(g, kept_rows[0], kept_values[0].sign(), torch.ones_like(kept_rows[0], dtype=torch.bool),
+                        rows)
+    # 6. store (replicated)
+    taco._encode(state, kept_rows, kept_values)
+    return d, c
