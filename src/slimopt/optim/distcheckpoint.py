@@ -1,0 +1,115 @@
+"""Save and load a model with its SlimOptimizer through ``torch.distributed.checkpoint`` (DCP), at any world size.
+
+``save(path, model, optimizer)`` writes a DCP checkpoint folder from FSDP2 ranks or from one process;
+``load(path, model, optimizer)`` reads it into a model sharded over any number of ranks, or into one process.
+Both go through ``get_model_state_dict`` / ``get_optimizer_state_dict`` and their ``set_*`` twins
+(``torch.distributed.checkpoint.state_dict``), so the FQN mapping and the sharded model state are torch's; the
+optimizer state is in slimopt's portable form (``portable.py``), which DCP reshards.
+
+Why a helper instead of the plain DCP recipe (``get_optimizer_state_dict`` on a fresh optimizer as the load
+template): that template comes from a zero-gradient step taken at step 1, and a ``block`` method (FRUGAL, BAdam)
+holds moments only for the blocks active at its step, so a template made at step 1 names other tensors than a
+checkpoint made at step 250. ``load`` builds the template from the checkpoint's own metadata instead: every
+saved tensor, laid out for this process (sharded like its parameter, or replicated). For methods without a
+``block`` projector the plain recipe works as well; with one it fails loudly (a missing key in DCP, or the check
+in ``portable``), never silently. Neither function takes the zero-gradient step: an optimizer that has not
+stepped yet gets ``step = 0`` entries, which behave exactly like no state.
+
+``extra``: any other state (scheduler, data position, RNG) saved under ``"extra"``: tensors, numbers, strings
+and containers of them. Keys that differ between ranks must be distinct (e.g. one per rank): DCP keeps one copy
+of each non-tensor key.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from . import portable
+from . import sharded as S
+
+__all__ = ["save", "load", "load_template"]
+
+
+def _fill_empty_state(optimizer: torch.optim.Optimizer) -> None:
+    # A parameter without state gets step = 0 (the same as no state for SlimOptimizer), so that torch's
+    # state_dict helpers find the optimizer initialised and skip their zero-gradient step.
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state[p]:
+                optimizer.state[p]["step"] = torch.zeros((), dtype=torch.float32)
+
+
+def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
+         extra: dict[str, Any] | None = None) -> None:
+    """Write model, optimizer (portable form) and `extra` to the DCP folder `path` (every rank calls it)."""
+    _fill_empty_state(optimizer)
+    with portable.portable_state(optimizer):
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    if extra:
+        state["extra"] = extra
+    dcp.save(state, checkpoint_id=os.fspath(path))
+
+
+def load_template(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer state dict to load `path` into: every saved optimizer tensor, as this process lays it out."""
+    metadata = dcp.FileSystemReader(os.fspath(path)).read_metadata().state_dict_metadata
+    _fill_empty_state(optimizer)
+    with portable.portable_state(optimizer):
+        osd = get_optimizer_state_dict(model, optimizer)
+    fqns = [f for g in osd["param_groups"] for f in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    owner = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    state = {}
+    for fqn, p in zip(fqns, params):
+        prefix = f"optim.state.{fqn}."
+        entries = {}
+        for name, meta in metadata.items():
+            if not name.startswith(prefix) or "." in name[len(prefix):] or not hasattr(meta, "size"):
+                continue
+            key = name[len(prefix):]
+            entries[key] = _empty_like_saved(optimizer, p, owner[id(p)], key, meta)
+        if entries:
+            state[fqn] = entries
+    return {**osd, "state": state}
+
+
+def _empty_like_saved(optimizer, p, group, key: str, meta) -> torch.Tensor:
+    """An uninitialised tensor for one saved entry: sharded like p for a row-layout key, else whole."""
+    dtype = meta.properties.dtype
+    size = tuple(meta.size)
+    device = p.to_local().device if S.is_sharded(p) else p.device
+    if key == "step" or key == "moment_step":
+        device = torch.device("cpu")
+    if S.is_sharded(p) and portable.layout_of(optimizer, p, group, key) == "rows":
+        rows = S.rows_of(p)
+        local = torch.empty((rows.local,) + size[1:], dtype=dtype, device=device)
+        return portable._param_rows_tensor(local, p, rows)
+    return torch.empty(size, dtype=dtype, device=device)
+
+
+def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
+         extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Load `path` (written by ``save`` at any world size) into `model` and `optimizer` (every rank calls it).
+
+    extra: a template of the extra state to read (values of the right types, tensors of the right shapes), or
+    None. Returns the loaded extra state (or None).
+    """
+    model_state = get_model_state_dict(model)
+    state: dict[str, Any] = {"model": model_state, "optim": load_template(path, model, optimizer)}
+    if extra is not None:
+        state["extra"] = extra
+    dcp.load(state, checkpoint_id=os.fspath(path))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    return state.get("extra")

@@ -1,0 +1,385 @@
+"""A world-size-free form of SlimOptimizer's state, for ``torch.distributed.checkpoint`` (DCP) and resharding.
+
+Inside the optimizer a sharded parameter's state is what one rank needs: the local rows of each moment, with
+quantization blocks cut per local shard (codes flat and padded, one scale per block), replicated bases, indices
+and step counters (``sharded.py``). Those layouts depend on the world size, so a checkpoint stores another form,
+in which every tensor is either
+
+- **row-sharded like its parameter**: a tensor whose dim 0 is the parameter's rows, saved as a DTensor with the
+  parameter's mesh and placements (a plain tensor in one process), so DCP reshards it to any world size; or
+- **replicated**: the same on every rank (steps, ``proj`` of a right projection, ``proj_index``, TACO's history,
+  factored column means, the moments of a left projection), saved once.
+
+Per state tensor (``key`` is a moment such as ``exp_avg``; m x n the parameter, r the subspace size):
+
+========================  ==================================================================  ===========
+internal                  portable                                                            layout
+========================  ==================================================================  ===========
+fp32 / bf16 moment        the moment as is                                                    rows
+int8 / int4 / ternary     ``key``: one uint8 code per element (unpacked), the moment's shape  rows
+                          ``key_scale``: fp32, (rows, row_len / B) where the row length is a  rows
+                          multiple of the block B (blocks never cross rows), else one scale
+                          per element (the moment's shape)
+ternary_ef residual       ``key_err``: one uint8 trit per element                             rows
+factored (2-D)            ``key``: row means (rows,); ``key_col``: column means (n,)          rows; repl.
+``rows`` projector        the (r, n) moments written at their rows of an (m, n) tensor        rows
+left projection           moments (r, n) as is; ``proj`` (m, r)                               repl.; rows
+========================  ==================================================================  ===========
+
+Loading cuts blocks for the new layout. Where every new block takes elements of one saved block (always for
+row-aligned blocks, and for any layout loaded at the world size it was saved at), codes and scales are copied:
+the state is bit-identical. Otherwise (a row length that is not a multiple of the block, loaded at another world
+size) the saved values are re-quantized with the new blocks: the one lossy case, reported once.
+
+``SlimOptimizer.state_dict()`` returns this form for DTensor parameters (what ``get_optimizer_state_dict``
+calls), or inside ``portable_state(opt)``; ``load_state_dict`` recognises it by ``state_layout`` in its
+parameter groups, at any world size and in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import projectors as P
+from . import quant as Q
+from . import sharded as S
+from . import taco
+from .codecs import BlockCodec, TernaryCodec
+
+__all__ = ["LAYOUT", "portable_state", "wanted", "is_portable", "to_portable", "load_portable", "layout_of"]
+
+LAYOUT = "slimopt-portable-1"
+_REPLICATED_KEYS = ("step", "moment_step", "proj_index")
+
+
+@contextlib.contextmanager
+def portable_state(opt) -> Iterator[None]:
+    """Make ``opt.state_dict()`` return the portable form (it does by itself when parameters are DTensors)."""
+    before = getattr(opt, "_portable_state", False)
+    opt._portable_state = True
+    try:
+        yield
+    finally:
+        opt._portable_state = before
+
+
+def wanted(opt) -> bool:
+    return getattr(opt, "_portable_state", False) or any(
+        S.is_sharded(p) for g in opt.param_groups for p in g["params"])
+
+
+def is_portable(state_dict: dict[str, Any]) -> bool:
+    return any(g.get("state_layout") == LAYOUT for g in state_dict.get("param_groups", []))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what lives where
+
+
+def _side(p, group) -> str | None:
+    if group["projector"] in P.ORTHO_PROJECTORS and p.dim() == 2:
+        return P.side_for(p.shape, group["proj_side"])
+    return None
+
+
+def layout_of(opt, p: Tensor, group: dict[str, Any], key: str) -> str:
+    """``"rows"`` (dim 0 is the parameter's rows: saved sharded like it) or ``"replicated"`` for a portable key."""
+    if key in _REPLICATED_KEYS or key.startswith("taco_") or key.endswith("_col"):
+        return "replicated"
+    layout = opt._layout(p, group)
+    if layout in ("none", "block"):
+        return "rows"
+    left = _side(p, group) == "left"
+    if key == "proj":
+        return "rows" if left else "replicated"
+    return "replicated" if left else "rows"
+
+
+def _space(opt, p, group, state_or_index: dict[str, Tensor], rows: S.Rows) -> tuple[S.Space | None, Tensor | None]:
+    """(the moments' Space, the local chosen rows of a ``rows`` projector or None); Space None when the parameter
+    keeps no subspace (density 0)."""
+    layout = opt._layout(p, group)
+    if layout in ("none", "block"):
+        return S.Space(p.shape, rows), None
+    side = _side(p, group)
+    r = P.subspace_rank(p.shape, layout, side, group["rank"], group["density"])
+    if r == 0:
+        return None, None
+    if layout == "rows":
+        if "proj_index" not in state_or_index:
+            return None, None
+        sel, _ = S.local_selection(state_or_index["proj_index"], rows)
+        return S._space_of(layout, side, p.shape, r, rows, state_or_index), sel
+    return S._space_of(layout, side, p.shape, r, rows, state_or_index), None
+
+
+def _param_rows_tensor(local: Tensor, p: Tensor, rows: S.Rows) -> Tensor:
+    """A tensor whose dim 0 is p's local rows -> a DTensor laid out like p (or itself in one process)."""
+    if not S.is_sharded(p):
+        return local
+    from torch.distributed.tensor import DTensor
+    shape = (rows.total,) + tuple(local.shape[1:])
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensor.from_local(local.contiguous(), rows.mesh, rows.placements, run_check=False, shape=shape,
+                              stride=stride)
+
+
+def _local_rows(value: Tensor, p: Tensor, rows: S.Rows) -> Tensor:
+    """This rank's rows of a saved row-layout tensor (a DTensor laid out like p, any DTensor, or a full tensor)."""
+    if S.is_sharded(value):
+        if S.is_sharded(p) and value.device_mesh == p.device_mesh and tuple(value.placements) == rows.placements:
+            return value.to_local()
+        value = value.full_tensor()
+    if value.shape[0] != rows.total:
+        raise ValueError(f"a saved row-layout state tensor has {value.shape[0]} rows; the parameter has "
+                         f"{rows.total}")
+    return value[rows.start: rows.stop]
+
+
+def _replicated(value: Tensor) -> Tensor:
+    return value.full_tensor() if S.is_sharded(value) else value
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# codecs: packed per-shard blocks <-> one code per element
+
+
+def _row_len(shape) -> int:
+    return math.prod(shape[1:]) if len(shape) >= 2 else 1
+
+
+def _compact_scale(shape, block: int) -> bool:
+    """Blocks never cross rows (so one scale per (row, block) describes them for any row split)."""
+    return len(shape) >= 2 and _row_len(shape) % block == 0
+
+
+def _unpack(codec, key: str, state, local_shape: torch.Size) -> dict[str, Tensor]:
+    """Portable tensors of a blockwise codec's moment: codes, scale (and residual bits), local rows first."""
+    n = math.prod(local_shape)
+    b = codec.block_size
+    nb = state[key + "_scale"].shape[0]
+    if isinstance(codec, BlockCodec):
+        codes = state[key] if codec.bits == 8 else Q.unpack_bits(state[key], 4)
+    else:
+        codes = Q.unpack_base3(state[key], nb * b)
+    out = {key: codes[:n].to(torch.uint8).view(local_shape)}
+    scale = state[key + "_scale"]
+    if _compact_scale(local_shape, b):
+        out[key + "_scale"] = scale.view(local_shape[0], _row_len(local_shape) // b)
+    else:
+        out[key + "_scale"] = scale.repeat_interleave(b)[:n].view(local_shape)
+    if isinstance(codec, TernaryCodec) and codec.feedback:
+        out[key + "_err"] = Q.unpack_base3(state[key + "_err"], nb * b)[:n].to(torch.uint8).view(local_shape)
+    return out
+
+
+def _zero_code(codec) -> int:
+    if isinstance(codec, TernaryCodec):
+        return 1  # the trit of 0
+    zero = torch.zeros(1)
+    return int(Q.nearest_codes(zero, Q.get_map(codec.map_name, zero.device))[0])
+
+
+_lossy_warned = False
+
+
+def _pack(codec, key: str, parts: dict[str, Tensor], state, local_shape: torch.Size, device) -> None:
+    """Rebuild a blockwise codec's state for `local_shape` from per-element codes and scales: copied exactly where
+    every new block lies in one saved block, re-quantized otherwise."""
+    global _lossy_warned
+    n = math.prod(local_shape)
+    b = codec.block_size
+    codes = parts[key].reshape(-1).to(device=device, dtype=torch.int64)
+    scale = parts[key + "_scale"].to(device=device, dtype=torch.float32)
+    if _compact_scale(local_shape, b) and scale.shape[-1] * b == _row_len(local_shape) and scale.dim() == 2:
+        scale = scale.repeat_interleave(b, dim=1)
+    scale = scale.reshape(-1)
+    if scale.numel() != n or codes.numel() != n:
+        raise ValueError(f"saved {key} holds {codes.numel()} codes and {scale.numel()} scales for a moment of "
+                         f"{n} elements")
+    state.update(codec.init(key, local_shape, device))
+    nb = -(-n // b)
+    pad = nb * b - n
+    blocks = F.pad(scale, (0, pad), value=float(scale[-1]) if n else 0.0).view(nb, b)
+    exact = bool((blocks == blocks[:, :1]).all())
+    if exact:
+        padded = F.pad(codes, (0, pad), value=_zero_code(codec))
+        if isinstance(codec, BlockCodec):
+            state[key].copy_(padded.to(torch.uint8) if codec.bits == 8 else Q.pack_bits(padded, 4))
+        else:
+            state[key].copy_(Q.pack_base3(padded))
+            if codec.feedback:
+                err = parts[key + "_err"].reshape(-1).to(device=device, dtype=torch.int64)
+                state[key + "_err"].copy_(Q.pack_base3(F.pad(err, (0, pad), value=1)))  # padding carries 0
+        state[key + "_scale"].copy_(blocks[:, 0])
+        return
+    if not _lossy_warned:
+        _lossy_warned = True
+        warnings.warn(f"slimopt: quantized state whose blocks cross rows ({key}, row length not a multiple of {b}) "
+                      "was saved at another world size; its values are re-quantized with this layout's blocks "
+                      "(warned once)", RuntimeWarning, stacklevel=4)
+    if isinstance(codec, TernaryCodec):
+        values = (codes - 1).float() * scale
+    else:
+        values = Q.get_map(codec.map_name, device)[codes] * scale
+    codec.encode(key, values.view(local_shape), state, generator=P.generator(device, 0x5EED, n))
+
+
+def _names(key: str, tensors) -> list[str]:
+    """The state tensors of one moment: ``key`` and its codec's suffixed companions."""
+    return [key + s for s in ("", "_scale", "_err", "_col") if key + s in tensors]
+
+
+def _export_moment(codec, key: str, state, space: S.Space) -> dict[str, Tensor]:
+    """Portable tensors of one moment, dim 0 the moment's local rows."""
+    shape = S._local_shape(space)
+    if isinstance(codec, (BlockCodec, TernaryCodec)):
+        return _unpack(codec, key, state, shape)
+    if codec.name == "factored" and len(shape) == 2:
+        return {key: state[key], key + "_col": state[key + "_col"]}
+    return {key: state[key].view(shape)}  # fp32, bf16 and their stochastic forms, factored non-2-D (fp32)
+
+
+def _import_moment(codec, key: str, parts: dict[str, Tensor], state, space: S.Space, device) -> None:
+    shape = S._local_shape(space)
+    if isinstance(codec, (BlockCodec, TernaryCodec)):
+        _pack(codec, key, parts, state, shape, device)
+        return
+    state.update(codec.init(key, shape, device))
+    if codec.name == "factored" and len(shape) == 2:
+        state[key].copy_(parts[key].reshape(-1))
+        state[key + "_col"].copy_(parts[key + "_col"].reshape(-1))
+        return
+    state[key].copy_(parts[key].reshape(state[key].shape))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one parameter
+
+
+def _moment_plan(opt, p, group, state_like, rows: S.Rows):
+    """(space, chosen local rows or None, codecs) of a parameter's moments; codecs None for TACO's own state or
+    when there is no subspace."""
+    space, sel = _space(opt, p, group, state_like, rows)
+    if space is None or taco.owns(group, space.shape):
+        return space, sel, None
+    return space, sel, S.moment_codecs(opt, group, space, p.dtype)
+
+
+def export_param(opt, p: Tensor, group: dict[str, Any], state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The portable state of one parameter (see the module docstring)."""
+    rows = S.rows_of(p)
+    out: dict[str, Tensor] = {}
+    done = set()
+
+    def put(key: str, t: Tensor, sel: Tensor | None = None) -> None:
+        done.add(key)
+        if layout_of(opt, p, group, key) == "replicated":
+            out[key] = t
+            return
+        if sel is not None:  # a rows projector's moment: write its rows into a tensor of the parameter's rows
+            full = t.new_zeros((rows.local,) + tuple(t.shape[1:]))
+            full[sel] = t
+            t = full
+        out[key] = _param_rows_tensor(t, p, rows)
+
+    for key in ("step", "moment_step", "proj", "proj_index"):
+        if key in state:
+            put(key, state[key])
+    for key in taco.KEYS:
+        if key in state:
+            put(key, state[key])
+    space, sel, codecs = _moment_plan(opt, p, group, state, rows)
+    if codecs is not None and codecs[0][0] in state:
+        for key, codec in codecs:
+            for k, t in _export_moment(codec, key, state, space).items():
+                put(k, t, sel if k != key + "_col" else None)
+            done.update(_names(key, state))
+    left = sorted(set(state) - done)
+    if left:
+        raise ValueError(f"state keys {left} of a {tuple(p.shape)} parameter have no portable form")
+    return out
+
+
+def import_param(opt, p: Tensor, group: dict[str, Any], saved: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Inverse of ``export_param`` for this process's layout."""
+    rows = S.rows_of(p)
+    device = p.to_local().device if S.is_sharded(p) else p.device
+    state: dict[str, Tensor] = {}
+    for key in ("step", "moment_step"):
+        if key in saved:
+            state[key] = _replicated(saved[key]).detach().to("cpu", torch.float32).clone()
+    for key in ("proj", "proj_index") + taco.KEYS:
+        if key not in saved:
+            continue
+        if layout_of(opt, p, group, key) == "rows":
+            state[key] = _local_rows(saved[key], p, rows).detach().to(device).clone()
+        else:
+            state[key] = _replicated(saved[key]).detach().to(device).clone()
+    space, sel, codecs = _moment_plan(opt, p, group, state, rows)
+    used = set(state)
+    if codecs is not None and codecs[0][0] in saved:
+        for key, codec in codecs:
+            names = _names(key, saved)
+            parts = {}
+            for k in names:
+                if layout_of(opt, p, group, k) == "replicated":
+                    parts[k] = _replicated(saved[k]).detach().to(device)
+                else:
+                    t = _local_rows(saved[k], p, rows).detach().to(device)
+                    parts[k] = t[sel] if sel is not None else t
+            _import_moment(codec, key, parts, state, space, device)
+            used.update(names)
+    left = sorted(set(saved) - used)
+    if left:
+        raise ValueError(f"saved state keys {left} of a {tuple(p.shape)} parameter do not belong to its settings "
+                         f"(rule {group['rule']!r}, projector {group['projector']!r})")
+    _check_block_moments(opt, p, group, state)
+    return state
+
+
+def _check_block_moments(opt, p, group, state) -> None:
+    """A ``block`` parameter active at the saved step must have its moments: a template built at another step (the
+    plain get_optimizer_state_dict flow) would have dropped them silently."""
+    if opt._layout(p, group) != "block" or "step" not in state or int(state["step"].item()) == 0:
+        return
+    step = int(state["step"].item())
+    if opt._block_active(p, group, step) and len(state) == 1:
+        raise ValueError("the checkpoint holds no moments for a block that is active at its step: load it with "
+                         "slimopt.optim.distcheckpoint.load, which builds the load template from the checkpoint")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# whole state dicts
+
+
+def to_portable(opt, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """torch's packed state_dict (state keyed by parameter position) -> the portable form."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    owner = {id(p): g for g in opt.param_groups for p in g["params"]}
+    state = {}
+    for i, st in state_dict["state"].items():
+        p = params[i]
+        state[i] = export_param(opt, p, owner[id(p)], st)
+    groups = [{**g, "state_layout": LAYOUT} for g in state_dict["param_groups"]]
+    return {**state_dict, "state": state, "param_groups": groups}
+
+
+def load_portable(opt, state_dict: dict[str, Any]) -> None:
+    """Load a portable state dict (saved at any world size) into `opt`."""
+    groups = [{k: v for k, v in g.items() if k != "state_layout"} for g in state_dict["param_groups"]]
+    saved = state_dict["state"]
+    torch.optim.Optimizer.load_state_dict(opt, {**state_dict, "param_groups": groups, "state": {}})
+    ids = [i for g in groups for i in g["params"]]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    owner = {id(p): g for g in opt.param_groups for p in g["params"]}
+    for i, p in zip(ids, params):
+        if i in saved:
+            opt.state[p] = import_param(opt, p, owner[id(p)], saved[i])
