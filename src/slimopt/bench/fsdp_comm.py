@@ -1,0 +1,232 @@
+"""Communication of slimopt's optimizer step under FSDP2: counted in a run, and predicted for any model.
+
+FSDP2 itself all-gathers parameters and reduce-scatters gradients; this module is about what the *optimizer*
+adds on top (``slimopt.optim.sharded``). Volumes are payloads in bytes per rank and call, the size of the
+logical tensor a collective produces: an all-reduce of X bytes, an all-gather into X bytes (padding included),
+a gather of X bytes at the first rank, a broadcast of X bytes. With ring algorithms a rank sends about
+2 (W - 1) / W of an all-reduce's payload and (W - 1) / W of an all-gather's.
+
+- ``CollectiveCounter``: a dispatch mode that records every c10d collective run inside it (the ``torch.
+  distributed`` calls and DTensor's functional collectives alike), so a CPU run measures what the optimizer sends.
+- ``expected_bytes(opt, world, step)``: the same numbers from the optimizer's settings and the parameters' global
+  shapes, with no run: per step (every step) and per refresh (the extra at steps where a subspace is chosen anew).
+  tests/distributed checks the two agree exactly on a small model; ``volume_table`` evaluates it for a LLaMA size
+  on the meta device (docs/distributed.md, LLaMA-1B).
+
+What is left out of the prediction: the one-time agreement check at the first step (two small all-gathers of
+the parameter list).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from slimopt.optim import projectors as P
+from slimopt.optim import taco
+
+__all__ = ["CollectiveCounter", "expected_bytes", "param_bytes", "volume_table"]
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(v) for v in x)
+    return 0
+
+
+def _group_size(group: Any) -> int:
+    if isinstance(group, torch.ScriptObject):  # how c10d ops carry their process group through the dispatcher
+        group = torch.distributed.ProcessGroup.unbox(group)
+    return group.size()
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Records (op name, payload bytes) of every collective dispatched while active.
+
+    Example::
+
+        with CollectiveCounter() as counter:
+            optimizer.step()
+        counter.total_bytes(), counter.calls()
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func.overloadpacket)
+        if name.startswith(("c10d.", "_c10d_functional.")) and "wait" not in name and "wrap" not in name:
+            self.records.append((name.split(".")[-1], self._payload(name, args)))
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _payload(name: str, args) -> int:
+        if name.endswith(("allgather_", "_allgather_base_", "all_gather_into_tensor")):
+            if name.endswith("all_gather_into_tensor"):  # functional: (input, group size, group name)
+                return _nbytes(args[0]) * int(args[1])
+            return _nbytes(args[0])  # the output (list of) tensor(s)
+        if name.endswith("gather_"):  # (outputs at the root, inputs, group, ...): what the root receives
+            return _nbytes(args[1]) * _group_size(args[2])
+        return _nbytes(args[0])
+
+    def total_bytes(self) -> int:
+        return sum(b for _, b in self.records)
+
+    def calls(self) -> int:
+        return len(self.records)
+
+    def reset(self) -> None:
+        self.records.clear()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the prediction
+
+
+def _split_space(opt, p, group) -> tuple[tuple[int, int] | None, int, str | None, int]:
+    """(shape of the row-split 2-D tensor the rule runs on or None, replicated left-projection bytes a step, side,
+    subspace size r)."""
+    layout = opt._layout(p, group)
+    if layout in ("none", "block"):
+        return (tuple(p.shape) if p.dim() == 2 else None), 0, None, 0
+    m, n = p.shape
+    side = P.side_for(p.shape, group["proj_side"]) if layout in P.ORTHO_PROJECTORS else None
+    r = P.subspace_rank(p.shape, layout, side, group["rank"], group["density"])
+    if r == 0:
+        return None, 0, side, 0
+    if layout in ("svd", "randomized_svd"):
+        r = min(r, m, n)  # an SVD-based basis has at most min(m, n) columns
+    if side == "left":
+        return None, 4 * r * n, side, r
+    if layout == "rows":
+        return (r, n), 0, side, r
+    return (m, r), 0, side, r
+
+
+def param_bytes(opt, p, group: dict[str, Any], world: int, step: int) -> tuple[int, int]:
+    """(bytes communicated every step, extra bytes of a refresh) by one parameter's update at optimizer step
+    `step`, predicted from its settings and its state *before* that step."""
+    if world <= 1:
+        return 0, 0
+    layout = opt._layout(p, group)
+    if layout == "block" and not opt._block_active(p, group, step):
+        return 0, 0  # an inactive block takes signSGD on its shard: nothing to send
+    space, per_step, side, r = _split_space(opt, p, group)
+    if space is not None:
+        rows, cols = space
+        if taco.owns(group, space):
+            k = group["taco_k"]
+            per_step += 8 * cols if k == 0 else 4 * k * cols + 8 * min(k, rows) * cols
+        else:
+            per_step += 4 * cols * sum(c.name == "factored" for _, c in _codecs(opt, group, space, p.dtype))
+    refresh = 0
+    if layout in ("none", "block") or not r or not P.refresh_due(step, group["update_gap"]):
+        return per_step, refresh
+    m, n = p.shape
+    chunk = -(-m // world)
+    state = opt.state.get(p, {})
+    moments = "proj" in state or "proj_index" in state  # a refresh with moments to carry over
+    if layout == "svd":
+        refresh = 4 * world * chunk * n + 8 + 4 * (m if side == "left" else n) * r
+    elif layout == "randomized_svd":
+        k = min(r + group["oversample"], m, n)
+        refresh = 8 + (group["power_iters"] + 1) * (4 * n * k + 4 * world * chunk * k)
+    stateful = moments and not taco.owns(group, (r, n)) and any(k in state for k, _ in _codecs(opt, group, (r, n),
+                                                                                               p.dtype))
+    if side == "left" and group["on_refresh"] == "project" and stateful:
+        refresh += 4 * r * r  # Q_new^T Q_old
+    if layout == "rows" and group["on_refresh"] == "keep" and stateful:
+        counts = _chosen_counts(state["proj_index"], m, world)
+        per_moment = 4 * world * max(1, max(counts)) * n
+        refresh += per_moment * len(_codecs(opt, group, (r, n), p.dtype))
+    return per_step, refresh
+
+
+def _codecs(opt, group, shape, dtype):
+    from slimopt.optim.sharded import Space, moment_codecs
+    return moment_codecs(opt, group, Space(torch.Size(shape), None), dtype)
+
+
+def _chosen_counts(index: torch.Tensor, m: int, world: int) -> list[int]:
+    from slimopt.optim.sharded import chunk_bounds
+    out = []
+    for r in range(world):
+        s, e = chunk_bounds(m, world, r)
+        out.append(int(((index >= s) & (index < e)).sum().item()))
+    return out
+
+
+def expected_bytes(opt, world: int, step: int) -> tuple[int, int]:
+    """(bytes of the optimizer's collectives at `step` apart from refreshes, bytes of the refreshes due at `step`)
+    per rank, for the optimizer's parameters sharded over `world` ranks; call it before that step (a refresh
+    that carries moments over costs more than the first one)."""
+    per_step = refresh = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            a, b = param_bytes(opt, p, group, world, step)
+            per_step += a
+            refresh += b
+    return per_step, refresh
+
+
+def volume_table(size: str = "1b", world: int = 8, methods: dict[str, dict[str, Any]] | None = None,
+                 vocab: int = 32000) -> list[dict[str, Any]]:
+    """Per method: the optimizer's bytes per step and per refresh for a LLaMA size on `world` ranks, from its
+    meta-device parameters (no memory), with the training command's defaults (GaLore rank hidden / 4)."""
+    from slimopt.train.loop import make_optimizer
+    from slimopt.train.models import LLAMA_SIZES
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, tie_word_embeddings=False, **LLAMA_SIZES[size])
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    methods = methods or {m: {} for m in ("adamw", "adamw8bit", "ternary_adamw", "frugal", "badam", "signsgd",
+                                          "galore", "galore_rsvd", "taco")}
+    out = []
+    for name, hp in methods.items():
+        label, method = (name.split("@", 1)[0], name.split("@", 1)[-1]) if "@" in name else (name, name)
+        opt = make_optimizer(model, method, **hp)
+        gap = max([g["update_gap"] for g in opt.param_groups if g["projector"] in P.ORTHO_PROJECTORS] or [0])
+        steady, _ = expected_bytes(opt, world, 2)
+        _, refresh = expected_bytes(opt, world, 1)
+        out.append({"method": label, "per_step": steady, "per_refresh": refresh, "update_gap": gap or None,
+                    "per_step_amortised": steady + (refresh / gap if gap else 0.0),
+                    "params": sum(math.prod(p.shape) for p in model.parameters())})
+    return out
+
+
+# The methods of the LLaMA-1B table in docs/distributed.md: "label@method" runs `method` with the settings.
+DOC_METHODS: dict[str, dict[str, Any]] = {
+    "adamw": {}, "adamw8bit": {}, "adamw4bit": {}, "frugal": {}, "badam": {}, "signsgd": {},
+    "ternary_adamw": {}, "frugal_ternary": {},
+    "galore": {}, "galore, proj_side=right@galore": {"proj_side": "right"},
+    "galore_rsvd": {}, "galore_rsvd, proj_side=right@galore_rsvd": {"proj_side": "right"},
+    "galore rank 128, proj_side=right@galore": {"rank": 128, "proj_side": "right"},
+    "galore_rsvd rank 128, proj_side=right@galore_rsvd": {"rank": 128, "proj_side": "right"},
+    "taco": {}, "taco, taco_k=0@taco": {"taco_k": 0},
+}
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The rows of ``volume_table`` as the markdown table of docs/distributed.md (MB = 10^6 bytes)."""
+    lines = ["| method | per step (MB) | per refresh (MB) | update gap | per step, refresh amortised (MB) |",
+             "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        gap = r["update_gap"] or "-"
+        lines.append(f"| {r['method']} | {r['per_step'] / 1e6:,.1f} | {r['per_refresh'] / 1e6:,.1f} | {gap} | "
+                     f"{r['per_step_amortised'] / 1e6:,.1f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m slimopt.bench.fsdp_comm [size] [world]: the table of docs/distributed.md
+    import sys
+    size = sys.argv[1] if len(sys.argv) > 1 else "1b"
+    world = int(sys.argv[2]) if len(sys.argv) > 2 else 8
+    print(markdown_table(volume_table(size, world, DOC_METHODS)))

@@ -1,0 +1,28 @@
+"""The communication table of docs/distributed.md is what `slimopt.bench.fsdp_comm` predicts (the prediction itself
+is checked against counted collectives by the torchrun tests), and the prediction's basic facts hold."""
+
+from __future__ import annotations
+
+import os
+
+from slimopt.bench.fsdp_comm import DOC_METHODS, markdown_table, volume_table
+
+DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "distributed.md")
+
+
+def test_the_llama_1b_table_in_the_docs_is_the_prediction():
+    rows = volume_table("1b", 8, DOC_METHODS)
+    with open(DOCS, encoding="utf-8") as f:
+        assert markdown_table(rows) in f.read()
+    by = {r["method"]: r for r in rows}
+    for name in ("adamw", "adamw8bit", "adamw4bit", "frugal", "badam", "signsgd"):
+        assert by[name]["per_step"] == by[name]["per_refresh"] == 0
+    # right projections send nothing between refreshes; GaLore's left ones (down_proj) all-reduce r x n a step
+    assert by["galore, proj_side=right"]["per_step"] == 0
+    assert by["galore"]["per_step"] == 24 * 4 * 512 * 5461
+    assert by["taco, taco_k=0"]["per_step"] == 8 * 24 * (4 * 2048 + 2 * 2048 + 5461)  # one key per column
+
+
+def test_taco_candidates_do_not_grow_with_the_world_size():
+    small, large = (volume_table("tiny", w, {"taco": {}})[0]["per_step"] for w in (2, 64))
+    assert small == large > 0
