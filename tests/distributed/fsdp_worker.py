@@ -1,0 +1,231 @@
+"""FSDP2 checks of every slimopt method, run under torchrun (gloo, CPU); tests/test_fsdp.py launches it.
+
+    python -m torch.distributed.run --nproc_per_node 2 --master_port PORT tests/distributed/fsdp_worker.py \
+        --phase save --out DIR
+    python -m torch.distributed.run --nproc_per_node 4 --master_port PORT tests/distributed/fsdp_worker.py \
+        --phase load --out DIR
+
+Phase ``save`` (any world size), for every case of common.CASES:
+  1. K1 steps under FSDP2 equal K1 steps in one process on the same gradients (common.exactness says which
+     parameters must be bit-identical);
+  2. the collectives counted at a plain step and at a refresh step equal ``fsdp_comm.expected_bytes``;
+  3. the replicated state (bases, coordinates, TACO's history, steps) and the set of state keys (which blocks
+     are active) agree on every rank, gathered;
+  4. ``state_nbytes`` per rank is the bytes of the local tensors, and ``total=True`` is their sum over ranks;
+  5. a DCP checkpoint (``distcheckpoint.save``) goes to DIR/<case>; K2 more steps still match one process; the
+     uninterrupted final parameters go to DIR/<case>.final.pt;
+  6. a fresh model and optimizer loading DIR/<case> at the same world size continue bit-identically.
+Phase ``load`` (another world size): load DIR/<case>, continue K2 steps (a refresh among them) and compare with the
+saved uninterrupted run, which equals one process: exact where the method's step does not depend on the world
+size (common.exactness); then 3 and 4 again; and, at an even world size above 2, HSDP (replicated over 2 groups,
+sharded within each) equals one process.
+Any failed check raises, which ends the launch with a nonzero exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common as C  # noqa: E402
+
+import slimopt  # noqa: E402
+from slimopt.bench.fsdp_comm import CollectiveCounter, expected_bytes  # noqa: E402
+from slimopt.optim import distcheckpoint  # noqa: E402
+from slimopt.optim import sharded as S  # noqa: E402
+
+
+def shard(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def fresh_sharded(mesh, perturb: bool = False):
+    model = C.make_model()
+    if perturb:  # a model a checkpoint must overwrite
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    return shard(model, mesh)
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if S.is_sharded(p) else p.detach()).clone() for n, p in model.named_parameters()}
+
+
+REPLICATED = ("step", "moment_step", "proj_index", "taco_rows", "taco_values", "taco_absmax")
+
+
+def _as_bytes(t: torch.Tensor):
+    """(dtype, shape, raw bytes): picklable for every dtype (fp8 tensors are not), compared bit for bit."""
+    return str(t.dtype), tuple(t.shape), t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).clone()
+
+
+def check_agreement(model, opt, world: int, what: str) -> int:
+    """Gather every rank's replicated state and state key sets; all must equal rank 0's. Returns tensors compared."""
+    owner = {id(p): g for g in opt.param_groups for p in g["params"]}
+    mine = {}
+    for name, p in model.named_parameters():
+        st = opt.state[p]
+        group = owner[id(p)]
+        keys = list(REPLICATED)
+        from slimopt.optim import portable
+        if "proj" in st and portable.layout_of(opt, p, group, "proj") == "replicated":
+            keys.append("proj")
+        mine[name] = {"keys": sorted(st), **{k: _as_bytes(st[k]) for k in keys if k in st}}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    count = 0
+    for r, theirs in enumerate(everyone):
+        for name, entries in mine.items():
+            for k, v in entries.items():
+                other = theirs[name][k]
+                same = v == other if k == "keys" else (v[:2] == other[:2] and torch.equal(v[2], other[2]))
+                if not same:
+                    raise AssertionError(f"{what}: rank {r} disagrees on {name}.{k}")
+                count += 1
+    return count
+
+
+def check_nbytes(opt, world: int, what: str) -> None:
+    local = 0
+    for st in opt.state.values():
+        for v in st.values():
+            t = v.to_local() if S.is_sharded(v) else v
+            local += t.numel() * t.element_size()
+    per_rank = slimopt.state_nbytes(opt)
+    total = slimopt.state_nbytes(opt, total=True)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, per_rank)
+    if per_rank != local or total != sum(everyone):
+        raise AssertionError(f"{what}: state_nbytes {per_rank} (local tensors {local}), total {total} "
+                             f"(sum over ranks {sum(everyone)})")
+
+
+def counted_step(model, opt, step: int, world: int, case: str) -> dict:
+    C.set_grads(model, step)
+    per_step, refresh = expected_bytes(opt, world, step)  # predicted from the state before the step
+    with CollectiveCounter() as counter:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    got = counter.total_bytes()
+    if got != per_step + refresh:
+        raise AssertionError(f"{case}: step {step} communicated {got} bytes in {counter.calls()} calls; "
+                             f"expected {per_step} + {refresh} (refresh)")
+    return {"step": step, "counted": got, "calls": counter.calls(), "expected_step": per_step,
+            "expected_refresh": refresh}
+
+
+def phase_save(out: str, mesh, world: int, rank: int) -> None:
+    report = {}
+    for case in C.CASES:
+        t0 = time.perf_counter()
+        ref = C.make_model()
+        ref_opt = C.build(ref, case)
+        model = fresh_sharded(mesh)
+        opt = C.build(model, case)
+        counts = []
+        for step in range(1, C.K1 + 1):
+            C.set_grads(ref, step)
+            ref_opt.step()
+            if step == 1:
+                C.set_grads(model, step)
+                opt.step()
+            else:
+                counts.append(counted_step(model, opt, step, world, case))
+        C.compare(full_params(ref), model, opt, (world,), C.K1, f"{case} at {world} ranks, step {C.K1}")
+        agreed = check_agreement(model, opt, world, case)
+        check_nbytes(opt, world, case)
+        path = os.path.join(out, case)
+        distcheckpoint.save(path, model, opt)
+        C.run_steps(ref, ref_opt, C.K1 + 1, C.K1 + C.K2)
+        C.run_steps(model, opt, C.K1 + 1, C.K1 + C.K2)
+        final = full_params(model)
+        C.compare(full_params(ref), model, opt, (world,), C.K1 + C.K2, f"{case} at {world} ranks, step "
+                  f"{C.K1 + C.K2}")
+        if rank == 0:
+            torch.save(final, path + ".final.pt")
+        again = fresh_sharded(mesh, perturb=True)
+        again_opt = C.build(again, case)
+        distcheckpoint.load(path, again, again_opt)
+        C.run_steps(again, again_opt, C.K1 + 1, C.K1 + C.K2)
+        for name, t in full_params(again).items():
+            if not torch.equal(t, final[name]):
+                raise AssertionError(f"{case}: resumed at {world} ranks, {name} differs from the uninterrupted run "
+                                     f"by {(t - final[name]).abs().max().item():.3e}")
+        report[case] = {"agreed_tensors": agreed, "collectives": counts, "state_bytes_rank":
+                        slimopt.state_nbytes(opt), "state_bytes_total": slimopt.state_nbytes(opt, total=True)}
+        if rank == 0:
+            print(f"{case} ({time.perf_counter() - t0:.1f} s): ok", flush=True)
+    if rank == 0:
+        with open(os.path.join(out, f"report_save_{world}.json"), "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def phase_load(out: str, mesh, world: int, rank: int) -> None:
+    for case in C.CASES:
+        t0 = time.perf_counter()
+        path = os.path.join(out, case)
+        final = torch.load(path + ".final.pt", weights_only=True)
+        again = fresh_sharded(mesh, perturb=True)
+        again_opt = C.build(again, case)
+        distcheckpoint.load(path, again, again_opt)
+        C.run_steps(again, again_opt, C.K1 + 1, C.K1 + C.K2)
+        C.compare(final, again, again_opt, (2, world), C.K1 + C.K2, f"{case} saved at 2 ranks, resumed at {world}")
+        check_agreement(again, again_opt, world, case)
+        check_nbytes(again_opt, world, case)
+        if rank == 0:
+            print(f"{case} ({time.perf_counter() - t0:.1f} s): ok", flush=True)
+
+
+def phase_hsdp(world: int, rank: int) -> None:
+    """HSDP (a 2 x W/2 mesh: Replicate on the first dimension, Shard(0) on the second) equals one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    for case in ("mixed_a", "mixed_b"):
+        ref = C.make_model()
+        ref_opt = C.build(ref, case)
+        model = fresh_sharded(mesh)
+        opt = C.build(model, case)
+        C.run_steps(ref, ref_opt, 1, C.K1 + C.K2)
+        C.run_steps(model, opt, 1, C.K1 + C.K2)
+        C.compare(full_params(ref), model, opt, (world // 2,), C.K1 + C.K2, f"{case} under HSDP 2 x {world // 2}")
+        if rank == 0:
+            print(f"{case} under HSDP: ok", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--phase", choices=("save", "load"), required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore", category=UserWarning)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        world, rank = dist.get_world_size(), dist.get_rank()
+        mesh = init_device_mesh("cpu", (world,))
+        (phase_save if args.phase == "save" else phase_load)(args.out, mesh, world, rank)
+        if args.phase == "load" and world % 2 == 0 and world > 2:
+            phase_hsdp(world, rank)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
