@@ -19,6 +19,8 @@ EXAMPLES = """examples:
   slimopt train --out runs/frugal --resume           # continue that run from its last checkpoint
   slimopt train --model 60m --data ./c4-shard.jsonl --tokenizer ./t5-base --dtype bf16-autocast --batch-size 512 \\
       --grad-accum 4 --tokens 1.1e9 --method frugal --device cuda
+  torchrun --nproc_per_node 8 -m slimopt train --fsdp --model 1b --method galore --opt proj_side=right \
+      --save-every 500 --out runs/galore-fsdp      # FSDP2: weights, gradients and optimizer state sharded
 """
 
 
@@ -130,6 +132,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--density", type=float, default=None, help="state-full fraction in [0, 1] (FRUGAL)")
     g.add_argument("--update-gap", type=_int, default=None, help="steps between subspace refreshes")
     g.add_argument("--scale", type=float, default=None, help="scale of the projected update (GaLore alpha)")
+    g.add_argument("--fsdp", action="store_true",
+                   help="shard weights, gradients and optimizer state with FSDP2 (run under torchrun; checkpoints "
+                        "are DCP folders that resume on any number of ranks; slimopt methods only)")
     g.add_argument("--opt", action="append", metavar="KEY=VALUE",
                    help="any other method hyperparameter, repeatable (e.g. --opt projector=randomized_svd)")
     g = p.add_argument_group("evaluation, logging and checkpoints")
@@ -165,6 +170,7 @@ def config_from_args(args):
         seed=args.seed, eval_every=args.eval_every, eval_tokens=args.eval_tokens,
         eval_batch_size=args.eval_batch_size, save_every=args.save_every, log_every=args.log_every, out=args.out,
         resume=args.resume, overwrite=args.overwrite, device=args.device, threads=args.threads,
+        fsdp=getattr(args, "fsdp", False),
         cache_dir=args.cache_dir,
         progress=not args.no_progress, save_model=not args.no_save_model)
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from slimopt.train import checkpoint as ckpt
+from slimopt.train import fsdp
 from slimopt.train.evaluate import evaluate, lm_loss
 from slimopt.train.logger import MemoryProbe, RunLogger, read_jsonl
 from slimopt.train.schedule import build_scheduler
@@ -74,6 +75,7 @@ class TrainConfig:
     overwrite: bool = False
     device: str = "auto"
     threads: int | None = None          # CPU threads for torch (None: torch's default, one per core)
+    fsdp: bool = False                  # shard weights, gradients and optimizer state with FSDP2 (train/fsdp.py)
     cache_dir: str | None = None
     progress: bool = True
     save_model: bool = True
@@ -173,6 +175,11 @@ def make_optimizer(model: torch.nn.Module, method: str, lr: float | None = None,
     return build(model, method, weight_decay=weight_decay, **hp)
 
 
+def slimopt_state_nbytes(opt: torch.optim.Optimizer, total: bool = False) -> int:
+    from slimopt.optim.accounting import state_nbytes
+    return state_nbytes(opt, total=total)
+
+
 def optimizer_state_nbytes(opt: torch.optim.Optimizer) -> int:
     from slimopt.peers import optimizer_state_nbytes as count
     return count(opt)
@@ -229,14 +236,20 @@ def _check_config(c: TrainConfig, world_size: int) -> None:
         raise ValueError(f"--device {c.device} requested but CUDA is not available here; use --device cpu")
     if not isinstance(c.opt, dict):
         raise ValueError(f"opt must be a dict of method hyperparameters, got {type(c.opt).__name__}")
+    if c.fsdp:
+        fsdp.check_method(method_kind(c.method), c.method)
     method_kind(c.method)
     _check_model_name(c.model)
     _check_data_source(c.data, c.text_field, c.txt_split)
     if c.resume and c.out is None:
         raise ValueError("--resume needs --out (the folder of the run to continue)")
-    if c.out is not None and not c.resume and not c.overwrite and ckpt.find_checkpoint(c.out) is not None:
+    found = (ckpt.find_checkpoint(c.out), fsdp.find_checkpoint(c.out)) if c.out is not None else (None, None)
+    if c.out is not None and not c.resume and not c.overwrite and any(found):
         raise ValueError(f"--out {c.out} already holds a run's checkpoint; pass --resume to continue it or "
                          f"--overwrite to start over")
+    if c.resume and found[c.fsdp] is None and found[not c.fsdp] is not None:
+        raise ValueError(f"--out {c.out} holds a checkpoint written {'without' if c.fsdp else 'with'} --fsdp; "
+                         f"resume it the same way")
 
 
 def _check_model_name(name: str) -> None:
@@ -385,6 +398,8 @@ def train(config: TrainConfig, callback: Callable[[int, dict], None] | None = No
 def _train(c: TrainConfig, d: _Dist, callback, t_start: float, cpu_start: float) -> dict:
     _check_config(c, d.world_size)
     device = _pick_device(c.device, d)
+    if c.fsdp:  # one plain process: FSDP over a group of one
+        d.initialised_here |= fsdp.ensure_process_group(device)
     if c.threads is not None:
         torch.set_num_threads(c.threads)
     weight_dtype, autocast_dtype = _model_dtype(c.dtype)
@@ -417,6 +432,8 @@ def _train(c: TrainConfig, d: _Dist, callback, t_start: float, cpu_start: float)
         from slimopt import baselines
         model, baseline_hook = baselines.prepare(model, c.method, seed=c.seed, **c.opt)
         model.to(device)
+    if c.fsdp:
+        fsdp.shard_model(model, device)
     optimizer = make_optimizer(model, c.method, lr=c.lr, weight_decay=c.weight_decay,
                                **({} if kind == "baseline" else c.opt))
     peak_lr = resolve_lr(c.method, c.lr)
@@ -428,15 +445,22 @@ def _train(c: TrainConfig, d: _Dist, callback, t_start: float, cpu_start: float)
     # Resume: read the checkpoint (nothing is written yet).
     start_step, tokens_seen, train_time = 0, 0, 0.0
     state = None
-    if c.resume and ckpt.find_checkpoint(c.out) is not None:
-        state = ckpt.load_checkpoint(ckpt.find_checkpoint(c.out), map_location=device)
+    resume_from = (fsdp.find_checkpoint(c.out) if c.fsdp else ckpt.find_checkpoint(c.out)) if c.resume else None
+    if resume_from is not None:
+        if c.fsdp:  # a DCP folder: the run's position first, the shards after the settings check
+            state = fsdp.read_train_state(resume_from)
+        else:
+            state = ckpt.load_checkpoint(resume_from, map_location=device)
         key = _resume_key(c, total_steps)
         diff = {k: (state["resume_key"].get(k), v) for k, v in key.items() if state["resume_key"].get(k) != v}
         if diff:
             raise ValueError(f"cannot resume {c.out}: settings differ from the checkpoint's "
                              f"(option: checkpoint -> now): {diff}")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        if c.fsdp:
+            state["rng"] = fsdp.load(resume_from, model, optimizer)
+        else:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         sampler.load_state_dict(state["sampler"])
         if baseline_hook is not None and "baseline" in state:
@@ -462,7 +486,7 @@ def _train(c: TrainConfig, d: _Dist, callback, t_start: float, cpu_start: float)
     del state
 
     net = model
-    if d.world_size > 1:
+    if d.world_size > 1 and not c.fsdp:
         net = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
     model.train()
@@ -480,16 +504,24 @@ def _train(c: TrainConfig, d: _Dist, callback, t_start: float, cpu_start: float)
             history["eval"].append((r["tokens"], r["val_loss"]))
 
     def run_eval(step: int) -> dict:
-        if d.world_size > 1 and not _ranks_agree(model, device):
+        if d.world_size > 1 and not c.fsdp and not _ranks_agree(model, device):
             # Fail fast: ranks that drifted apart (different random blocks or subspaces) waste the rest of the run.
             raise RuntimeError(f"data-parallel ranks hold different parameters at step {step}: the method's "
                                f"choices (blocks, subspaces, random projections) differ between ranks")
-        r = evaluate(model, val_blocks, eval_bs, device, autocast_dtype, d.rank, d.world_size)
+        # FSDP's forward is a collective: every rank scores every block (the same batches on all ranks)
+        r = evaluate(model, val_blocks, eval_bs, device, autocast_dtype, *((0, 1) if c.fsdp else (d.rank,
+                                                                                                  d.world_size)))
         logger.log("eval", step=step, tokens=tokens_seen, **r)
         history["eval"].append((tokens_seen, r["val_loss"]))
         return r
 
     def save(step: int) -> None:
+        if c.fsdp and out is not None:  # every rank writes its shards
+            position = {"format": 1, "step": step, "tokens": tokens_seen, "train_time": train_time,
+                        "resume_key": _resume_key(c, total_steps), "scheduler": scheduler.state_dict(),
+                        "sampler": sampler.state_dict()}
+            fsdp.save(out, model, optimizer, position, ckpt.rng_state())
+            return
         if out is None or not d.main:
             return
         st = {"format": 1, "step": step, "tokens": tokens_seen, "train_time": train_time,
@@ -517,7 +549,8 @@ def _train(c: TrainConfig, d: _Dist, callback, t_start: float, cpu_start: float)
             loss_sum = torch.zeros((), dtype=torch.float32, device=device)
             for i, x in enumerate(chunks):
                 # DDP all-reduces gradients on the last micro-batch only.
-                ctx = net.no_sync() if d.world_size > 1 and i < len(chunks) - 1 else nullcontext()
+                ctx = (fsdp.no_sync(model) if c.fsdp else net.no_sync()) if d.world_size > 1 and i < len(chunks) - 1 \
+                    else nullcontext()
                 with ctx:
                     with ac:
                         loss = lm_loss(net, x)
@@ -542,7 +575,7 @@ def _train(c: TrainConfig, d: _Dist, callback, t_start: float, cpu_start: float)
             window_tokens += step_tokens
             done = step + 1
 
-            if checkpointing and d.main and done == start_step + 1:
+            if checkpointing and d.main and done == start_step + 1 and not c.fsdp:
                 # Optimizer state is created lazily; once it exists, make sure a resume will be able to load it.
                 bad = ckpt.check_weights_only_safe(optimizer.state_dict(), "optimizer state")
                 if bad is not None:
@@ -581,7 +614,8 @@ def _train(c: TrainConfig, d: _Dist, callback, t_start: float, cpu_start: float)
         last_eval = run_eval(done)
         if checkpointing:
             save(done)
-        state_bytes = optimizer_state_nbytes(optimizer)
+        # with FSDP: the sum over ranks (slimopt.state_nbytes per rank by default)
+        state_bytes = slimopt_state_nbytes(optimizer, total=True) if c.fsdp else optimizer_state_nbytes(optimizer)
         peak = probe.peak_delta()
         summary = {
             "method": c.method, "model": c.model, "data": c.data, "params": n_params,
@@ -602,9 +636,10 @@ def _train(c: TrainConfig, d: _Dist, callback, t_start: float, cpu_start: float)
         if bar is not None:
             bar.close()
         logger.close()
+    full = fsdp.full_model_state_dict(model) if c.fsdp and out is not None and c.save_model else None
     if out is not None and d.main and c.save_model:
         target = baseline_hook.export(model) if baseline_hook is not None else model
-        target.save_pretrained(out / "final")
+        target.save_pretrained(out / "final", **({"state_dict": full} if full is not None else {}))
         tokenizer.save_pretrained(out / "final")
     summary["history"] = history
     return summary

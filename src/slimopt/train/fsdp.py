@@ -1,0 +1,162 @@
+"""FSDP2 for `slimopt train --fsdp`: sharding the model, micro-batches, evaluation and resumable checkpoints.
+
+With ``--fsdp`` every decoder layer and the root module are wrapped by ``torch.distributed.fsdp.fully_shard``:
+parameters, gradients and the slimopt optimizer state are sharded over the ranks (``slimopt.optim.sharded``
+steps them). Run it under torchrun (``torchrun --nproc_per_node N -m slimopt train --fsdp ...``), or as one
+plain process, which shards over a group of one (the CUDA path on a single GPU).
+
+Checkpoints are DCP folders (``slimopt.optim.distcheckpoint``: model, optimizer in its portable form) plus the
+training position: ``train_state.pt`` (step, tokens, scheduler, data sampler; loads with weights_only) and one
+``rng_rank<r>.pt`` per rank. A checkpoint is written into ``checkpoint.dcp.tmp`` and renamed into place, keeping
+the previous one as ``checkpoint.dcp.old`` until the rename is done, so a run killed at any moment leaves a
+complete checkpoint:
+a resumed run ends bit-identical (on CPU) to one never stopped, as without FSDP. The optimizer state reshards, so
+a run may also resume on another number of ranks (then it continues the same run, equal up to the order of
+floating-point sums).
+
+Evaluation runs the same forward passes on every rank (each scores all held-out blocks): FSDP's forward is a
+collective, so ranks must not run different numbers of batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CHECKPOINT_DIR", "ensure_process_group", "shard_model", "no_sync", "find_checkpoint", "save",
+           "read_train_state", "load", "full_model_state_dict", "check_method"]
+
+CHECKPOINT_DIR = "checkpoint.dcp"
+
+
+def check_method(kind: str, method: str) -> None:
+    """--fsdp steps slimopt methods (their optimizer knows DTensors); raise ValueError for the others."""
+    if kind != "slimopt":
+        raise ValueError(f"--fsdp supports slimopt methods (`slimopt methods`); {method!r} is a {kind}, run it "
+                         f"without --fsdp (DDP under torchrun)")
+
+
+def ensure_process_group(device: torch.device) -> bool:
+    """Initialise a one-process group when none exists (a plain `slimopt train --fsdp`); True if done here."""
+    if dist.is_initialized():
+        return False
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=0, world_size=1)
+    return True
+
+
+def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """fully_shard every decoder layer (``model.model.layers``) and then the root, over all ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    for layer in layers if layers is not None else []:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+@contextlib.contextmanager
+def no_sync(model: torch.nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally for this backward (FSDP2's set_requires_gradient_sync)."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def find_checkpoint(out: str | os.PathLike) -> Path | None:
+    """The complete checkpoint folder of the run in `out`, or None."""
+    for name in (CHECKPOINT_DIR, CHECKPOINT_DIR + ".old"):
+        path = Path(out) / name
+        if (path / ".metadata").is_file() and (path / "train_state.pt").is_file():
+            return path
+    return None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def save(out: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         train_state: dict[str, Any], rng: dict[str, Any]) -> Path:
+    """Write a checkpoint of the run into `out` (every rank calls it; atomic, see the module docstring).
+
+    train_state: the position of the run (the same on every rank; tensors, numbers, strings and containers);
+    rng: this rank's RNG state (``slimopt.train.checkpoint.rng_state``)."""
+    from slimopt.optim import distcheckpoint
+    out = Path(out)
+    final, tmp, old = out / CHECKPOINT_DIR, out / (CHECKPOINT_DIR + ".tmp"), out / (CHECKPOINT_DIR + ".old")
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    distcheckpoint.save(tmp, model, optimizer)
+    torch.save(rng, tmp / f"rng_rank{_rank()}.pt")
+    if _rank() == 0:
+        torch.save(train_state, tmp / "train_state.pt")
+    _barrier()
+    if _rank() == 0:
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        _fsync_dir(out)
+    _barrier()
+    return final
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_train_state(path: str | os.PathLike) -> dict[str, Any]:
+    """The run's position saved with a checkpoint folder (cheap: read before loading any shard)."""
+    return torch.load(Path(path) / "train_state.pt", weights_only=True)
+
+
+def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Load a checkpoint folder into `model` and `optimizer` (any number of ranks); return this rank's RNG state
+    (rank 0's when the checkpoint was written by fewer ranks)."""
+    from slimopt.optim import distcheckpoint
+    path = Path(path)
+    distcheckpoint.load(path, model, optimizer)
+    rng_file = path / f"rng_rank{_rank()}.pt"
+    return torch.load(rng_file if rng_file.is_file() else path / "rng_rank0.pt", weights_only=True)
+
+
+def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on CPU, gathered on every rank (a collective: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
