@@ -397,10 +397,13 @@ class SlimOptimizer(torch.optim.Optimizer):
             elif codecs[0][0] in state and group["on_refresh"] == "reset":
                 self._init_moments(state, codecs, shape, p.device)
             elif codecs[0][0] in state and group["on_refresh"] == "project":
-                for key_m, codec in codecs:
-                    m = codec.decode(key_m, state, shape)
+                for i, (key_m, codec) in enumerate(codecs):
+                    # rotate the codec's best estimate; a carried error-feedback residual is in the old basis
+                    m = codec.estimate(key_m, state, shape)
                     m = P.rotate(projector, side, old, new, m, squared=self._role(group, key_m) == "v")
-                    codec.encode(key_m, m.contiguous(), state)
+                    codec.clear_feedback(key_m, state)
+                    gen = P.generator(p.device, group["seed"], index, step, i, 1) if codec.needs_generator else None
+                    codec.encode(key_m, m.contiguous(), state, generator=gen)
         state[key] = new
 
     @staticmethod
