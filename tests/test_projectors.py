@@ -140,3 +140,13 @@ def test_grad_none_is_skipped():
     before = b.detach().clone()
     opt.step()
     assert b not in opt.state and torch.equal(b.detach(), before)
+
+
+@pytest.mark.parametrize("on_refresh", ["reset", "project"])
+def test_rank_above_the_smaller_side_is_clamped_for_decompositions(on_refresh):
+    w = torch.nn.Parameter(torch.randn(40, 6))
+    opt = slimopt.SlimOptimizer([w], projector="svd", rank=20, proj_side="left", update_gap=2,
+                                on_refresh=on_refresh)
+    for i in range(4):  # crosses a refresh
+        _step(opt, w, i)
+    assert opt.state[w]["proj"].shape == (40, 6) and opt.state[w]["exp_avg"].shape == (6, 6)

@@ -69,6 +69,8 @@ def subspace_rank(shape: torch.Size, projector: str, side: str | None, rank: int
     m, n = shape
     if projector in ORTHO_PROJECTORS:
         dim = m if side == "left" else n
+        if projector != "random":
+            dim = min(dim, m, n)  # a decomposition has only min(m, n) singular vectors
     elif projector == "columns":
         dim = n
     else:  # rows
@@ -113,7 +115,8 @@ def random_basis(dim: int, r: int, gen: torch.Generator, device: torch.device,
                  dtype: torch.dtype = torch.float32) -> Tensor:
     """A seeded (dim, r) matrix with orthonormal columns (QR of a Gaussian matrix, signs fixed by R's diagonal)."""
     q, rr = torch.linalg.qr(torch.randn(dim, r, generator=gen, device=device, dtype=dtype))
-    return q * torch.sign(torch.diagonal(rr)).where(torch.diagonal(rr) != 0, torch.ones((), device=device))
+    signs = torch.sign(torch.diagonal(rr)).where(torch.diagonal(rr) != 0, torch.ones((), device=device))
+    return (q * signs).contiguous()  # QR's Q is column-major: store row-major, as a checkpoint reloads it
 
 
 def random_coordinates(dim: int, r: int, gen: torch.Generator, device: torch.device) -> Tensor:
