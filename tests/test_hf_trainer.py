@@ -120,6 +120,20 @@ def test_make_optimizer_equals_optimizer_cls_and_kwargs(tmp_path, dataset):
     assert not torch.equal(a.classifier.weight, tiny_bert().classifier.weight)
 
 
+def test_make_optimizer_reads_optim_fields_of_training_arguments(tmp_path):
+    args = TrainingArguments(str(tmp_path), optim_target_modules=["query", "value"], report_to="none",
+                             optim_args="rank=4,update_proj_gap=7,proj_type=right", use_cpu=True)
+    opt = hf.make_optimizer(tiny_bert(), args, "galore")
+    (group,) = [g for g in opt.param_groups if g["name"] == "projectable"]
+    assert sorted(n.split(".")[-2] for n in group["names"]) == ["query"] * 2 + ["value"] * 2
+    assert (group["rank"], group["update_gap"], group["proj_side"]) == (4, 7, "right")
+    assert group["lr"] == args.learning_rate
+    # Explicit arguments win over the TrainingArguments fields.
+    opt = hf.make_optimizer(tiny_bert(), args, "galore", optim_target_modules=None, optim_args="rank=2")
+    (group,) = [g for g in opt.param_groups if g["name"] == "projectable"]
+    assert len(group["names"]) == 12 and group["rank"] == 2 and group["update_gap"] == 200
+
+
 def test_consumed_pair_is_refused(tmp_path, dataset):
     model = tiny_bert()
     pair = hf.optimizer_cls_and_kwargs(model, "galore", rank=4)

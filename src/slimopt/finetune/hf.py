@@ -306,12 +306,13 @@ def make_optimizer(
             (see ``parse_optim_args``).
         hparams: further SlimOptimizer settings; a key also given in optim_args is an error.
 
-    Example::
+    Example (``model`` a BERT-style classifier)::
 
-        >>> import transformers, slimopt.finetune.hf as hf
-        >>> args = transformers.TrainingArguments("out", learning_rate=2e-5, weight_decay=0.01,
-        ...                                       optim_target_modules=["attention", "intermediate"])
-        >>> opt = hf.make_optimizer(model, args, "galore", optim_args="rank=8,update_proj_gap=100,scale=4")  # doctest: +SKIP
+        args = transformers.TrainingArguments("out", learning_rate=2e-5, weight_decay=0.01,
+                                              optim_target_modules=["attention", "intermediate", "output.dense"],
+                                              optim_args="rank=8,update_proj_gap=100,scale=4")
+        opt = make_optimizer(model, args, "galore")
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=ds, optimizers=(opt, None))
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")

@@ -1,0 +1,220 @@
+"""`slimopt finetune`: the results table on a tiny budget, the offline MiniLM path, method settings, and bad input
+that fails before any training."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+from slimopt.cli import main
+from slimopt.finetune.run import (
+    FINETUNE_DEFAULTS,
+    FinetuneConfig,
+    method_settings,
+    parse_method,
+    read_results,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and far faster than two on a busy shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A local model folder: a randomly initialised 2-layer BERT with the MiniLM tokenizer (any HF path works)."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    from slimopt.finetune.data import offline_model_path
+
+    path = tmp_path_factory.mktemp("tiny-bert")
+    tokenizer = AutoTokenizer.from_pretrained(str(offline_model_path()))
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=64)
+    BertForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+WORDS = ["good", "great", "fine", "bad", "awful", "poor", "film", "plot", "actor", "scene"]
+
+
+def _sentences(n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(WORDS), (n, 5), generator=gen)
+    return [" ".join(WORDS[i] for i in row) for row in idx.tolist()]
+
+
+@pytest.fixture(scope="module")
+def glue_dir(tmp_path_factory):
+    """GLUE's folder layout: SST-2 as csv, MRPC as jsonl (a text pair), both with the hub's column names."""
+    root = tmp_path_factory.mktemp("glue")
+    (root / "SST-2").mkdir()
+    for split, n, seed in (("train", 32, 1), ("dev", 16, 2)):
+        with open(root / "SST-2" / f"{split}.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["sentence", "label"])
+            for s in _sentences(n, seed):
+                w.writerow([s, int(s.split()[0] in ("good", "great", "fine"))])
+    (root / "mrpc").mkdir()
+    for split, n, seed in (("train", 32, 3), ("validation", 16, 4)):
+        a, b = _sentences(n, seed), _sentences(n, seed + 10)
+        with open(root / "mrpc" / f"{split}.jsonl", "w") as f:
+            for i, (x, y) in enumerate(zip(a, b)):
+                f.write(json.dumps({"sentence1": x, "sentence2": y if i % 2 else x, "label": 1 - i % 2}) + "\n")
+    return root
+
+
+def _run(args, capsys):
+    rc = main(["finetune", "--threads", "1", *args])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def test_table_for_methods_by_tasks(tmp_path, tiny_model_dir, glue_dir, capsys):
+    out = tmp_path / "out"
+    rc, stdout, err = _run(["--model", str(tiny_model_dir), "--tasks", "sst2,mrpc", "--data-dir", str(glue_dir),
+                            "--methods", "adamw,galore,lora", "--max-steps", "2", "--batch-size", "8",
+                            "--max-length", "16", "--set", "galore.update_gap=1", "--out", str(out)], capsys)
+    assert rc == 0, err
+    rows = read_results(out / "results.csv")
+    assert [(r["task"], r["method"]) for r in rows] == [
+        (t, m) for t in ("sst2", "mrpc") for m in ("adamw", "galore", "lora")]
+    assert all(r["status"] == "ok" and r["steps"] == 2 for r in rows)
+    assert {r["metric"] for r in rows if r["task"] == "mrpc"} == {"f1"}
+    assert set(rows[3]["metrics"]) == {"f1", "accuracy"}
+
+    # Memory is measured: fp32 weights are 4 bytes per parameter; full AdamW keeps m and v (8 bytes per
+    # trainable parameter) plus two 4-byte counters (step, moment_step) per tensor.
+    model_params = sum(p.numel() for p in _tiny_model(tiny_model_dir, 2).parameters())
+    full = next(r for r in rows if r["task"] == "sst2" and r["method"] == "adamw")
+    n_tensors = len(list(_tiny_model(tiny_model_dir, 2).parameters()))
+    assert full["total_params"] == full["trainable_params"] == model_params
+    assert full["weight_bytes"] == 4 * model_params
+    assert full["state_bytes"] == 8 * model_params + 8 * n_tensors
+    assert full["memory_bytes"] == full["weight_bytes"] + full["state_bytes"]
+    galore = next(r for r in rows if r["task"] == "sst2" and r["method"] == "galore")
+    lora = next(r for r in rows if r["task"] == "sst2" and r["method"] == "lora")
+    assert galore["settings"] == {"rank": 8, "update_gap": 1, "scale": 4.0}
+    assert galore["state_bytes"] < full["state_bytes"] and galore["weight_bytes"] == full["weight_bytes"]
+    # LoRA: every base weight is kept (frozen) plus the adapters; state only for adapters and head.
+    assert lora["trainable_params"] < lora["total_params"] and lora["weight_bytes"] > full["weight_bytes"]
+    assert lora["state_bytes"] < 9 * lora["trainable_params"] + 1000
+    assert lora["lr"] == 3e-3 and full["lr"] == 3e-4
+
+    md = (out / "results.md").read_text()
+    assert "| Method | Weights + state MiB | sst2 (accuracy) | mrpc (f1) | Avg |" in md
+    mib = (full["memory_bytes"]) / 2**20
+    scores = [100 * r["score"] for r in rows if r["method"] == "adamw"]
+    line = next(x for x in md.splitlines() if x.startswith("| Full FT (AdamW) |"))
+    assert line == (f"| Full FT (AdamW) | {mib:.1f} | {scores[0]:.1f} | {scores[1]:.1f} | "
+                    f"{sum(scores) / 2:.1f} |")
+    assert any(x.startswith("| galore r=8 |") for x in md.splitlines())
+    assert any(x.startswith("| LoRA r=8 |") for x in md.splitlines())
+    assert json.loads((out / "config.json").read_text())["methods"] == ["adamw", "galore", "lora"]
+    assert "wrote" in stdout
+
+
+def _tiny_model(path, num_labels):
+    from transformers import BertForSequenceClassification
+
+    return BertForSequenceClassification.from_pretrained(str(path), num_labels=num_labels)
+
+
+def test_offline_minilm_builtin_task(tmp_path, capsys):
+    """The default model on a built-in offline task, one step on a handful of examples."""
+    out = tmp_path / "out"
+    rc, stdout, err = _run(["--tasks", "kjv-testament", "--methods", "frugal", "--max-steps", "1",
+                            "--batch-size", "4", "--max-train-samples", "8", "--max-eval-samples", "8",
+                            "--max-length", "16", "--out", str(out)], capsys)
+    assert rc == 0, err
+    (row,) = read_results(out / "results.csv")
+    assert row["status"] == "ok" and row["total_params"] > 22_000_000  # MiniLM-L6: 22.7M
+    assert 0.0 <= row["score"] <= 1.0 and set(row["metrics"]) == {"accuracy", "f1"}
+    assert "| frugal r=8 |" in (out / "results.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------- settings
+
+
+def test_method_settings():
+    cfg = FinetuneConfig(rank=4, method_opts={"galore": {"scale": 2}, "frugal": {"density": 0.5}})
+    assert method_settings(parse_method("galore"), cfg) == {"rank": 4, "update_gap": 100, "scale": 2, "lr": 3e-4}
+    # density replaces the default rank
+    assert method_settings(parse_method("frugal"), cfg) == {"projector": "svd", "update_gap": 100,
+                                                            "density": 0.5, "lr": 3e-4}
+    assert method_settings(parse_method("frugal_rho0"), cfg) == {"lr": 3e-4}  # stays at density 0
+    plan = parse_method("lora+adamw8bit")
+    assert (plan.lora, plan.optimizer) == (True, "adamw8bit")
+    assert method_settings(plan, cfg) == {"lr": 3e-3}
+    assert method_settings(parse_method("lora"), FinetuneConfig(lr=5e-4)) == {"lr": 5e-4}
+    assert "galore" in FINETUNE_DEFAULTS
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+# Should a check ever let bad input through, the run it starts stays short.
+CHEAP = ["--max-steps", "1", "--max-train-samples", "8", "--max-eval-samples", "8", "--max-length", "8"]
+
+
+def _write_sst2(root, rows):
+    (root / "sst2").mkdir(parents=True)
+    for split in ("train", "validation"):
+        with open(root / "sst2" / f"{split}.csv", "w", newline="") as f:
+            csv.writer(f).writerows(rows)
+    return root
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tasks", "nope"], "unknown task 'nope'"),
+    (["--methods", "adamw,galor"], "unknown method 'galor'"),
+    (["--methods", "lora+nope"], "unknown method 'lora+nope'"),
+    (["--methods", "adamw,adamw"], "lists a method twice"),
+    (["--set", "galore.rnak=4", "--methods", "galore"], "unknown hyperparameter"),
+    (["--set", "galore.rank=0", "--methods", "galore"], "rank must be a positive integer"),
+    (["--set", "taco.lr=1e-3", "--methods", "adamw"], "not among the methods"),
+    (["--model", "/no/such/model"], "does not exist"),
+    (["--tasks", "mytask", "--data-dir", "."], "give num_labels"),
+])
+def test_bad_arguments_fail_before_training(tmp_path, capsys, args, message):
+    out = tmp_path / "out"
+    rc, _, err = _run([*args, *CHEAP, "--out", str(out)], capsys)
+    assert rc == 2
+    assert message in err
+    assert not (out / "results.csv").exists()
+
+
+def test_hub_model_offline_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    from slimopt.train.tokenizer import hub_offline
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_offline.cache_clear()  # decided once per process; decide again under the variable
+    try:
+        rc, _, err = _run(["--model", "roberta-base", *CHEAP, "--out", str(tmp_path)], capsys)
+    finally:
+        hub_offline.cache_clear()
+    assert rc == 2
+    assert "cannot load model 'roberta-base'" in err and "--model minilm" in err
+
+
+@pytest.mark.parametrize("rows,message", [
+    ([["sentence", "target"], ["a b", "1"], ["c d", "0"]], "label"),  # no label column
+    ([["sentence", "label"], ["a b", "1"], ["c d", "2"]], "integers in [0, 2)"),  # sst2 has 2 labels
+    ([["text", "label"], ["a b", "1"], ["c d", "0"]], "sentence"),  # missing text column
+])
+def test_bad_data_fails_before_training(tmp_path, tiny_model_dir, capsys, rows, message):
+    root = _write_sst2(tmp_path / "data", rows)
+    out = tmp_path / "out"
+    rc, _, err = _run(["--model", str(tiny_model_dir), "--tasks", "sst2", "--data-dir", str(root), *CHEAP,
+                       "--out", str(out)], capsys)
+    assert rc == 2
+    assert message in err
+    assert not (out / "results.csv").exists()
