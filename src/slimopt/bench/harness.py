@@ -23,6 +23,7 @@ Ratios against torch AdamW come from the same run, so they hold across machines 
 from __future__ import annotations
 
 import gc
+import os
 import platform
 import statistics
 import time
@@ -78,11 +79,12 @@ def environment(device: str) -> dict[str, Any]:
     if torch.device(device).type == "cuda":
         name = torch.cuda.get_device_name(torch.device(device))
     else:
-        import os
         name = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores visible, " \
                f"{torch.get_num_threads()} torch threads)"
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None  # other work on a shared machine slows timings
     return {"device": name, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "python": platform.python_version(), "versions": versions}
+            "python": platform.python_version(), "versions": versions,
+            "load_average": [round(x, 2) for x in load] if load else None}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -51,6 +51,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default: %(default)s)")
     p.add_argument("--vocab-size", type=int, default=None, help="vocabulary of a LLaMA size (default 32000)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's); 1 steadies CPU timings on a shared machine")
     p.add_argument("--set", action="append", metavar="METHOD.KEY=VALUE", dest="set_opts",
                    help="a setting for one method, repeatable (e.g. --set galore.rank=256)")
     p.add_argument("--no-refresh", action="store_true", help="skip the subspace-refresh timing")
@@ -80,7 +82,9 @@ def write_report(result: dict, command: str) -> str:
     lines = [
         f"## slimopt bench: {cfg['model']} ({info['params'] / 1e6:.1f}M parameters, {cfg['dtype']}) on {env['device']}",
         "",
-        f"Date: {env['date']}. Versions: python {env['python']}, {versions}.",
+        f"Date: {env['date']}. Versions: python {env['python']}, {versions}."
+        + (f" Load average at the end (1, 5, 15 min): {', '.join(map(str, env['load_average']))}."
+           if env.get("load_average") else ""),
         "",
         "Reproduce with:",
         "",
@@ -88,7 +92,8 @@ def write_report(result: dict, command: str) -> str:
         command,
         "```",
         "",
-        f"Median of {cfg['steps']} optimizer steps after {cfg['warmup']} warm-up steps, random bf16 gradients. "
+        f"Median of {cfg['steps']} optimizer step{'s' if cfg['steps'] != 1 else ''} after {cfg['warmup']} warm-up "
+        f"step{'s' if cfg['warmup'] != 1 else ''}, random {cfg['dtype']} gradients. "
         "Ratios are to torch AdamW (fused) in the same run. State bytes as allocated; 'B/param projectable' counts "
         "the state of the projectable Linear weights only; 'planner = measured' compares with the memory "
         "planner's exact state. Refresh ms = first step - median step (the first step chooses every subspace).",
@@ -124,6 +129,8 @@ def _command(args) -> str:
         parts += ["--vocab-size", str(args.vocab_size)]
     if args.seed:
         parts += ["--seed", str(args.seed)]
+    if args.threads is not None:
+        parts += ["--threads", str(args.threads)]
     for item in args.set_opts or []:
         parts += ["--set", item]
     if args.no_refresh:
@@ -154,6 +161,11 @@ def run(args) -> int:
     if methods == []:
         raise ValueError("--methods needs at least one method name, or 'all'")
     reps = args.refresh_reps if args.refresh_reps is not None else (3 if args.device == "cuda" else 1)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+        torch.set_num_threads(args.threads)
     if args.check_planner and (args.batch < 1 or args.seq < 1):
         raise ValueError(f"--batch and --seq must be >= 1 for --check-planner, got {args.batch} and {args.seq}")
     cfg = BenchConfig(model=args.model, methods=methods, device=args.device, dtype=args.dtype, steps=args.steps,
