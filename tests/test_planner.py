@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import slimopt
 from slimopt.bench import planner
@@ -173,6 +173,20 @@ def test_gpt2_config_folder(tmp_path):
         assert p.optimizer_state == slimopt.state_nbytes(opt)
         assert p.params == sum(x.numel() for x in model.parameters())  # the tied head counted once
         assert not p.activations_exact and p.activations > 0
+
+
+def test_encoder_config_folder(tmp_path):
+    # an encoder's config: built with its language-model head, state sized like any other model's
+    cfg = BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+    cfg.save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    model = BertForMaskedLM(cfg)
+    opt = make_optimizer(model, "adamw8bit")
+    fill_grads(model, 1)
+    opt.step()
+    p = planner.plan(str(tmp_path), "adamw8bit", dtype="fp32", batch=2, seq=16)
+    assert p.params == sum(x.numel() for x in model.parameters())
+    assert p.optimizer_state == slimopt.state_nbytes(opt)
 
 
 # ----------------------------------------------------------------------------------------------------------------
