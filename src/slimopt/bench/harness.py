@@ -80,7 +80,7 @@ def environment(device: str) -> dict[str, Any]:
         name = torch.cuda.get_device_name(torch.device(device))
     else:
         name = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores visible, " \
-               f"{torch.get_num_threads()} torch threads)"
+               f"{torch.get_num_threads()} torch thread{'s' if torch.get_num_threads() != 1 else ''})"
     load = os.getloadavg() if hasattr(os, "getloadavg") else None  # other work on a shared machine slows timings
     return {"device": name, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "python": platform.python_version(), "versions": versions,
