@@ -95,3 +95,12 @@ def test_four_ranks_resume_the_two_rank_checkpoints_and_hsdp_matches_one_process
     text = _torchrun(4, "load", saved)
     assert sum(line.endswith("): ok") for line in text.splitlines()) == len(C.CASES)
     assert "mixed_a under HSDP: ok" in text and "mixed_b under HSDP: ok" in text
+    assert "layer-wise: 8 cases equal" in text
+
+
+def test_layerwise_updates_under_fsdp2_equal_the_ordinary_step(saved):
+    # 2 ranks here; the 4-rank launch above checks it again
+    with open(os.path.join(saved, "report_layerwise_2.json")) as f:
+        report = json.load(f)
+    assert report == {f"{case}/{accumulation}": "equal" for case in ("adamw8bit", "galore", "frugal", "taco")
+                      for accumulation in (1, 2)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import io
+import json
 import os
 import sys
 import warnings
@@ -193,3 +194,12 @@ def test_a_dtensor_parameter_needs_a_dtensor_gradient(mesh):
     w.grad = torch.randn(8, 6)
     with pytest.raises((ValueError, RuntimeError)):
         opt.step()
+
+
+
+def test_layerwise_updates_work_on_fsdp2_parameters(mesh, tmp_path):
+    # FSDP2 runs a sharded parameter's post-accumulate-grad hooks after its reduce-scatter, so layer-wise updates
+    # step the sharded parameters; the worker's check (2 and 4 ranks in tests/test_fsdp.py), here on one rank
+    import fsdp_worker
+    fsdp_worker.phase_layerwise(str(tmp_path), mesh, 1, 0)
+    assert set(json.loads((tmp_path / "report_layerwise_1.json").read_text()).values()) == {"equal"}

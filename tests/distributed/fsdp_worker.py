@@ -15,6 +15,10 @@ Phase ``save`` (any world size), for every case of common.CASES:
   5. a DCP checkpoint (``distcheckpoint.save``) goes to DIR/<case>; K2 more steps still match one process; the
      uninterrupted final parameters go to DIR/<case>.final.pt;
   6. a fresh model and optimizer loading DIR/<case> at the same world size continue bit-identically.
+  7. layer-wise updates (``slimopt.optim.layerwise``, the optimizer stepping each sharded parameter from its
+     post-accumulate-grad hook, which FSDP2 runs after its reduce-scatter) give the same parameters as
+     ``optimizer.step()`` under the same FSDP2 sharding, with and without gradient accumulation, on a small MLP
+     trained with real backward passes (LAYERWISE_CASES; DIR/report_layerwise_<world>.json).
 Phase ``load`` (another world size): load DIR/<case>, continue K2 steps (a refresh among them) and compare with the
 saved uninterrupted run, which equals one process: exact where the method's step does not depend on the world
 size (common.exactness); then 3 and 4 again; and, at an even world size above 2, HSDP (replicated over 2 groups,
@@ -175,6 +179,51 @@ def phase_save(out: str, mesh, world: int, rank: int) -> None:
             json.dump(report, f, indent=1)
 
 
+LAYERWISE_CASES = ("adamw8bit", "galore", "frugal", "taco")
+
+
+def _mlp(mesh):
+    """Linear weights (128, 64): a right projection; (68, 128): a left one, rows not divisible by 4; (3, 68): ranks
+    holding no rows at 4 ranks. Each Linear is its own FSDP2 unit, as a Transformer block would be."""
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 68), torch.nn.Tanh(),
+                                torch.nn.Linear(68, 3))
+    for layer in model[::2]:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def phase_layerwise(out: str, mesh, world: int, rank: int) -> None:
+    from slimopt.optim.layerwise import enable_layerwise
+    report = {}
+    for case in LAYERWISE_CASES:
+        for accumulation in (1, 2):
+            ordinary, hooked = _mlp(mesh), _mlp(mesh)
+            opt, hooked_opt = C.build(ordinary, case), C.build(hooked, case)
+            lw = enable_layerwise(hooked, hooked_opt, accumulation_steps=accumulation)
+            gen = torch.Generator().manual_seed(7)  # the same batches on every rank: the check is the optimizer's
+            for micro in range(5 * accumulation):
+                x = torch.randn(6, 64, generator=gen)
+                for model in (ordinary, hooked):
+                    (model(x).square().mean() / accumulation).backward()
+                if (micro + 1) % accumulation == 0:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            what = f"layer-wise {case}, accumulation {accumulation}, {world} ranks"
+            if lw.steps != 5 or any(p.grad is not None for p in hooked.parameters()):
+                raise AssertionError(f"{what}: {lw.steps} steps, gradients left behind")
+            a, b = full_params(ordinary), full_params(hooked)
+            for name in a:
+                if not torch.equal(a[name], b[name]):
+                    raise AssertionError(f"{what}: {name} differs by {(a[name] - b[name]).abs().max().item():.3e}")
+            report[f"{case}/{accumulation}"] = "equal"
+    if rank == 0:
+        with open(os.path.join(out, f"report_layerwise_{world}.json"), "w") as f:
+            json.dump(report, f, indent=1)
+            print(f"layer-wise: {len(report)} cases equal", flush=True)
+
+
 def phase_load(out: str, mesh, world: int, rank: int) -> None:
     for case in C.CASES:
         t0 = time.perf_counter()
@@ -209,7 +258,8 @@ def phase_hsdp(world: int, rank: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--phase", choices=("save", "load"), required=True)
+    ap.add_argument("--phase", choices=("save", "load", "layerwise"), required=True,
+                    help="save or load run step 7 after theirs; layerwise runs only step 7")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -219,7 +269,9 @@ def main() -> None:
         from torch.distributed.device_mesh import init_device_mesh
         world, rank = dist.get_world_size(), dist.get_rank()
         mesh = init_device_mesh("cpu", (world,))
-        (phase_save if args.phase == "save" else phase_load)(args.out, mesh, world, rank)
+        if args.phase != "layerwise":
+            (phase_save if args.phase == "save" else phase_load)(args.out, mesh, world, rank)
+        phase_layerwise(args.out, mesh, world, rank)
         if args.phase == "load" and world % 2 == 0 and world > 2:
             phase_hsdp(world, rank)
         dist.barrier()

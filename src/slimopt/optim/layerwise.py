@@ -32,6 +32,8 @@ What the peers leave out, and this module keeps:
 
 The optimizer must update one parameter at a time (``step_param(p)``): every ``SlimOptimizer`` does, whatever
 its method. torch.optim optimizers update all their parameters in one ``step()``, and are rejected.
+Under FSDP2 the hooks of a sharded parameter run after FSDP's reduce-scatter has set its sharded gradient, so
+layer-wise updates step the shards (tests/distributed/fsdp_worker.py checks them against ``optimizer.step()``).
 
 Example::
 
