@@ -21,7 +21,7 @@ import torch
 
 __all__ = [
     "CHECKPOINT_NAME", "save_atomic", "load_checkpoint", "find_checkpoint", "rng_state", "set_rng_state",
-    "check_weights_only_safe",
+    "check_weights_only_safe", "fsync_dir",
 ]
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -45,12 +45,13 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> Path:
         except FileNotFoundError:
             pass
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
 
-def _fsync_dir(folder: Path) -> None:
-    # Makes the rename itself durable; some file systems do not allow opening a folder, which is harmless.
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """fsync `folder` so that a rename into it survives a power cut (the file checkpoint and FSDP2's folder)."""
+    # Some file systems do not allow opening a folder, which is harmless: the rename is atomic all the same.
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:

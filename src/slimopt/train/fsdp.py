@@ -29,6 +29,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from slimopt.train.checkpoint import fsync_dir
+
 __all__ = ["CHECKPOINT_DIR", "ensure_process_group", "shard_model", "no_sync", "find_checkpoint", "save",
            "read_train_state", "load", "full_model_state_dict", "check_method"]
 
@@ -123,22 +125,9 @@ def save(out: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.
             os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
-        _fsync_dir(out)
+        fsync_dir(out)
     _barrier()
     return final
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def read_train_state(path: str | os.PathLike) -> dict[str, Any]:
