@@ -595,27 +595,11 @@ def _task_metric(rows: list[dict[str, Any]], task: str) -> str:
     return next((r["metric"] for r in rows if r["task"] == task and r.get("metric")), "")
 
 
-def _csv_value(v: Any) -> Any:
-    if isinstance(v, dict):
-        return json.dumps(v, sort_keys=True)
-    if isinstance(v, float):
-        return repr(v) if math.isfinite(v) else "nan"
-    return "" if v is None else v
-
-
 def write_results(rows: list[dict[str, Any]], cfg: FinetuneConfig, out: Path | str,
                   elapsed: float | None = None) -> None:
     """results.md (the method x task table, then one line per run) and results.csv (one row per run)."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "results.csv.tmp", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(CSV_COLUMNS)
-        for r in rows:
-            w.writerow([_csv_value(r.get(c)) for c in CSV_COLUMNS])
-    os.replace(out / "results.csv.tmp", out / "results.csv")
-    (out / "results.md.tmp").write_text(_markdown(rows, cfg, elapsed))
-    os.replace(out / "results.md.tmp", out / "results.md")
+    from slimopt.train.results import write_csv_and_markdown
+    out = write_csv_and_markdown(out, CSV_COLUMNS, rows, _markdown(rows, cfg, elapsed))
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
 
 

@@ -27,6 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from slimopt.train.loop import TrainConfig, known_methods, method_kind, train
+from slimopt.train.results import write_csv_and_markdown
 
 __all__ = ["DEFAULT_METHODS", "CompareConfig", "default_methods", "run_compare", "write_results", "read_results",
            "CSV_COLUMNS", "scaled_schedule_opts"]
@@ -278,25 +279,10 @@ def _machine() -> str:
 
 def write_results(rows: list[dict], cfg: CompareConfig, out: Path, elapsed: float | None = None) -> None:
     """results.csv, results.md, loss_curves.png and memory.png in `out`."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "results.csv.tmp", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(CSV_COLUMNS)
-        for r in rows:
-            w.writerow([_csv_value(r.get(c)) for c in CSV_COLUMNS])
-    os.replace(out / "results.csv.tmp", out / "results.csv")
-    (out / "results.md.tmp").write_text(_markdown(rows, cfg, elapsed))
-    os.replace(out / "results.md.tmp", out / "results.md")
+    out = write_csv_and_markdown(out, CSV_COLUMNS, rows, _markdown(rows, cfg, elapsed))
     from slimopt.train.compare_plots import plot_loss_curves, plot_memory
     plot_loss_curves(rows, out / "loss_curves.png", title=_title(cfg))
     plot_memory(rows, out / "memory.png", title=_title(cfg))
-
-
-def _csv_value(v):
-    if isinstance(v, float):
-        return repr(v) if math.isfinite(v) else "nan"
-    return "" if v is None else v
 
 
 def read_results(path: str | os.PathLike) -> list[dict]:
