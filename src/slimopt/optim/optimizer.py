@@ -36,7 +36,7 @@ from . import projectors as P
 from . import sharded
 from . import taco
 from .codecs import make_codec, resolve_codecs
-from .rules import FREE_RULES, MOMENTS, RULES, direction, free_direction
+from .rules import FREE_RULES, MOMENTS, RULES, apply_update, direction
 
 ON_REFRESH = ("keep", "reset", "project")
 
@@ -264,7 +264,6 @@ class SlimOptimizer(torch.optim.Optimizer):
         state["step"] += 1
         step = int(state["step"].item())  # a CPU tensor, as in torch.optim: no device sync
         g = grad if grad.dtype in (torch.float32, torch.float64) else grad.float()  # compute in fp32 (or fp64)
-        lr = float(group["lr"])
         layout = self._layout(p, group)
 
         full = None  # the state-full update in full space, before lr
@@ -291,19 +290,7 @@ class SlimOptimizer(torch.optim.Optimizer):
         else:
             full, coef, resid = self._projected(p, group, state, g, step, layout)
 
-        free = free_direction(group["free_rule"], resid) if resid is not None else None
-        if full is None and free is None:
-            return  # frozen this step (an inactive BAdam block): no decay either
-        wd = float(group["weight_decay"])
-        if wd != 0.0:
-            p.mul_(1.0 - lr * wd)
-        if full is not None and free is not None:
-            full = full.mul_(coef).add_(free, alpha=float(group["free_scale"]))
-            p.add_(full, alpha=-lr)
-        elif full is not None:
-            p.add_(full, alpha=-lr * coef)
-        else:
-            p.add_(free, alpha=-lr * float(group["free_scale"]))
+        apply_update(p, full, coef, resid, group)
 
     def _fused(self, p: Tensor, group: dict[str, Any], state: dict[str, Tensor], g: Tensor) -> bool:
         """The torch.compile'd full-space AdamW step (compiled.py), where the group asks for it and it applies."""

@@ -4,12 +4,15 @@ State-full rules keep moments; the optimizer hands them decoded fp32 moments, an
 afterwards, so a rule never knows the storage format. State-free rules act on the residual the projector leaves.
 
 - ``adamw``: Adam's direction (Kingma & Ba, arXiv 1412.6980) with the bias corrections of torch.optim.AdamW;
-  weight decay is decoupled (Loshchilov & Hutter, arXiv 1711.05101) and applied by the optimizer, not here.
+  weight decay is decoupled (Loshchilov & Hutter, arXiv 1711.05101) and applied with the step by ``apply_update``.
 - ``lion``: sign of an interpolated momentum (Chen et al., arXiv 2302.06675).
 - ``sgdm``: heavy-ball momentum, as torch.optim.SGD with dampening 0.
 - ``taco``: TACO (arXiv 2610.02199). Its 2-D step and compact state live in ``taco.py`` (the optimizer dispatches
   there); what reaches ``direction`` under this name is its fallback for other tensors: AdamW, same moments.
 - state-free ``sign`` (signSGD, Bernstein et al., arXiv 1802.04434, as FRUGAL uses it), ``sgd`` and ``none``.
+
+``apply_update`` combines the two parts and moves the parameter; the whole-tensor step (``optimizer.py``) and the
+FSDP2 step on a local shard (``sharded.py``) both end with it, so the two apply the same arithmetic in the same order.
 """
 
 from __future__ import annotations
@@ -66,3 +69,27 @@ def free_direction(free_rule: str, r: Tensor) -> Tensor | None:
     if free_rule == "sgd":
         return r
     return None
+
+
+def apply_update(p: Tensor, full: Tensor | None, coef: float, resid: Tensor | None,
+                 group: Mapping[str, Any]) -> None:
+    """p *= 1 - lr * weight_decay;  p -= lr * (coef * full + free_scale * free_direction(resid)), in place.
+
+    p: the parameter, or its local shard; full: the state-full direction in p's shape before `coef` (overwritten),
+    or None; resid: the residual for the state-free rule, or None. A parameter with neither this step (an inactive
+    BAdam block) is left as it is, weight decay included.
+    """
+    free = free_direction(group["free_rule"], resid) if resid is not None else None
+    if full is None and free is None:
+        return
+    lr = float(group["lr"])
+    wd = float(group["weight_decay"])
+    if wd != 0.0:
+        p.mul_(1.0 - lr * wd)
+    if full is not None and free is not None:
+        full = full.mul_(coef).add_(free, alpha=float(group["free_scale"]))
+        p.add_(full, alpha=-lr)
+    elif full is not None:
+        p.add_(full, alpha=-lr * coef)
+    else:
+        p.add_(free, alpha=-lr * float(group["free_scale"]))

@@ -49,7 +49,7 @@ from . import compiled
 from . import projectors as P
 from . import taco
 from .codecs import FactoredCodec, resolve_codecs
-from .rules import MOMENTS, direction, free_direction
+from .rules import MOMENTS, apply_update, direction
 from .shardcomm import (Rows, all_reduce, chosen_per_rank, chunk_bounds, gather_var_rows, is_sharded,  # noqa: F401
                         rows_of)
 from .sharded_bases import randomized_basis, rows_of_basis, svd_basis
@@ -192,7 +192,6 @@ def update(opt, p: Tensor, group: dict[str, Any]) -> None:
     state["step"] += 1
     step = int(state["step"].item())
     g = g_loc if g_loc.dtype in (torch.float32, torch.float64) else g_loc.float()
-    lr = float(group["lr"])
     layout = opt._layout(p, group)
     space = Space(p.shape, rows)
 
@@ -218,19 +217,7 @@ def update(opt, p: Tensor, group: dict[str, Any]) -> None:
     else:
         full, coef, resid = _projected(opt, p, group, state, g, step, layout, rows)
 
-    free = free_direction(group["free_rule"], resid) if resid is not None else None
-    if full is None and free is None:
-        return
-    wd = float(group["weight_decay"])
-    if wd != 0.0:
-        p_loc.mul_(1.0 - lr * wd)
-    if full is not None and free is not None:
-        full = full.mul_(coef).add_(free, alpha=float(group["free_scale"]))
-        p_loc.add_(full, alpha=-lr)
-    elif full is not None:
-        p_loc.add_(full, alpha=-lr * coef)
-    else:
-        p_loc.add_(free, alpha=-lr * float(group["free_scale"]))
+    apply_update(p_loc, full, coef, resid, group)
 
 
 def _fused(opt, p, p_loc, group, state, g, space: Space) -> bool:
