@@ -15,14 +15,7 @@ from slimopt.bench.tables import bench_table
 from slimopt.cli import main
 from slimopt.peers import PEERS
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine OpenMP's spinning makes small ops (a 64 x 90 SVD) 100x
-    slower with two."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 FAST_PEERS = [p for p in PEERS if not p.startswith("torchao")]  # torchao compiles per shape: a minute on CPU

@@ -21,14 +21,7 @@ from slimopt.cli import main
 from slimopt.peers import build_peer, optimizer_state_nbytes
 from slimopt.train.loop import make_optimizer
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine OpenMP's spinning makes small ops (a 64 x 90 SVD) 100x
-    slower with two."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 # Tensors above and below the codecs' 4096-element threshold, blocks that do not divide them, grouped-query

@@ -1,0 +1,16 @@
+"""Fixtures shared by the test modules."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny models (``pytestmark = pytest.mark.usefixtures("one_thread")``).
+
+    Tiny models step fastest on one thread; on a shared 2-core machine OpenMP's spinning makes small ops (a 64 x 90
+    SVD) up to 100x slower with two. The previous count is restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
