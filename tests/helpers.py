@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -40,6 +41,25 @@ def run(model, opt, data):
         losses.append(backward(model, ids))
         opt.step()
     return losses
+
+
+def save_and_load(obj):
+    """`obj` after torch.save and torch.load(weights_only=True) through memory, as a checkpoint file returns it."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def assert_continues_identically(model, opt, twin, twin_opt, data):
+    """Step both models on the same batches, each with its optimizer; their parameters must stay bit-identical."""
+    for ids in data:
+        backward(model, ids)
+        opt.step()
+        backward(twin, ids)
+        twin_opt.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
 
 
 def assert_params_close(a, b, rtol=1e-5, atol=1e-6):

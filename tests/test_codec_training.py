@@ -1,13 +1,11 @@
 """Compressed state in training: every codec trains a tiny model close to fp32 AdamW, and bf16 checkpoints keep
 uint8 codes and fp32 scales through load_state_dict with bit-identical continuation."""
 
-import io
-
 import pytest
 import torch
 
 import slimopt
-from helpers import backward, batches, tiny_llama
+from helpers import assert_continues_identically, backward, batches, save_and_load, tiny_llama
 
 # hidden 64: the attention/MLP weights (4096 and 8192 elements) and the embedding are really quantized
 MODEL = dict(hidden=64, vocab=64)
@@ -50,10 +48,7 @@ def test_bf16_checkpoint_keeps_codes_and_scales_and_continues_bit_identically():
     for ids in data[:4]:
         backward(model, ids)
         opt.step()
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
+    saved = save_and_load({"model": model.state_dict(), "opt": opt.state_dict()})
     clone = tiny_llama(dtype=torch.bfloat16, **MODEL)
     clone.load_state_dict(saved["model"])
     opt2 = slimopt.build(clone, "adamw8bit")
@@ -62,10 +57,4 @@ def test_bf16_checkpoint_keeps_codes_and_scales_and_continues_bit_identically():
     st = opt2.state[w]
     assert st["exp_avg"].dtype == torch.uint8 and st["exp_avg_sq"].dtype == torch.uint8
     assert st["exp_avg_scale"].dtype == torch.float32 and st["exp_avg_sq_scale"].dtype == torch.float32
-    for ids in data[4:]:
-        backward(model, ids)
-        opt.step()
-        backward(clone, ids)
-        opt2.step()
-    for a, b in zip(model.parameters(), clone.parameters()):
-        assert torch.equal(a, b)
+    assert_continues_identically(model, opt, clone, opt2, data[4:])

@@ -6,7 +6,6 @@ tests/test_fsdp.py."""
 from __future__ import annotations
 
 import copy
-import io
 import json
 import os
 import sys
@@ -20,6 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "distributed"))
 
 import common as C  # noqa: E402
+from helpers import save_and_load  # noqa: E402
 
 import slimopt  # noqa: E402
 from slimopt.bench.fsdp_comm import CollectiveCounter, expected_bytes  # noqa: E402
@@ -84,10 +84,7 @@ def test_portable_state_dict_roundtrips_exactly_in_one_process(case):
     with portable.portable_state(opt):
         sd = opt.state_dict()
     assert portable.is_portable(sd) and not portable.is_portable(opt.state_dict())
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    buf.seek(0)
-    sd = torch.load(buf, weights_only=True)
+    sd = save_and_load(sd)
     twin = copy.deepcopy(model)
     twin_opt = C.build(twin, case)
     twin_opt.load_state_dict(sd)

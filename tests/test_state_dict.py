@@ -1,13 +1,12 @@
 """state_dict: tensors only, loads with weights_only=True, keeps codec dtypes, continues bit-identically."""
 
 import copy
-import io
 
 import pytest
 import torch
 
 import slimopt
-from helpers import backward, batches, tiny_llama
+from helpers import assert_continues_identically, backward, batches, save_and_load, tiny_llama
 
 SETTINGS = [
     dict(projector="none"),
@@ -20,13 +19,6 @@ SETTINGS = [
 ]
 
 
-def _roundtrip(sd):
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
-
-
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: s["projector"])
 def test_roundtrip_continues_bit_identically(settings):
     model = tiny_llama()
@@ -36,7 +28,7 @@ def test_roundtrip_continues_bit_identically(settings):
         backward(model, ids)
         opt.step()
     saved_model = copy.deepcopy(model.state_dict())
-    saved_opt = _roundtrip(opt.state_dict())
+    saved_opt = save_and_load(opt.state_dict())
     for st in saved_opt["state"].values():
         assert all(isinstance(v, torch.Tensor) for v in st.values())
 
@@ -44,13 +36,7 @@ def test_roundtrip_continues_bit_identically(settings):
     clone.load_state_dict(saved_model)
     opt2 = slimopt.SlimOptimizer(clone.parameters(), lr=1e-2, update_gap=3, weight_decay=0.01, **settings)
     opt2.load_state_dict(saved_opt)
-    for ids in data[5:]:  # crosses a refresh at step 7 and 10
-        backward(model, ids)
-        opt.step()
-        backward(clone, ids)
-        opt2.step()
-    for a, b in zip(model.parameters(), clone.parameters()):
-        assert torch.equal(a, b)
+    assert_continues_identically(model, opt, clone, opt2, data[5:])  # crosses a refresh at step 7 and 10
 
 
 def test_build_roundtrip_and_dtypes_are_preserved_for_bf16_params():
@@ -59,7 +45,7 @@ def test_build_roundtrip_and_dtypes_are_preserved_for_bf16_params():
     for ids in batches(3):
         backward(model, ids)
         opt.step()
-    sd = _roundtrip(opt.state_dict())
+    sd = save_and_load(opt.state_dict())
     dtypes = {(i, k): v.dtype for i, st in sd["state"].items() for k, v in st.items()}
     fresh = slimopt.build(tiny_llama(dtype=torch.bfloat16), "galore", rank=4, update_gap=2)
     fresh.load_state_dict(sd)
