@@ -83,6 +83,33 @@ def test_nearest_equals_brute_force_argmin(name):
     assert torch.equal(Q.nearest_codes(x, qmap), brute_force_codes(x, qmap))
 
 
+@pytest.mark.parametrize("name", MAP_NAMES + ("crowded",))
+def test_bucket_table_equals_torch_bucketize(name):
+    # the CPU look-up must give torch.bucketize's indices exactly; "crowded" puts 40 map values in one range of
+    # the table (the same top 16 bits), so that several comparisons per element are needed
+    if name == "crowded":
+        qmap = torch.sort(torch.cat([torch.tensor([-1.0, -0.5, 0.0, 2.0]), 1.0 + torch.arange(40) * 2.0 ** -20]))[0]
+    else:
+        qmap = Q.get_map(name)
+    x = torch.cat([probe_inputs(qmap), torch.nextafter(qmap, torch.tensor(9.0)), torch.nextafter(qmap, -qmap - 9),
+                   torch.tensor([float("nan"), 1e-45, -1e-45, 3e38, -3e38])])
+    table = Q._CountTable(qmap)
+    assert table.extra == (40 if name == "crowded" else 1)
+    assert torch.equal(table.count_le(x).long(), torch.bucketize(x, qmap, right=True))
+
+
+@pytest.mark.parametrize("name", MAP_NAMES)
+def test_nearest_without_tables_equals_brute_force_argmin(name, monkeypatch):
+    # the path taken off CPU and under torch.compile: bucketize, then one distance comparison
+    monkeypatch.setattr(Q, "_tables", lambda qmap: None)
+    qmap = Q.get_map(name)
+    x = probe_inputs(qmap)
+    assert torch.equal(Q.nearest_codes(x, qmap), brute_force_codes(x, qmap))
+    lo, hi = Q._bracket(x, qmap)
+    monkeypatch.undo()
+    assert all(torch.equal(a, b) for a, b in zip((lo, hi), Q._bracket(x, qmap)))
+
+
 def test_nearest_ties_go_to_the_higher_code():
     tern = Q.get_map("ternary")
     # -0.5, 0.5 are exact midpoints of (-1, 0) and (0, 1)

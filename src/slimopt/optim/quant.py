@@ -25,7 +25,9 @@ Rounding rules (tested exactly against a brute-force argmin over the map):
 
 - Nearest: the code whose map value has the smallest fp32 distance |x - q| (computed as fp32 subtractions, as the
   brute force does). Ties go to the HIGHER code (the larger map value); torchao's 8/4-bit quantizers also break
-  ties upwards. The search is one `torch.bucketize` (exact comparisons, no rounded midpoints) followed by one
+  ties upwards. The search finds the bracketing map values with exact comparisons (no rounded midpoints:
+  `torch.bucketize`, or on CPU a table indexed by the top 16 bits of the fp32 pattern, which gives the same
+  indices; there nearest rounding is one look-up of precomputed exact fp32 decision points) followed by one
   distance comparison between the two bracketing codes, which equals the argmin for inputs within the map's
   range because map spacing exceeds the fp32 rounding of the distances there (tested for every map).
 - Stochastic: for x between neighbouring map values lo <= x <= hi, round to hi with probability
@@ -34,6 +36,8 @@ Rounding rules (tested exactly against a brute-force argmin over the map):
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -130,11 +134,99 @@ def get_map(name: str, device: torch.device | str | None = None) -> Tensor:
     return qmap
 
 
+def _order_key(x: Tensor) -> Tensor:
+    """fp32 (any shape) -> int32 that orders like the float: the bit pattern, magnitude bits flipped for negative
+    numbers. -0.0 is first turned into +0.0 (they compare equal)."""
+    bits = (x.float() + 0.0).view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def _from_order_key(key: Tensor) -> Tensor:
+    """The inverse of ``_order_key``: int32 -> fp32."""
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).view(torch.float32)
+
+
+class _CountTable:
+    """count(points <= x) for fp32 x and sorted fp32 points, by table look-up: exact, and on CPU an order of
+    magnitude faster than ``torch.bucketize(x, points, right=True)`` (a scalar binary search, ~150 ns an element,
+    which was most of an 8-bit encode).
+
+    The top 16 bits of ``_order_key`` cut the real line into 65,536 ranges. ``base[r]`` counts the points below
+    range r and ``extra`` is the most points any one range holds (1 for every map here), so
+    count(points <= x) = base[r] + sum over t < extra of [x >= points[base[r] + t]]: the same exact comparisons as
+    a binary search, fewer of them. Gathers use ``index_select`` with int32 indices (advanced indexing and int64
+    ``where`` are several times slower on CPU).
+    """
+
+    def __init__(self, points: Tensor) -> None:
+        ranges = self.range_of(points).long()  # (n,) ascending
+        self.base = torch.searchsorted(ranges, torch.arange(65536, device=points.device)).int()  # (65536,)
+        self.extra = int(torch.bincount(ranges, minlength=65536).max()) if points.numel() else 0
+        # NaN sentinels: base[r] + t never reads past the end, and x >= NaN is False
+        self.padded = torch.cat([points.float(), points.new_full((self.extra,), float("nan"), dtype=torch.float32)])
+
+    @staticmethod
+    def range_of(x: Tensor) -> Tensor:
+        """fp32 (any shape) -> int32 range index in [0, 65536), monotone in x."""
+        return (_order_key(x) >> 16) + 32768
+
+    def count_le(self, x: Tensor) -> Tensor:
+        """x fp32 (any shape) -> int32 count of points <= x (NaN: counted as above every point, as bucketize)."""
+        shape, flat = x.shape, x.float().reshape(-1)
+        idx = self.base.index_select(0, self.range_of(flat))
+        count = idx.clone()
+        for t in range(self.extra):
+            count += flat >= self.padded.index_select(0, idx + t if t else idx)
+        return count.view(shape)
+
+
+def _nearest_points(qmap: Tensor) -> Tensor:
+    """(n - 1,) fp32: for each pair of neighbours q[i] < q[i + 1], the smallest fp32 x with
+    fl(q[i + 1] - x) <= fl(x - q[i]), i.e. from which nearest rounding (ties up, fp32 distances) picks q[i + 1].
+    The predicate is monotone in x, so a bisection over the ordered fp32 patterns finds it exactly."""
+    q = qmap.float()
+    lo_v, hi_v = q[:-1], q[1:]
+    lo, hi = _order_key(lo_v).long(), _order_key(hi_v).long()  # the predicate is False at lo, True at hi
+    while bool((hi - lo > 1).any()):
+        mid = (lo + hi) // 2
+        x = _from_order_key(mid.int())
+        up = (hi_v - x) <= (x - lo_v)
+        hi, lo = torch.where(up, mid, hi), torch.where(up, lo, mid)
+    return _from_order_key(hi.int())
+
+
+class _MapTables:
+    """The look-up tables of one map: its bracketing (``bracket``) and its nearest-rounding decisions (``nearest``)."""
+
+    def __init__(self, qmap: Tensor) -> None:
+        self.bracket = _CountTable(qmap)
+        self.nearest = _CountTable(_nearest_points(qmap))
+
+
+_TABLES: dict[int, _MapTables] = {}
+
+
+def _tables(qmap: Tensor) -> _MapTables | None:
+    """The tables of a map tensor (built on first use, dropped when the map is freed), or None where
+    ``torch.bucketize`` is used instead: off CPU (a parallel search there) and under torch.compile."""
+    if qmap.device.type != "cpu" or qmap.dtype != torch.float32 or torch.compiler.is_compiling():
+        return None
+    tables = _TABLES.get(id(qmap))
+    if tables is None:
+        tables = _TABLES[id(qmap)] = _MapTables(qmap)
+        weakref.finalize(qmap, _TABLES.pop, id(qmap), None)
+    return tables
+
+
 def _bracket(x: Tensor, qmap: Tensor) -> tuple[Tensor, Tensor]:
     """Indices (lo, hi = lo + 1) of the map values bracketing each x: qmap[lo] <= x < qmap[hi] inside the range,
-    clamped to the first/last pair outside it. One binary search per element, exact comparisons."""
+    clamped to the first/last pair outside it. Exact comparisons."""
     n = qmap.numel()
-    hi = torch.bucketize(x, qmap, right=True).clamp_(1, n - 1)
+    tables = _tables(qmap)
+    if tables is not None:
+        hi = tables.bracket.count_le(x).long().clamp_(1, n - 1)
+    else:
+        hi = torch.bucketize(x, qmap, right=True).clamp_(1, n - 1)
     return hi - 1, hi
 
 
@@ -143,6 +235,9 @@ def nearest_codes(x: Tensor, qmap: Tensor) -> Tensor:
 
     qmap: (n,) sorted ascending, fp32, same device as x.
     """
+    tables = _tables(qmap)
+    if tables is not None:  # the count of decision points <= x is the code: one look-up, no distances
+        return tables.nearest.count_le(x).long()
     lo, hi = _bracket(x, qmap)
     d_lo = x - qmap[lo]  # >= 0 inside the range
     d_hi = qmap[hi] - x  # >= 0 inside the range
@@ -153,9 +248,10 @@ def stochastic_codes(x: Tensor, qmap: Tensor, u: Tensor) -> Tensor:
     """x (any shape, fp32), u (same shape, uniform in [0, 1)) -> int64 codes, rounding up with probability
     (x - lo) / (hi - lo) between the bracketing map values (unbiased inside the map's range)."""
     lo, hi = _bracket(x, qmap)
-    q_lo = qmap[lo]
-    p_up = ((x - q_lo) / (qmap[hi] - q_lo)).clamp_(0.0, 1.0)
-    return torch.where(u < p_up, hi, lo)
+    q_lo = qmap.index_select(0, lo.reshape(-1)).view(lo.shape)
+    q_hi = qmap.index_select(0, hi.reshape(-1)).view(hi.shape)
+    p_up = ((x - q_lo) / (q_hi - q_lo)).clamp_(0.0, 1.0)
+    return lo + (u < p_up)  # hi = lo + 1 (an integer where() is several times slower on CPU)
 
 
 def uniform(shape: torch.Size | tuple[int, ...], device: torch.device,
@@ -215,7 +311,7 @@ def quantize_blockwise(x: Tensor, qmap: Tensor, block_size: int, *, stochastic: 
 def dequantize_blockwise(codes: Tensor, scale: Tensor, qmap: Tensor, numel: int | None = None) -> Tensor:
     """codes (n_blocks * block_size,) integer, scale (n_blocks,) fp32 -> (numel,) fp32 (padding dropped;
     numel=None keeps the padded length)."""
-    values = qmap[codes.long()].view(scale.shape[0], -1) * scale.unsqueeze(-1)
+    values = qmap.index_select(0, codes.reshape(-1).long()).view(scale.shape[0], -1) * scale.unsqueeze(-1)
     flat = values.view(-1)
     return flat if numel is None else flat[:numel]
 
@@ -261,11 +357,23 @@ def pack_base3(trits: Tensor) -> Tensor:
     return (flat.view(-1, 5) * weights).sum(dim=-1).to(torch.uint8)
 
 
+_BASE3_DIGITS: dict[str, Tensor] = {}
+
+
+def _base3_digits(device: torch.device) -> Tensor:
+    """(256, 5) int32: the five base-3 digits of every byte value, lowest first (a look-up replaces a division and
+    a remainder per digit)."""
+    table = _BASE3_DIGITS.get(str(device))
+    if table is None:
+        weights = torch.tensor(_POW3, dtype=torch.int32)
+        table = torch.div(torch.arange(256, dtype=torch.int32).unsqueeze(-1), weights, rounding_mode="floor") % 3
+        table = _BASE3_DIGITS[str(device)] = table.to(device)
+    return table
+
+
 def unpack_base3(packed: Tensor, n: int | None = None) -> Tensor:
     """packed (m,) uint8 -> (n,) int32 digits in {0, 1, 2} (n = 5 * m when None); inverse of `pack_base3`."""
-    weights = torch.tensor(_POW3, dtype=torch.int32, device=packed.device)
-    digits = torch.div(packed.to(torch.int32).unsqueeze(-1), weights, rounding_mode="floor") % 3
-    flat = digits.view(-1)
+    flat = _base3_digits(packed.device).index_select(0, packed.reshape(-1).long()).view(-1)
     return flat if n is None else flat[:n]
 
 
