@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
+from slimopt.figures import pyplot, save_figure
+
 __all__ = ["memory_chart", "bench_chart"]
 
 # the parts of a planned peak, bottom to top (MemoryPlan.peak_parts), and their colours
@@ -12,17 +14,10 @@ _PARTS = (("weights", "#4c72b0"), ("gradients", "#dd8452"), ("optimizer state", 
           ("projections", "#8172b3"), ("activations", "#c44e52"), ("temporaries", "#b3b3b3"))
 
 
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-    return plt
-
-
 def memory_chart(plans: Iterable, path: str | Path, budget: int | None = None, title: str = "") -> Path:
     """Stacked bars of each plan's peak (GiB): weights, gradients, optimizer state, projections, activations and
     temporaries; a dashed line at the GPU budget when given."""
-    plt = _plt()
+    plt = pyplot()
     plans = list(plans)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(plans) + 2.5), 4.8), dpi=110)
     xs = range(len(plans))
@@ -41,18 +36,13 @@ def memory_chart(plans: Iterable, path: str | Path, budget: int | None = None, t
     ax.legend(fontsize=7, loc="upper right")
     if title:
         ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def bench_chart(rows: list[dict], path: str | Path, title: str = "") -> Path:
     """Two panels per measured method: median optimizer-step time (ms) and optimizer-state bytes per parameter.
     Rows that did not run (not installed, failed) are left out."""
-    plt = _plt()
+    plt = pyplot()
     ok = [r for r in rows if r.get("status") == "ok"]
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(max(8.0, 0.5 * len(ok) + 4), 4.6), dpi=110)
     names = [r["method"] for r in ok]
@@ -68,9 +58,4 @@ def bench_chart(rows: list[dict], path: str | Path, title: str = "") -> Path:
     ax_t.legend(handles, ["slimopt", "peer"], fontsize=8)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

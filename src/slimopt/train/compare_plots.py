@@ -9,14 +9,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from slimopt.figures import pyplot, save_figure
+
 __all__ = ["plot_loss_curves", "plot_memory", "ema"]
-
-
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-    return plt
 
 
 def ema(values: list[float], beta: float = 0.9) -> list[float]:
@@ -34,7 +29,7 @@ def _finite(pairs):
 
 def plot_loss_curves(rows: list[dict], path: str | Path, title: str = "") -> Path:
     """Two panels: smoothed training loss and validation loss, both against training tokens."""
-    plt = _plt()
+    plt = pyplot()
     fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.6), dpi=100)
     cmap = plt.get_cmap("tab10" if len(rows) <= 10 else "tab20")
     for i, r in enumerate(rows):
@@ -59,11 +54,7 @@ def plot_loss_curves(rows: list[dict], path: str | Path, title: str = "") -> Pat
     if handles:
         ax_v.legend(handles, labels, fontsize=8, loc="upper right", ncol=2 if len(labels) > 6 else 1)
     fig.suptitle(title or "loss against tokens", fontsize=11)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _clip_y(ax, rows, key):
@@ -84,7 +75,7 @@ def _clip_y(ax, rows, key):
 
 def plot_memory(rows: list[dict], path: str | Path, title: str = "") -> Path:
     """Horizontal bars per method: optimizer state (MiB) and peak training memory (MiB), values printed."""
-    plt = _plt()
+    plt = pyplot()
     ok = [r for r in rows if r.get("state_mib") is not None and not str(r.get("status", "")).startswith("failed")]
     names = [r["method"] for r in ok]
     state = [r["state_mib"] for r in ok]
@@ -107,8 +98,4 @@ def plot_memory(rows: list[dict], path: str | Path, title: str = "") -> Path:
     ax_s.set_yticklabels(names)
     ax_s.invert_yaxis()
     fig.suptitle(title or "memory per method", fontsize=11)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
