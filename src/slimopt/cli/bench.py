@@ -155,7 +155,7 @@ def run(args) -> int:
 
     from slimopt.bench.harness import CHECK_METHODS, BenchConfig, check_planner, planned_goal_bytes, run_bench
     from slimopt.bench.plots import bench_chart
-    from slimopt.cli.compare import _method_opts
+    from slimopt.cli.train import parse_method_opts
 
     methods = None if args.methods.strip() == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
     if methods == []:
@@ -170,7 +170,7 @@ def run(args) -> int:
         raise ValueError(f"--batch and --seq must be >= 1 for --check-planner, got {args.batch} and {args.seq}")
     cfg = BenchConfig(model=args.model, methods=methods, device=args.device, dtype=args.dtype, steps=args.steps,
                       warmup=args.warmup, seed=args.seed, vocab_size=args.vocab_size,
-                      method_opts=_method_opts(args.set_opts), refresh=not args.no_refresh,
+                      method_opts=parse_method_opts(args.set_opts), refresh=not args.no_refresh,
                       refresh_shape=args.refresh_shape, refresh_rank=args.refresh_rank, refresh_reps=reps,
                       max_minutes=args.max_minutes)
     result = run_bench(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))

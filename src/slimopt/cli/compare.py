@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from slimopt.cli.train import _int, add_data_model_args, add_recipe_args, parse_opt
+from slimopt.cli.train import _int, add_data_model_args, add_recipe_args, parse_method_opts
 
 __all__ = ["add_parser", "run"]
 
@@ -43,17 +43,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _method_opts(items: list[str] | None) -> dict[str, dict]:
-    out: dict[str, dict] = {}
-    for item in items or []:
-        head, sep, _ = item.partition("=")
-        method, dot, key = head.partition(".")
-        if not sep or not dot or not method or not key:
-            raise ValueError(f"--set expects METHOD.KEY=VALUE, got {item!r}")
-        out.setdefault(method, {}).update(parse_opt([f"{key}={item.split('=', 1)[1]}"]))
-    return out
-
-
 def run(args) -> int:
     from dataclasses import replace
 
@@ -67,7 +56,7 @@ def run(args) -> int:
                    clip=args.clip, dtype=args.dtype, seed=args.seed, device=args.device, threads=args.threads,
                    eval_tokens=args.eval_tokens, eval_every=args.eval_every, cache_dir=args.cache_dir)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
-    cfg = CompareConfig(base=base, methods=methods, method_opts=_method_opts(args.set_opts), out=args.out,
+    cfg = CompareConfig(base=base, methods=methods, method_opts=parse_method_opts(args.set_opts), out=args.out,
                         isolate=not args.in_process, progress=not args.no_progress)
     rows = run_compare(cfg)
     failed = [r["method"] for r in rows if r["status"].startswith("failed")]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from slimopt.cli.train import _int, parse_opt
+from slimopt.cli.train import _int, parse_method_opts
 
 __all__ = ["add_parser", "run", "config_from_args"]
 
@@ -103,17 +103,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _method_opts(items: list[str] | None) -> dict[str, dict]:
-    out: dict[str, dict] = {}
-    for item in items or []:
-        head, sep, value = item.partition("=")
-        method, dot, key = head.rpartition(".")
-        if not sep or not dot or not method or not key:
-            raise ValueError(f"--set expects METHOD.KEY=VALUE, got {item!r}")
-        out.setdefault(method, {}).update(parse_opt([f"{key}={value}"]))
-    return out
-
-
 def config_from_args(args):
     from slimopt.finetune.run import FinetuneConfig
 
@@ -125,7 +114,7 @@ def config_from_args(args):
         max_eval_samples=args.max_eval_samples, epochs=args.epochs, max_steps=args.max_steps,
         batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, grad_accum=args.grad_accum, lr=args.lr,
         rank=args.rank, lora_alpha=args.lora_alpha, warmup=args.warmup, weight_decay=args.weight_decay,
-        clip=args.clip, bf16=args.bf16, seed=args.seed, method_opts=_method_opts(args.set_opts), out=args.out,
+        clip=args.clip, bf16=args.bf16, seed=args.seed, method_opts=parse_method_opts(args.set_opts), out=args.out,
     )
 
 

@@ -69,7 +69,7 @@ def run(args) -> int:
     from slimopt.bench.plots import memory_chart
     from slimopt.bench.tables import memory_table
     from slimopt.bench.units import parse_size
-    from slimopt.cli.compare import _method_opts
+    from slimopt.cli.train import parse_method_opts
 
     budget = parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory is not None else None
     if args.batch is not None and args.seq is None:
@@ -79,7 +79,7 @@ def run(args) -> int:
         if v is not None and v < 1:
             raise ValueError(f"--{name} must be an integer >= 1, got {v}")
     methods = _methods(args.method)
-    opts = _method_opts(args.set_opts)
+    opts = parse_method_opts(args.set_opts)
     stray = sorted(set(opts) - set(methods))
     if stray:
         raise ValueError(f"--set names method(s) {', '.join(stray)} that are not in --method")

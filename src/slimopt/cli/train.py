@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 
-__all__ = ["add_parser", "run", "add_data_model_args", "add_recipe_args", "parse_opt", "config_from_args"]
+__all__ = ["add_parser", "run", "add_data_model_args", "add_recipe_args", "parse_opt", "parse_method_opts",
+           "config_from_args"]
 
 EXAMPLES = """examples:
   slimopt train                                      # tiny LLaMA on the built-in KJV corpus, AdamW
@@ -63,6 +64,19 @@ def parse_opt(items: list[str] | None) -> dict:
         if not sep or not key:
             raise ValueError(f"--opt expects key=value, got {item!r}")
         out[key] = _value(val.strip())
+    return out
+
+
+def parse_method_opts(items: list[str] | None) -> dict[str, dict]:
+    """`--set` of compare, finetune, bench and memory: `["galore.rank=64", "frugal.lr=3e-3"]` ->
+    `{"galore": {"rank": 64}, "frugal": {"lr": 0.003}}`, values parsed as by `parse_opt`."""
+    out: dict[str, dict] = {}
+    for item in items or []:
+        head, sep, value = item.partition("=")
+        method, dot, key = head.partition(".")
+        if not sep or not dot or not method or not key:
+            raise ValueError(f"--set expects METHOD.KEY=VALUE, got {item!r}")
+        out.setdefault(method, {}).update(parse_opt([f"{key}={value}"]))
     return out
 
 
