@@ -37,7 +37,7 @@ G all gradients, and X the update's scratch (below), the peak is the largest of 
 The backward pass frees a layer's activations as it creates that layer's gradients, so in between the sum stays
 below its two ends when a layer's activations outweigh its gradients (the usual case at training batch sizes).
 X is what the update allocates: slimopt and galore-torch update one parameter at a time in fp32, so X is a
-per-element cost of the largest parameter that depends on the codec (20 bytes per element for plain moments, 53
+per-element cost of the largest parameter that depends on the codec (20 bytes per element for plain moments, 33
 for 8-bit, measured on CPU with torch's MemTracker; ``_SCRATCH``); fused kernels (torch fused AdamW,
 bitsandbytes) allocate nothing; torch's foreach AdamW one state-sized temporary for all parameters at once.
 On CPU, against MemTracker's count of every tensor, this peak is within a few percent for LLaMA models with and
@@ -224,7 +224,7 @@ def _slim_moments(opt, p: torch.Tensor, group: dict, shape: torch.Size) -> int:
 # runs (fp32 gradient copy, decoded moments, direction, quantization buffers), for bf16 weights; fp32 weights skip
 # the gradient copy and a cast (8 fewer). Measured with torch's MemTracker on CPU (a 1024 x 512 weight and a LLaMA
 # step); an estimate of what any device allocates, since kernels differ.
-_SCRATCH = {"plain": 20, "8bit": 53, "ternary_sr": 57, "ternary_ef": 77, "taco": 12, "state_free": 10,
+_SCRATCH = {"plain": 20, "8bit": 33, "ternary_sr": 61, "ternary_ef": 81, "taco": 12, "state_free": 10,
             "projected": 11, "projected_8bit": 17, "coordinates": 18}
 
 
