@@ -32,8 +32,9 @@ the ordinary step's (tests/test_layerwise.py), so their accuracy must match; wha
 
 Usage::
 
-    python benchmarks/finetune_taco.py                      # the recorded run (about 8 minutes on 2 idle cores)
+    python benchmarks/finetune_taco.py --seeds 0 1 2 --threads 1   # the recorded run (docs/taco.md)
     python benchmarks/finetune_taco.py --quick              # a smoke test
+    python benchmarks/finetune_taco.py --sweep --seeds 0 1 2 --threads 1 --peak-batch 0   # TACO's settings
     python benchmarks/finetune_taco.py --only taco adamw --steps 100 --threads 2
 
 Writes a JSON file (``--out``) with the machine, date, versions and every figure, and prints a Markdown table.
@@ -66,7 +67,7 @@ from slimopt.optim.layerwise import enable_layerwise
 # (docs/taco.md): AdamW 3e-5 / 1e-4 / 3e-4 / 1e-3 -> 3e-4, used by every full fine-tuning method; TACO at 3e-4 with
 # taco_alpha 30 (its default) or 100. GaLore and LoRA use their papers' fine-tuning shapes (rank 8 with scale 4;
 # r 8 with alpha 16), LoRA its own lr (1e-3 or 3e-3). FRUGAL rotates its active blocks every 10 steps, so that
-# several selections happen within the run.
+# several selections happen within the run. "taco" is TACO's defaults (taco_k 1, taco_decay 0.5).
 LR = 3e-4
 GALORE_SCALE = 4.0  # the sweep: scale 1 and 4 gave the same accuracy, 4 (the paper's) the lower loss
 LORA_LR = 3e-3  # the sweep: 1e-3 -> 92.3%, 3e-3 -> 94.8%
@@ -78,13 +79,18 @@ CONFIGS: dict[str, tuple[str, float, dict, bool]] = {
     "frugal": ("frugal", LR, {"update_gap": 10}, False),
     "lora": ("lora", LORA_LR, {"r": 8, "alpha": 16}, False),
     "taco": ("taco", LR, {}, False),
-    "taco_k1": ("taco", LR, {"taco_k": 1}, False),
+    "taco_bare": ("taco", LR, {"taco_k": 0}, False),  # the bare direction: no history, no state
     "adamw+lw": ("adamw", LR, {}, True),
     "taco+lw": ("taco", LR, {}, True),
-    # not in the default run (--only NAME): the bare direction, without history
-    "taco_bare": ("taco", LR, {"taco_k": 0}, False),
 }
-DEFAULT = tuple(n for n in CONFIGS if n != "taco_bare")
+DEFAULT = tuple(CONFIGS)
+# --sweep: TACO's history size and decay (3 seeds each in docs/taco.md); the run that chose the defaults
+SWEEP: dict[str, tuple[str, float, dict, bool]] = {
+    f"taco_k{k}_d{d}" + ("_lr1e-4" if lr == 1e-4 else ""): ("taco", lr, {"taco_k": k, "taco_decay": d}, False)
+    for k, d, lr in ((4, 0.3, LR), (4, 0.5, LR), (4, 0.7, LR), (4, 0.9, LR), (2, 0.5, LR), (1, 0.9, LR),
+                     (4, 0.9, 1e-4), (4, 0.5, 1e-4))
+}
+CONFIGS.update(SWEEP)
 QUICK = ("adamw", "taco", "taco+lw")
 PEAK_CONFIGS = ("adamw", "adamw+lw", "taco", "taco+lw")
 PEAK_STEPS = 3
@@ -265,13 +271,23 @@ def table(results: list[dict]) -> str:
 
 
 def summary(results: list[dict]) -> str:
-    """Accuracy per configuration over seeds: mean, min and max."""
-    by: dict[str, list[float]] = {}
+    """One row per configuration over its seeds: accuracy mean (min - max), loss mean, state, peak and step time
+    medians (state is the same for every seed; peak and time vary with the machine's load)."""
+    by: dict[str, list[dict]] = {}
     for r in results:
-        by.setdefault(r["config"], []).append(100 * r["accuracy"])
-    rows = ["| config | seeds | accuracy mean | min | max |", "|---|---:|---:|---:|---:|"]
-    for name, accs in by.items():
-        rows.append(f"| {name} | {len(accs)} | {np.mean(accs):.2f} | {min(accs):.2f} | {max(accs):.2f} |")
+        by.setdefault(r["config"], []).append(r)
+    rows = ["| config | seeds | accuracy mean (min - max) | loss (last 10) | state MB | bits/param (projectable) | "
+            "peak MB | step s | CPU s/step |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, rs in by.items():
+        accs = [100 * r["accuracy"] for r in rs]
+        peaks = [r["peak_mb"] for r in rs if r["peak_mb"] is not None]
+        peak = f"{statistics.median(peaks):.0f}" if peaks else "n/a"
+        rows.append(f"| {name} | {len(rs)} | {np.mean(accs):.2f} ({min(accs):.2f} - {max(accs):.2f}) | "
+                    f"{np.mean([r['train_loss_last10'] for r in rs]):.3f} | "
+                    f"{statistics.median(r['state_bytes'] for r in rs) / 2**20:.2f} | "
+                    f"{statistics.median(r['projectable_bits_per_param'] for r in rs):.3f} | {peak} | "
+                    f"{statistics.median(r['step_s_median'] for r in rs):.2f} | "
+                    f"{statistics.median(r['cpu_s_per_step'] for r in rs):.2f} |")
     return "\n".join(rows)
 
 
@@ -290,16 +306,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--only", nargs="*", default=None, help=f"configurations to run, from {', '.join(CONFIGS)}")
     ap.add_argument("--train-embeddings", action="store_true", help="also train the word embeddings")
     ap.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK)} for 8 steps on a subset")
+    ap.add_argument("--sweep", action="store_true",
+                    help="run TACO's history sweep (SWEEP, with adamw, taco and taco_bare) instead of DEFAULT")
     ap.add_argument("--peak-batch", type=int, default=2,
                     help="also measure the peak of PEAK_CONFIGS at this batch size, where gradients outweigh "
                          "activations (0: skip)")
-    ap.add_argument("--out", default="benchmarks/results/finetune_taco.json")
+    ap.add_argument("--out", default=None,
+                    help="JSON report (default benchmarks/results/finetune_taco.json, with --sweep ..._sweep.json)")
     args = ap.parse_args(argv)
     if args.quick:
         args.only, args.steps = args.only or list(QUICK), args.steps or 8
         args.max_train, args.max_eval = args.max_train or 256, args.max_eval or 128
     args.steps = args.steps or 60
-    names = args.only or list(DEFAULT)
+    if args.out is None:
+        args.out = f"benchmarks/results/finetune_taco{'_sweep' if args.sweep else ''}.json"
+    names = args.only or (["adamw", "taco", "taco_bare", *SWEEP] if args.sweep else list(DEFAULT))
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         ap.error(f"unknown configuration(s) {unknown}; available: {', '.join(CONFIGS)}")

@@ -181,15 +181,16 @@ def test_history_follows_a_persistent_signal_as_dense_momentum_does():
 def test_state_bytes_are_analytic_and_o_of_columns_on_a_4096_square_weight():
     w = torch.nn.Parameter(torch.zeros(4096, 4096))
     w.grad = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(0))
-    opt = TACO([w])
-    opt.step()
-    st = opt.state[w]
-    assert st["taco_rows"].dtype == torch.int16 and st["taco_rows"].shape == (4, 4096)
-    assert st["taco_values"].dtype == torch.float8_e4m3fn and st["taco_absmax"].dtype == torch.bfloat16
-    expected = 4096 * (4 * (2 + 1) + 2) + 4  # n * (k * (row + value bytes) + scale bytes) + step
-    assert slimopt.state_nbytes(opt) == taco.state_nbytes((4096, 4096), 4) == expected == 57348
-    bits = 8 * expected / w.numel()
-    assert bits < 0.03  # fp32 Adam moments: 64 bits per parameter
+    for k, expected in ((None, 20484), (4, 57348)):  # None: the default, k = 1
+        opt = TACO([w]) if k is None else TACO([w], taco_k=k)
+        opt.step()
+        st = opt.state[w]
+        k = k or 1
+        assert st["taco_rows"].dtype == torch.int16 and st["taco_rows"].shape == (k, 4096)
+        assert st["taco_values"].dtype == torch.float8_e4m3fn and st["taco_absmax"].dtype == torch.bfloat16
+        # n * (k * (row + value bytes) + scale bytes) + step
+        assert slimopt.state_nbytes(opt) == taco.state_nbytes((4096, 4096), k) == 4096 * (k * 3 + 2) + 4 == expected
+        assert 8 * expected / w.numel() < 0.03  # fp32 Adam moments: 64 bits per parameter
 
 
 @pytest.mark.parametrize("shape,k,fmt,scale,row_bytes", [
