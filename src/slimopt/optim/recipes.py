@@ -61,8 +61,9 @@ METHODS: dict[str, Method] = {
     "badam": Method("BAdam: Adam on one Linear weight at a time (switching every 100 steps), the others frozen",
                     1e-3, projectable={"projector": "block", "rank": 1, "update_gap": 100, "free_rule": "none",
                                        "on_refresh": "reset"}),
-    "taco": Method("TACO: one-sparse ternary step per column of each Linear weight, k fp8 components of state per "
-                   "column; AdamW on embeddings, norms, biases and head", TACO_LR, projectable=dict(_TACO)),
+    "taco": Method("TACO: one-sparse ternary step per column of each Linear weight, one fp8 component of state "
+                   "per column (taco_k); AdamW on embeddings, norms, biases and head", TACO_LR,
+                   projectable=dict(_TACO)),
     "signsgd": Method("signSGD on every parameter: no optimizer state", 3e-4, projectable=dict(_STATE_FREE),
                       rest=dict(_STATE_FREE)),
 }
@@ -219,7 +220,8 @@ class BAdam(SlimOptimizer):
 
 class TACO(SlimOptimizer):
     """TACO (arXiv 2610.02199): per column of each 2-D weight, a step of lr * taco_alpha * m / n on the one entry
-    whose accumulated gradient is largest, in its sign; k low-precision components of state per column.
+    whose accumulated gradient is largest, in its sign; k low-precision components of state per column
+    (``taco_k``, default 1).
 
     2-D tensors take TACO (``slimopt.optim.taco`` documents the direction, the normalization, the history and
     which choices are ours); other tensors take AdamW through the group's codecs. Settings: ``taco_k``,
