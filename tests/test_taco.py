@@ -258,7 +258,7 @@ def test_recipe_partition_and_fallback_codecs():
 def test_composes_with_projectors():
     gen = torch.Generator().manual_seed(0)
     w = torch.nn.Parameter(torch.zeros(16, 12))
-    opt = slimopt.SlimOptimizer([w], rule="taco", projector="columns", density=0.5, update_gap=2,
+    opt = slimopt.SlimOptimizer([w], rule="taco", taco_k=4, projector="columns", density=0.5, update_gap=2,
                                 free_rule="sign", free_scale=0.0, on_refresh="reset", lr=1.0)
     w.grad = torch.randn(16, 12, generator=gen)
     opt.step()
