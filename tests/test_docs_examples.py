@@ -23,7 +23,8 @@ def python_blocks(path: str) -> list[str]:
 
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("path", STANDALONE)
-def test_markdown_examples_run(path, capsys):
+def test_markdown_examples_run(path, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the README's example saves a checkpoint into the working directory
     blocks = python_blocks(path)
     assert blocks, f"{path} has no python example"
     for i, code in enumerate(blocks):
