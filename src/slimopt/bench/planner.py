@@ -222,8 +222,9 @@ def _slim_moments(opt, p: torch.Tensor, group: dict, shape: torch.Size) -> int:
 
 # Bytes per element of a parameter that the update allocates on top of the weights, gradient and state while it
 # runs (fp32 gradient copy, decoded moments, direction, quantization buffers), for bf16 weights; fp32 weights skip
-# the gradient copy and a cast (8 fewer). Measured with torch's MemTracker on CPU (a 1024 x 512 weight and a LLaMA
-# step); an estimate of what any device allocates, since kernels differ.
+# the gradient's fp32 copy (4 fewer) and, with plain moments, also the fp32 copies of the update (12 fewer in all:
+# _FP32_SAVING). Measured with torch's MemTracker on CPU (a 1024 x 512 weight and a LLaMA step, bf16 and fp32);
+# an estimate of what any device allocates, since kernels differ.
 _SCRATCH = {"plain": 20, "8bit": 33, "ternary_sr": 61, "ternary_ef": 81, "taco": 12, "state_free": 10,
             "projected": 11, "projected_8bit": 17, "coordinates": 18}
 
@@ -237,8 +238,11 @@ def _codec_family(opt, p: torch.Tensor, group: dict, shape) -> str:
     return "8bit" if names & {"int8", "int4"} else "plain"
 
 
+_FP32_SAVING = {"plain": 12}  # every other kind: 4
+
+
 def _scratch_bytes(kind: str, p: torch.Tensor) -> int:
-    c = _SCRATCH[kind] - (8 if p.dtype in (torch.float32, torch.float64) else 0)
+    c = _SCRATCH[kind] - (_FP32_SAVING.get(kind, 4) if p.dtype in (torch.float32, torch.float64) else 0)
     return max(0, c) * p.numel()
 
 
@@ -387,15 +391,27 @@ class Prepared:
         return lo
 
 
-def prepare(model: str | nn.Module, method: str, *, dtype: str = "bf16", step: int | None = None,
+def _module_dtype(model: nn.Module) -> str:
+    """The dtype name of a built model's first floating-point parameter (bf16 when it has none we know)."""
+    names = {v: k for k, v in DTYPES.items()}
+    for p in model.parameters():
+        if p.is_floating_point():
+            return names.get(p.dtype, "bf16")
+    return "bf16"
+
+
+def prepare(model: str | nn.Module, method: str, *, dtype: str | None = None, step: int | None = None,
             vocab_size: int | None = None, label: str | None = None, config=None, **hparams: Any) -> Prepared:
     """Build `model` on the meta device (unless given a module) and size `method`'s optimizer state on it.
 
     model: a LLaMA size name, a folder with a config.json, or a model already built (meta or real; its
-    ``config`` attribute, or `config`, serves the activation estimate). dtype: the weights' (and activations')
-    dtype, bf16 | fp16 | fp32. step: see ``state_plan``. vocab_size: overrides the config's. hparams: method
-    settings (rank, density, codec, ...).
+    ``config`` attribute, or `config`, serves the activation estimate). dtype: the activations' dtype and, for a
+    model built here, the weights', bf16 | fp16 | fp32; default: a given module's own dtype (a fp32 model planned
+    with bf16 activations would be planned short), else bf16. step: see ``state_plan``. vocab_size: overrides the
+    config's. hparams: method settings (rank, density, codec, ...).
     """
+    if dtype is None:
+        dtype = _module_dtype(model) if isinstance(model, nn.Module) else "bf16"
     _dtype(dtype)
     if isinstance(model, nn.Module):
         net, config = model, config if config is not None else getattr(model, "config", None)
@@ -406,7 +422,7 @@ def prepare(model: str | nn.Module, method: str, *, dtype: str = "bf16", step: i
     return Prepared(net, config, label, method, dtype, state_plan(net, method, step=step, **hparams), step)
 
 
-def plan(model: str | nn.Module, method: str, *, dtype: str = "bf16", batch: int = 0, seq: int = 0,
+def plan(model: str | nn.Module, method: str, *, dtype: str | None = None, batch: int = 0, seq: int = 0,
          layerwise: bool = False, checkpointing: bool = False, step: int | None = None,
          vocab_size: int | None = None, label: str | None = None, config=None, **hparams: Any) -> MemoryPlan:
     """The memory of one training step of `method` on `model` (keywords as ``prepare``).
@@ -419,7 +435,7 @@ def plan(model: str | nn.Module, method: str, *, dtype: str = "bf16", batch: int
     return prep.plan(batch, seq, layerwise, checkpointing)
 
 
-def max_batch(model: str | nn.Module, method: str, budget: int, seq: int, *, dtype: str = "bf16",
+def max_batch(model: str | nn.Module, method: str, budget: int, seq: int, *, dtype: str | None = None,
               layerwise: bool = False, checkpointing: bool = False, step: int | None = None,
               vocab_size: int | None = None, config=None, limit: int = 1 << 20, **hparams: Any) -> int:
     """The largest batch of `seq`-token sequences whose planned peak fits in `budget` bytes; 0 if none does.
