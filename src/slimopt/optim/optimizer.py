@@ -235,6 +235,23 @@ class SlimOptimizer(torch.optim.Optimizer):
             return projector
         return "none"
 
+    def _block_turn(self, p: Tensor, group: dict[str, Any], state: dict[str, Tensor], step: int,
+                    fresh_moments: Callable[[], None]) -> bool:
+        """Whether p's block is active at `step` (FRUGAL, BAdam), with its state brought in line: an inactive block
+        holds nothing but its ``step`` (that is the memory FRUGAL saves); an active one restarts its moments at a
+        refresh under ``on_refresh="reset"``, by ``fresh_moments()`` (shaped by the caller: the whole tensor, or
+        this rank's shard) or TACO's reset."""
+        if not self._block_active(p, group, step):
+            for key in [k for k in state if k != "step"]:
+                del state[key]
+            return False
+        if P.refresh_due(step, group["update_gap"]) and step > 1 and group["on_refresh"] == "reset":
+            if taco.owns(group, p.shape):
+                taco.reset(state)
+            else:
+                fresh_moments()
+        return True
+
     def _block_active(self, p: Tensor, group: dict[str, Any], step: int) -> bool:
         gi, pi, _ = self._where[p]
         n = len(group["params"])
@@ -274,18 +291,12 @@ class SlimOptimizer(torch.optim.Optimizer):
                 return
             full, coef = self._stateful(p, group, state, g, step)
         elif layout == "block":
-            active = self._block_active(p, group, step)
-            due = P.refresh_due(step, group["update_gap"])
-            if active:
-                if due and step > 1 and group["on_refresh"] == "reset":
-                    if taco.owns(group, g.shape):
-                        taco.reset(state)
-                    else:
-                        self._init_moments(state, self._moment_codecs(group, g.shape, p.dtype), g.shape, p.device)
+            def fresh() -> None:
+                self._init_moments(state, self._moment_codecs(group, g.shape, p.dtype), g.shape, p.device)
+
+            if self._block_turn(p, group, state, step, fresh):
                 full, coef = self._stateful(p, group, state, g, step)
             else:
-                for key in [k for k in state if k != "step"]:
-                    del state[key]  # an inactive block holds no moments: that is the memory FRUGAL saves
                 resid = g
         else:
             full, coef, resid = self._projected(p, group, state, g, step, layout)

@@ -201,18 +201,13 @@ def update(opt, p: Tensor, group: dict[str, Any]) -> None:
             return
         full, coef = _stateful(opt, p, group, state, g, step, space)
     elif layout == "block":
-        active = opt._block_active(p, group, step)  # a pure function of (seed, refresh index): same everywhere
-        due = P.refresh_due(step, group["update_gap"])
-        if active:
-            if due and step > 1 and group["on_refresh"] == "reset":
-                if taco.owns(group, p.shape):
-                    taco.reset(state)
-                else:
-                    init_moments(state, moment_codecs(opt, group, space, p.dtype), _local_shape(space), p_loc.device)
+        def fresh() -> None:
+            init_moments(state, moment_codecs(opt, group, space, p.dtype), _local_shape(space), p_loc.device)
+
+        # the active blocks are a pure function of (seed, refresh index): the same on every rank
+        if opt._block_turn(p, group, state, step, fresh):
             full, coef = _stateful(opt, p, group, state, g, step, space)
         else:
-            for key in [k for k in state if k != "step"]:
-                del state[key]
             resid = g
     else:
         full, coef, resid = _projected(opt, p, group, state, g, step, layout, rows)
