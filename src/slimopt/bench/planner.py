@@ -225,7 +225,7 @@ def _slim_moments(opt, p: torch.Tensor, group: dict, shape: torch.Size) -> int:
 # the gradient's fp32 copy (4 fewer) and, with plain moments, also the fp32 copies of the update (12 fewer in all:
 # _FP32_SAVING). Measured with torch's MemTracker on CPU (a 1024 x 512 weight and a LLaMA step, bf16 and fp32);
 # an estimate of what any device allocates, since kernels differ.
-_SCRATCH = {"plain": 20, "8bit": 33, "ternary_sr": 61, "ternary_ef": 81, "taco": 12, "state_free": 10,
+_SCRATCH = {"plain": 20, "8bit": 33, "ternary_sr": 61, "ternary_ef": 77, "taco": 12, "state_free": 10,
             "projected": 11, "projected_8bit": 17, "coordinates": 18}
 
 

@@ -356,7 +356,7 @@ class TernaryCodec(Codec):
         u = Q.uniform(normed.shape, normed.device, generator) if noise is None else noise.view(normed.shape)
         err = None
         if self.feedback:
-            trits = Q.nearest_codes(normed, tmap)
+            trits = Q.nearest_codes(normed, tmap, torch.int32)  # pack_base3 takes int32
             resid2 = (normed - (trits - 1).float()) * 2.0  # twice the residual: in [-1, 1], exact
             err = Q.pack_base3(Q.stochastic_codes(resid2, tmap, u).view(-1))
             _check_into(key + "_err", err, state)

@@ -230,18 +230,19 @@ def _bracket(x: Tensor, qmap: Tensor) -> tuple[Tensor, Tensor]:
     return hi - 1, hi
 
 
-def nearest_codes(x: Tensor, qmap: Tensor) -> Tensor:
-    """x (any shape, fp32) -> int64 codes (same shape) of the nearest map value; ties to the higher code.
+def nearest_codes(x: Tensor, qmap: Tensor, dtype: torch.dtype = torch.int64) -> Tensor:
+    """x (any shape, fp32) -> codes (same shape, integer `dtype`) of the nearest map value; ties to the higher code.
 
-    qmap: (n,) sorted ascending, fp32, same device as x.
+    qmap: (n,) sorted ascending, fp32, same device as x. An encoder that stores uint8 codes asks for them directly,
+    which spares an int64 copy of the tensor.
     """
     tables = _tables(qmap)
     if tables is not None:  # the count of decision points <= x is the code: one look-up, no distances
-        return tables.nearest.count_le(x).long()
+        return tables.nearest.count_le(x).to(dtype)
     lo, hi = _bracket(x, qmap)
     d_lo = x - qmap[lo]  # >= 0 inside the range
     d_hi = qmap[hi] - x  # >= 0 inside the range
-    return torch.where(d_hi <= d_lo, hi, lo)
+    return torch.where(d_hi <= d_lo, hi, lo).to(dtype)
 
 
 def stochastic_codes(x: Tensor, qmap: Tensor, u: Tensor) -> Tensor:
@@ -304,7 +305,7 @@ def quantize_blockwise(x: Tensor, qmap: Tensor, block_size: int, *, stochastic: 
         u = uniform(normed.shape, normed.device, generator) if noise is None else noise.view(normed.shape)
         codes = stochastic_codes(normed, qmap, u)
     else:
-        codes = nearest_codes(normed, qmap)
+        codes = nearest_codes(normed, qmap, torch.uint8)
     return codes.to(torch.uint8).view(-1), scale
 
 
