@@ -330,6 +330,25 @@ def test_memory_cli(tmp_path, capsys):
     assert (tmp_path / "memory.png").stat().st_size > 10_000
 
 
+def test_plan_without_activations():
+    # batch and seq default to 0: weights, gradients, state and the step's scratch, no activations
+    p = planner.plan("tiny", "adamw")
+    assert (p.batch, p.seq, p.activations, p.loss_grad) == (0, 0, 0, 0)
+    assert "no activations" in p.activation_formula
+    assert p.peak == p.weights + p.grads + p.state + p.projections + p.scratch
+
+
+@pytest.mark.parametrize("budget", [[], ["--gpu-memory", "24GiB"]])
+def test_memory_cli_without_batch_or_seq(budget, capsys):
+    # the first command a user planning memory types: no --batch/--seq leaves activations out and says so
+    assert main(["memory", "--model", "tiny", "--method", "adamw,galore", *budget]) == 0
+    out = capsys.readouterr().out
+    assert "no activations" in out and "Activations: left out (no --seq)" in out
+    row = next(line for line in out.splitlines() if line.startswith("| adamw |"))
+    assert row.split("|")[7].strip() == "-"  # the activations column
+    assert ("| yes |" in out and "'fits' is a lower bound" in out) if budget else "fits" not in out
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--model", "tiny", "--gpu-memory", "lots"], "--gpu-memory='lots' is not a memory size"),
     (["--model", "nope"], "unknown model 'nope'"),

@@ -469,7 +469,8 @@ def _assemble(prep: Prepared, batch: int, seq: int, layerwise: bool, checkpointi
         elem = 4 if prep.dtype == "fp32" else 2
         act = activation_bytes(prep.config, batch, seq, elem, checkpointing, _has_lm_head(net))
     else:
-        act = ActivationEstimate(0, 0, 0, True, "no activations (batch or seq not given)")
+        act = ActivationEstimate(saved=0, loss_grad=0, head=0, recompute=0, exact=True,
+                                 formula="no activations (batch or seq not given)")
     scratch = _scratch(prep.method, prep.states)
     sizes = {name: p.numel() * p.element_size() for name, p in net.named_parameters()}
     # layer-wise: a parameter's gradient and its update's scratch exist together, one parameter at a time

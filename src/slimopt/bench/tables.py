@@ -30,7 +30,7 @@ def memory_table(plans: Sequence, budget: int | None = None, max_batches: dict[s
     rows = []
     for p in plans:
         row = [p.method, f"{p.state_bytes_per_param:.3f}", fmt_gib(p.weights), fmt_gib(p.grads), fmt_gib(p.state),
-               fmt_gib(p.projections), fmt_gib(p.activations), fmt_gib(p.peak)]
+               fmt_gib(p.projections), fmt_gib(p.activations) if p.batch and p.seq else "-", fmt_gib(p.peak)]
         if budget:
             row.append("yes" if p.peak <= budget else f"no (+{fmt_gib(p.peak - budget)})")
         if max_batches is not None:

@@ -69,7 +69,7 @@ def run(args) -> int:
     from slimopt.bench.plots import memory_chart
     from slimopt.bench.tables import memory_table
     from slimopt.bench.units import parse_size
-    from slimopt.cli.train import parse_method_opts
+    from slimopt.options import parse_method_opts
 
     budget = parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory is not None else None
     if args.batch is not None and args.seq is None:
@@ -105,8 +105,11 @@ def run(args) -> int:
              "parameter.", "", memory_table(plans, budget, max_batches), ""]
     if seq:
         lines.append(f"Activations: {p0.activation_formula}.")
-    if budget and not seq:
-        lines.append("Give --seq (and --batch) to include activations and the largest batch that fits.")
+    else:
+        lines.append("Activations: left out (no --seq), so the peak counts weights, gradients, optimizer state and "
+                     "the update's temporaries only" + (" and 'fits' is a lower bound" if budget else "")
+                     + ". Give --seq (and --batch, default 1) to include them"
+                     + (" and the largest batch that fits." if budget else "."))
     text = "\n".join(lines).rstrip() + "\n"
     print(text, end="")
     if args.out:
