@@ -84,7 +84,8 @@ def test_variants_and_table(tiny_dir):
     rows = {r["method"]: r for r in res["rows"]}
     assert rows["adamw+state_bits=8"]["state_bytes"] < rows["adamw"]["state_bytes"]
     table = bench_table(res["rows"])
-    assert "| adamw+state_bits=8 | slimopt |" in table and "| torch-adamw-fused | peer |" in table
+    assert "| adamw+state_bits=8 | slimopt | state_bits=8 |" in table and "| torch-adamw-fused | peer | - |" in table
+    assert rows["adamw+state_bits=8"]["settings"] == {"state_bits": 8} and rows["adamw"]["settings"] == {}
     assert split_variant("galore+rank=64+compile=true") == ("galore", {"rank": 64, "compile": True})
 
 

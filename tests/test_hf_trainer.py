@@ -234,9 +234,9 @@ def test_lora_model_adapter_params_only(tmp_path, dataset):
 
 def test_parse_optim_args_types_and_aliases():
     parsed = hf.parse_optim_args("rank=8, update_proj_gap=100,scale=2.5,proj_type=reverse_std,projector=svd,"
-                                 "compile=false,codec=none,state_full=head,density=0.25")
+                                 "compile=false,codec=auto,state_full=head,density=0.25,free_rule=none")
     assert parsed == {"rank": 8, "update_gap": 100, "scale": 2.5, "proj_side": "reverse_std", "projector": "svd",
-                      "compile": False, "codec": None, "state_full": "head", "density": 0.25}
+                      "compile": False, "codec": "auto", "state_full": "head", "density": 0.25, "free_rule": "none"}
     assert isinstance(parsed["rank"], int) and isinstance(parsed["scale"], float)
     assert hf.parse_optim_args("taco_norm=m/n,taco_alpha=1e-1") == {"taco_norm": "m/n", "taco_alpha": 0.1}
     assert hf.parse_optim_args(None) == {} and hf.parse_optim_args("") == {}

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from pretrain_helpers import fast_config  # noqa: E402
 
-from slimopt.cli.train import parse_opt  # noqa: E402
+from slimopt.options import parse_opt  # noqa: E402
 from slimopt.train.logger import read_jsonl  # noqa: E402
 from slimopt.train.loop import train  # noqa: E402
 

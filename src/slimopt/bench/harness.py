@@ -34,6 +34,8 @@ from typing import Any, Callable
 
 import torch
 
+from slimopt.options import split_variant
+
 __all__ = ["BenchConfig", "CHECK_METHODS", "NEEDS_CUDA", "split_variant", "run_bench", "bench_method", "check_planner", "environment", "goals",
            "planned_goal_bytes"]
 
@@ -106,21 +108,6 @@ def _free(dev: torch.device) -> None:
 NEEDS_CUDA = {"galore-torch-8bit": "needs CUDA: galore-torch's 8-bit step calls torch.cuda.synchronize()"}
 
 
-def split_variant(spec: str) -> tuple[str, dict[str, Any]]:
-    """``"adamw8bit+compile=true+rank=64"`` -> ("adamw8bit", {"compile": True, "rank": 64}): a method with
-    settings of its own, benchmarked as a row of its own next to the plain method."""
-    from slimopt.cli.train import _value
-
-    base, *items = spec.split("+")
-    opts = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"method variant {spec!r}: expected NAME+KEY=VALUE[+KEY=VALUE...]")
-        opts[key.strip()] = _value(value.strip())
-    return base.strip(), opts
-
-
 def _kind(method: str) -> str:
     from slimopt.peers import PEERS
 
@@ -178,6 +165,7 @@ def bench_method(method: str, model: torch.nn.Module, grads: list[torch.Tensor],
         return {**row, "status": NEEDS_CUDA[base]}
     params = [p for p in model.parameters() if p.requires_grad]
     opts = {**cfg.method_opts.get(method, {}), **variant}
+    row["settings"] = dict(opts)  # what this row ran with, besides the method's defaults
 
     def set_grads() -> None:
         for p, g in zip(params, grads):

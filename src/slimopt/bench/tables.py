@@ -51,19 +51,20 @@ def bench_table(rows: Sequence[dict], baseline: str = "torch-adamw-fused") -> st
     base = next((r for r in rows if r["method"] == baseline and r.get("status") == "ok"), None)
     if base is None:
         base = next((r for r in rows if r["method"] == "torch-adamw" and r.get("status") == "ok"), None)
-    header = ["method", "kind", "step ms (median)", "x AdamW time", "state MiB", "state B/param",
+    header = ["method", "kind", "settings", "step ms (median)", "x AdamW time", "state MiB", "state B/param",
               "x AdamW state", "B/param projectable", "planner = measured", "peak MiB", "refresh ms"]
     out = []
     for r in rows:
+        settings = ", ".join(f"{k}={v}" for k, v in (r.get("settings") or {}).items()) or "-"
         if r.get("status") != "ok":
-            out.append([r["method"], r.get("kind", ""), r["status"]] + ["-"] * (len(header) - 3))
+            out.append([r["method"], r.get("kind", ""), settings, r["status"]] + ["-"] * (len(header) - 4))
             continue
         planned = r.get("planned_state_bytes")
         match = "-" if planned is None else ("yes" if planned == r["state_bytes"] else
                                              f"no ({planned} vs {r['state_bytes']})")
         refresh = r.get("refresh_ms")
         out.append([
-            r["method"], r.get("kind", ""), f"{r['step_ms']:.2f}",
+            r["method"], r.get("kind", ""), settings, f"{r['step_ms']:.2f}",
             _ratio(r["step_ms"], base and base["step_ms"]),
             f"{r['state_bytes'] / 2**20:.2f}", f"{r['state_bytes_per_param']:.3f}",
             _ratio(r["state_bytes"], base and base["state_bytes"]),
@@ -71,7 +72,7 @@ def bench_table(rows: Sequence[dict], baseline: str = "torch-adamw-fused") -> st
             f"{r['peak_bytes'] / 2**20:.1f}" if r.get("peak_bytes") is not None else "-",
             f"{refresh:.1f}" if refresh is not None else "-",
         ])
-    return markdown(header, out, ["l", "l"] + ["r"] * (len(header) - 2))
+    return markdown(header, out, ["l", "l", "l"] + ["r"] * (len(header) - 3))
 
 
 def refresh_table(rows: Sequence[dict]) -> str:

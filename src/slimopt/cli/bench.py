@@ -155,7 +155,7 @@ def run(args) -> int:
 
     from slimopt.bench.harness import CHECK_METHODS, BenchConfig, check_planner, planned_goal_bytes, run_bench
     from slimopt.bench.plots import bench_chart
-    from slimopt.cli.train import parse_method_opts
+    from slimopt.options import parse_method_opts
 
     methods = None if args.methods.strip() == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
     if methods == []:

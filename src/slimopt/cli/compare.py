@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from slimopt.cli.train import _int, add_data_model_args, add_recipe_args, parse_method_opts
+from slimopt.cli.train import _int, add_data_model_args, add_recipe_args
+from slimopt.options import parse_method_opts
 
 __all__ = ["add_parser", "run"]
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import argparse
 
-from slimopt.cli.train import _int, parse_method_opts
+from slimopt.cli.train import _int
+from slimopt.options import parse_method_opts
 
 __all__ = ["add_parser", "run", "config_from_args"]
 

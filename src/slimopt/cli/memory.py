@@ -69,7 +69,7 @@ def run(args) -> int:
     from slimopt.bench.plots import memory_chart
     from slimopt.bench.tables import memory_table
     from slimopt.bench.units import parse_size
-    from slimopt.cli.train import parse_method_opts
+    from slimopt.options import parse_method_opts
 
     budget = parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory is not None else None
     if args.batch is not None and args.seq is None:

@@ -8,10 +8,10 @@ use torchrun, e.g. `torchrun --nproc_per_node 8 -m slimopt train --model 60m --d
 from __future__ import annotations
 
 import argparse
-import json
 
-__all__ = ["add_parser", "run", "add_data_model_args", "add_recipe_args", "parse_opt", "parse_method_opts",
-           "config_from_args"]
+from slimopt.options import parse_int, parse_method_opts, parse_opt
+
+__all__ = ["add_parser", "run", "add_data_model_args", "add_recipe_args", "config_from_args"]
 
 EXAMPLES = """examples:
   slimopt train                                      # tiny LLaMA on the built-in KJV corpus, AdamW
@@ -26,58 +26,11 @@ EXAMPLES = """examples:
 
 
 def _int(s: str) -> int:
-    # Accepts 2e6, 1_000_000, 1000000 for token budgets and step counts.
+    # argparse type for token budgets and step counts: 2e6, 1_000_000, 1000000
     try:
-        v = float(s.replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if v != int(v):
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}")
-    return int(v)
-
-
-def _value(s: str):
-    low = s.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    for conv in (int, float):
-        try:
-            return conv(s)
-        except ValueError:
-            pass
-    if s[:1] in "[{":
-        try:
-            return json.loads(s)
-        except json.JSONDecodeError:
-            pass
-    return s
-
-
-def parse_opt(items: list[str] | None) -> dict:
-    """`["rank=64", "projector=randomized_svd", "betas=[0.9,0.95]"]` -> a dict with numbers, bools, lists parsed."""
-    out = {}
-    for item in items or []:
-        key, sep, val = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or not key:
-            raise ValueError(f"--opt expects key=value, got {item!r}")
-        out[key] = _value(val.strip())
-    return out
-
-
-def parse_method_opts(items: list[str] | None) -> dict[str, dict]:
-    """`--set` of compare, finetune, bench and memory: `["galore.rank=64", "frugal.lr=3e-3"]` ->
-    `{"galore": {"rank": 64}, "frugal": {"lr": 0.003}}`, values parsed as by `parse_opt`."""
-    out: dict[str, dict] = {}
-    for item in items or []:
-        head, sep, value = item.partition("=")
-        method, dot, key = head.partition(".")
-        if not sep or not dot or not method or not key:
-            raise ValueError(f"--set expects METHOD.KEY=VALUE, got {item!r}")
-        out.setdefault(method, {}).update(parse_opt([f"{key}={value}"]))
-    return out
+        return parse_int(s)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def add_data_model_args(p: argparse.ArgumentParser, defaults) -> None:

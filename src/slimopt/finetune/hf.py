@@ -33,13 +33,13 @@ Weight decay follows the Trainer: no decay on biases and normalisation weights
 
 from __future__ import annotations
 
-import ast
 import re
 from typing import Any, Iterable
 
 from torch import nn
 
 from slimopt.optim.optimizer import DEFAULTS, SlimOptimizer
+from slimopt.options import parse_value, split_pairs
 from slimopt.optim.recipes import METHODS, default_lr, param_groups
 
 __all__ = [
@@ -115,43 +115,14 @@ def trainer_target_modules(model: nn.Module, optim_target_modules: str | list[st
     return names
 
 
-def _split_pairs(text: str) -> list[str]:
-    """Split on commas outside brackets, so ``betas=(0.9,0.95)`` stays one item."""
-    items, depth, current = [], 0, []
-    for ch in text:
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if ch == "," and depth == 0:
-            items.append("".join(current))
-            current = []
-        else:
-            current.append(ch)
-    items.append("".join(current))
-    return [i.strip() for i in items if i.strip()]
-
-
-def _typed(value: str) -> Any:
-    low = value.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    try:
-        parsed = ast.literal_eval(value)  # ints, floats, 1e-3, tuples / lists of numbers, quoted strings
-    except (ValueError, SyntaxError):
-        return value  # a bare word: projector=svd, codec=ternary
-    return tuple(parsed) if isinstance(parsed, list) else parsed
-
-
 def parse_optim_args(optim_args: str | None) -> dict[str, Any]:
     """``"rank=8,update_proj_gap=100,scale=2,projector=svd"`` -> ``{"rank": 8, "update_gap": 100, "scale": 2,
     "projector": "svd"}``.
 
-    Values become ints, floats, booleans (true/false), None (none/null), tuples (``betas=(0.9,0.95)``) or
-    strings. Keys are SlimOptimizer settings (``slimopt.optim.optimizer.DEFAULTS``), galore-torch's aliases
-    (``update_proj_gap``, ``proj_type``) or ``state_full``. lr, weight_decay, betas and eps are refused: they
+    Values are parsed by ``slimopt.options.parse_value``: ints, floats, booleans (true/false), tuples
+    (``betas=(0.9,0.95)``) or strings (``projector=none`` is the name ``"none"``). Keys are SlimOptimizer
+    settings (``slimopt.optim.optimizer.DEFAULTS``), galore-torch's aliases (``update_proj_gap``, ``proj_type``)
+    or ``state_full``. lr, weight_decay, betas and eps are refused: they
     come from the TrainingArguments fields. Raises ValueError naming the bad key or item.
     """
     if optim_args is None:
@@ -160,7 +131,7 @@ def parse_optim_args(optim_args: str | None) -> dict[str, Any]:
         raise ValueError(f"optim_args must be a 'key=value,key=value' string or None, got {type(optim_args).__name__}")
     out: dict[str, Any] = {}
     allowed = sorted({*DEFAULTS, *OPTIM_ARGS_ALIASES, *_BUILD_OPTIONS} - set(_FROM_ARGS))
-    for item in _split_pairs(optim_args):
+    for item in split_pairs(optim_args):
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not key or not value:
@@ -174,7 +145,7 @@ def parse_optim_args(optim_args: str | None) -> dict[str, Any]:
             raise ValueError(f"optim_args: unknown key {key!r}; allowed: {', '.join(allowed)}")
         if key in out:
             raise ValueError(f"optim_args: {key!r} is given twice in {optim_args!r}")
-        out[key] = _typed(value)
+        out[key] = parse_value(value)
     return out
 
 
