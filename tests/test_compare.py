@@ -128,6 +128,8 @@ def test_cli_bad_input_writes_nothing(data, tmp_path, capsys):
     assert "galore" in capsys.readouterr().err
     assert main(common + ["--methods", "adamw", "--set", "frugal.lr=1e-3"]) == 2
     assert "not compared" in capsys.readouterr().err
+    assert main(common + ["--methods", "adamw", "--set", "adamw.rank=4"]) == 2  # a setting adamw never reads
+    assert "rank=4 has no effect with method 'adamw'" in capsys.readouterr().err
     assert main(common + ["--data", str(tmp_path / "missing.jsonl")]) == 2
     assert not out.exists()
 

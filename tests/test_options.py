@@ -35,7 +35,7 @@ def test_mistakes_are_errors():
         parse_method_opts(["galore.rank=4", "galore.rank=8"])
     with pytest.raises(ValueError, match="METHOD.KEY=VALUE"):
         parse_method_opts(["rank=4"])
-    with pytest.raises(ValueError, match="KEY=VALUE"):
+    with pytest.raises(ValueError, match="key=value"):
         parse_opt(["rank"])
     with pytest.raises(ValueError, match="expected NAME\\+KEY=VALUE"):
         split_variant("adamw+compile")

@@ -34,6 +34,8 @@ from typing import Any, NamedTuple, Sequence
 import torch
 from torch import nn
 
+from slimopt.catalog import BASELINE_LR, BASELINES
+
 __all__ = [
     "LLAMA_TARGETS",
     "BERT_TARGETS",
@@ -469,11 +471,6 @@ def merge_low_rank(model: nn.Module) -> nn.Module:
 # --------------------------------------------------------------------------------------------------------------
 # Adaptor for the pretraining loop (slimopt.train.loop): `slimopt train --method lowrank | lora | relora`.
 
-_METHODS = {
-    "lowrank": "Low-rank weights W = B A in attention and MLP, trained from scratch (GaLore's Low-Rank baseline)",
-    "lora": "LoRA adapters on a frozen random init, embeddings/norms/lm_head trained (arXiv 2106.09685)",
-    "relora": "LoRA merged and restarted every N steps with optimizer reset and re-warmup (arXiv 2307.05695)",
-}
 _OPTIONS = {
     "lowrank": {"rank", "init"},
     "lora": {"rank", "alpha", "dropout"},
@@ -483,18 +480,18 @@ _OPTIONS = {
 
 def methods() -> dict[str, str]:
     """The baseline methods ``prepare`` accepts, with one-line descriptions."""
-    return dict(_METHODS)
+    return dict(BASELINES)
 
 
 def default_lr(method: str) -> float:
     """1e-3, the AdamW learning rate of the GaLore paper's LLaMA runs, for all three baselines."""
     _check_method(method)
-    return 1e-3
+    return BASELINE_LR
 
 
 def _check_method(method: str) -> None:
-    if method not in _METHODS:
-        raise ValueError(f"unknown baseline {method!r}; choose one of: {', '.join(_METHODS)}")
+    if method not in BASELINES:
+        raise ValueError(f"unknown baseline {method!r}; choose one of: {', '.join(BASELINES)}")
 
 
 class BaselineHook:

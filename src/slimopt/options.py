@@ -53,7 +53,7 @@ def _key_value(item: str, what: str) -> tuple[str, str]:
     key, sep, value = item.partition("=")
     key = key.strip().replace("-", "_")
     if not sep or not key or not value.strip():
-        raise ValueError(f"{what} expects KEY=VALUE, got {item!r}")
+        raise ValueError(f"{what} expects key=value, got {item!r}")
     return key, value.strip()
 
 

@@ -20,10 +20,14 @@ slimopt's method names (`adamw`, `galore`, ...).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+from slimopt import peer_logs
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["PEERS", "available_peers", "build_peer", "peer_default_lr", "projectable_linear_weights",
            "optimizer_state_nbytes"]
@@ -52,17 +56,15 @@ PEERS: dict[str, _Peer] = {
 
 
 def available_peers() -> dict[str, str | None]:
-    """Peer name -> None when it can be built here, else the reason it cannot."""
+    """Peer name -> None when its package is installed here, else what to install.
+
+    Reads the installed packages without importing any (an import of torchao or bitsandbytes takes seconds and
+    logs load warnings); a package that is installed but fails to import says so when the peer is built."""
     out: dict[str, str | None] = {}
-    checked: dict[str, str | None] = {}
     for name, peer in PEERS.items():
-        if peer.package not in checked:
-            try:
-                importlib.import_module(peer.package)
-                checked[peer.package] = None
-            except Exception as e:  # an installed package can still fail to import (missing native library)
-                checked[peer.package] = f"{peer.pip} not importable ({type(e).__name__}: {e}); pip install {peer.pip}"
-        out[name] = checked[peer.package]
+        top = peer.package.split(".")[0]
+        found = importlib.util.find_spec(top) is not None
+        out[name] = None if found else f"{peer.pip} is not installed; pip install {peer.pip}"
     return out
 
 
@@ -79,6 +81,7 @@ def _check_name(name: str) -> None:
 
 def _import(name: str):
     peer = PEERS[name]
+    peer_logs.hush()
     try:
         return importlib.import_module(peer.package)
     except Exception as e:
@@ -93,6 +96,8 @@ def projectable_linear_weights(model: torch.nn.Module, targets: tuple[str, ...] 
     Returns (projected, regular): the weights of `nn.Linear` modules whose qualified name contains one of
     `targets` (attention and MLP projections in LLaMA), and every other trainable parameter once each.
     """
+    import torch
+
     projected: list[torch.nn.Parameter] = []
     seen: set[int] = set()
     for mod_name, mod in model.named_modules():
@@ -127,6 +132,8 @@ def build_peer(model: torch.nn.Module, name: str, lr: float | None = None, weigh
     `rank` (default hidden_size // 4; APOLLO-Mini 1), `update_gap` (200), `scale` (GaLore 0.25, APOLLO 1,
     APOLLO-Mini 128), `proj_type` ("std").
     """
+    import torch
+
     _check_name(name)
     if lr is None:
         lr = PEERS[name].default_lr
@@ -187,6 +194,8 @@ def optimizer_state_nbytes(opt: torch.optim.Optimizer) -> int:
     states report their logical fp32 size through `numel()`), and tensors kept inside Python objects (galore-torch
     and apollo-torch store their projection matrices in projector objects). Shared storages count once.
     """
+    import torch
+
     seen: set[tuple[int, int]] = set()
 
     def tensor_bytes(t: torch.Tensor) -> int:

@@ -1,8 +1,8 @@
 """The `slimopt` command (also `python -m slimopt`).
 
 Each subcommand lives in its own module `slimopt.cli.<name>` exposing `add_parser(subparsers)`, which returns
-its argparse parser, and `run(args) -> int`. Modules import heavy libraries (torch, transformers) inside `run`, so
-`slimopt --help` stays fast. Errors a user can fix (bad options, missing files, a peer that is not installed) are
+its argparse parser, and `run(args) -> int`. Modules import heavy libraries (torch, transformers) inside `run`, and
+a run builds only its own subcommand's parser, so `slimopt --help` and `slimopt methods` stay fast. Errors a user can fix (bad options, missing files, a peer that is not installed) are
 printed as one line, with exit status 2, instead of a traceback.
 """
 
@@ -18,7 +18,9 @@ __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 SUBCOMMANDS = ["train", "compare", "finetune", "memory", "bench", "methods"]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand, or of `only` (what ``main`` builds for a run: another subcommand's parser
+    can import heavy libraries for its defaults)."""
     from slimopt import __version__
     parser = argparse.ArgumentParser(
         prog="slimopt",
@@ -26,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "and compare them.")
     parser.add_argument("--version", action="version", version=f"slimopt {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in SUBCOMMANDS:
+    for name in [only] if only in SUBCOMMANDS else SUBCOMMANDS:
         mod = importlib.import_module(f"slimopt.cli.{name}")
         p = mod.add_parser(sub)
         p.set_defaults(_run=mod.run)
@@ -34,7 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    from slimopt import peer_logs
+
+    peer_logs.hush()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(only=argv[0] if argv else None)
     args = parser.parse_args(argv)
     if getattr(args, "_run", None) is None:
         parser.print_help(sys.stderr)

@@ -23,8 +23,8 @@ def format_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
 
 
 def run(args) -> int:
+    from slimopt.catalog import default_lr, known_methods
     from slimopt.peers import available_peers
-    from slimopt.train.loop import known_methods, resolve_lr
 
     peers = available_peers()
     rows = []
@@ -33,7 +33,7 @@ def run(args) -> int:
             continue
         status = "ok" if kind != "peer" or peers.get(name) is None else "not installed"
         try:
-            lr = f"{resolve_lr(name):g}"
+            lr = f"{default_lr(name):g}"
         except Exception:  # a method whose default cannot be resolved still gets listed
             lr = "?"
         rows.append((name, kind, lr, status, desc))

@@ -14,63 +14,18 @@ lr 1e-3, density 0.25, blockwise, signSGD residual, state reset at every refresh
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from torch import nn
 
 from .optimizer import DEFAULTS, SlimOptimizer
 from .partition import check_owners, classify
-
-_STATE_FREE = {"projector": "block", "density": 0.0, "free_rule": "sign"}
-_GALORE = {"projector": "svd", "rank": 128, "update_gap": 200, "scale": 0.25, "on_refresh": "keep"}
-_FRUGAL = {"projector": "block", "density": 0.25, "update_gap": 200, "free_rule": "sign", "on_refresh": "reset"}
-_TACO = {"rule": "taco"}  # taco_* settings: slimopt.optim.taco.DEFAULTS
-
-TACO_LR = 3e-4  # a fine-tuning learning rate (the AdamW fallback's); TACO's matrices step lr * taco_alpha * m / n
-
-
-@dataclass(frozen=True)
-class Method:
-    description: str
-    lr: float
-    projectable: dict[str, Any] = field(default_factory=dict)
-    rest: dict[str, Any] = field(default_factory=dict)
-    shared: dict[str, Any] = field(default_factory=dict)  # settings for every group (codecs)
-
-
-METHODS: dict[str, Method] = {
-    "adamw": Method("AdamW on every parameter (torch.optim.AdamW's update)", 1e-3),
-    "adamw8bit": Method("AdamW with 8-bit blockwise moments (arXiv 2110.02861)", 1e-3, shared={"state_bits": 8}),
-    "adamw4bit": Method("AdamW with 4-bit moments (arXiv 2309.01507)", 1e-3, shared={"state_bits": 4}),
-    "ternary_adamw": Method("AdamW with ternary {-1,0,+1} first moment and factored second moment", 1e-3,
-                            shared={"codec": "ternary"}),
-    "galore": Method("GaLore: Adam in the top-r SVD subspace of each Linear weight's gradient, rank 128",
-                     1e-2, projectable=dict(_GALORE)),
-    "galore_rsvd": Method("GaLore with a randomized SVD refresh (same subspace, far cheaper)", 1e-2,
-                          projectable={**_GALORE, "projector": "randomized_svd"}),
-    "galore8bit": Method("GaLore with 8-bit moments everywhere", 1e-2, projectable=dict(_GALORE),
-                         shared={"state_bits": 8}),
-    "frugal": Method("FRUGAL: Adam on 25% of the Linear weights in turn, signSGD on the rest", 1e-3,
-                     projectable=dict(_FRUGAL)),
-    "frugal8bit": Method("FRUGAL with 8-bit moments", 1e-3, projectable=dict(_FRUGAL), shared={"state_bits": 8}),
-    "frugal_ternary": Method("FRUGAL with ternary first and factored second moments", 1e-3,
-                             projectable=dict(_FRUGAL), shared={"codec": "ternary"}),
-    "frugal_rho0": Method("FRUGAL at density 0: signSGD on Linear weights, Adam on embeddings, norms, head", 1e-3,
-                          projectable={**_FRUGAL, "density": 0.0}),
-    "badam": Method("BAdam: Adam on one Linear weight at a time (switching every 100 steps), the others frozen",
-                    1e-3, projectable={"projector": "block", "rank": 1, "update_gap": 100, "free_rule": "none",
-                                       "on_refresh": "reset"}),
-    "taco": Method("TACO: one-sparse ternary step per column of each Linear weight, one fp8 component of state "
-                   "per column (taco_k); AdamW on embeddings, norms, biases and head", TACO_LR,
-                   projectable=dict(_TACO)),
-    "signsgd": Method("signSGD on every parameter: no optimizer state", 3e-4, projectable=dict(_STATE_FREE),
-                      rest=dict(_STATE_FREE)),
-}
+from .specs import FRUGAL_DEFAULTS, METHODS, STATE_FREE, TACO_DEFAULTS, TACO_LR, Method
+from .usage import unused_reason
 
 # Settings build() accepts; those in _SHARED go to every group, the rest to the projectable group.
 _SHARED = ("lr", "betas", "eps", "weight_decay", "momentum", "rule", "seed", "codec", "m_codec", "v_codec",
-           "state_bits")
+           "state_bits", "compile")
 
 
 def methods() -> dict[str, str]:
@@ -111,8 +66,8 @@ def param_groups(model: nn.Module, method: str, *, target_modules: str | Iterabl
     base = {
         "projectable": {**spec.projectable, **proj_hp},
         "head": dict(spec.rest),
-        "embedding": dict(spec.rest) if state_full == "all" else dict(_STATE_FREE),
-        "other": dict(spec.rest) if state_full == "all" else dict(_STATE_FREE),
+        "embedding": dict(spec.rest) if state_full == "all" else dict(STATE_FREE),
+        "other": dict(spec.rest) if state_full == "all" else dict(STATE_FREE),
     }
     compiled = [(re.compile(pattern), settings) for pattern, settings in (overrides or {}).items()]
     groups: dict[tuple, dict[str, Any]] = {}
@@ -129,7 +84,41 @@ def param_groups(model: nn.Module, method: str, *, target_modules: str | Iterabl
         groups[key]["names"].append(name)
     out = list(groups.values())
     check_owners(model, out)
+    _check_read(method, out, {k: v for k, v in hparams.items() if k not in _SHARED}, "projectable")
+    _check_read(method, out, {k: v for k, v in hparams.items() if k in _SHARED}, None)
+    for pattern, extra in (overrides or {}).items():
+        _check_read(method, out, extra, f":{pattern}")
     return out
+
+
+def _check_read(method: str, groups: list[dict[str, Any]], given: dict[str, Any], receiver: str | None) -> None:
+    """Raise when a setting the caller gave reaches groups none of which reads it (a silent no-op otherwise).
+
+    receiver: which groups got the settings: "projectable" (the label's kind), ":PATTERN" (an override's groups)
+    or None (every group). Restating a default is let through: it changes nothing either way.
+    """
+    def received(g: dict[str, Any]) -> bool:
+        if receiver is None:
+            return True
+        if receiver.startswith(":"):
+            return g["name"].endswith(receiver)
+        return g["name"].split(":", 1)[0] == receiver
+
+    targets = [{**DEFAULTS, **g} for g in groups if received(g)]
+    for key, value in given.items():
+        if not targets or (key in DEFAULTS and _same(value, DEFAULTS[key])):
+            continue
+        reasons = [unused_reason(key, g) for g in targets]
+        if all(reasons):
+            where = ("" if receiver is None else " (the projectable weights)" if receiver == "projectable"
+                     else f" (override {receiver[1:]!r})")
+            raise ValueError(f"{key}={value!r} has no effect with method {method!r}{where}: {reasons[0]}")
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return tuple(a) == tuple(b)
+    return type(a) is type(b) and a == b
 
 
 def build(model: nn.Module, method: str = "adamw", *, target_modules: str | Iterable[str] | None = None,
@@ -137,9 +126,10 @@ def build(model: nn.Module, method: str = "adamw", *, target_modules: str | Iter
           **hparams: Any) -> SlimOptimizer:
     """Partition `model`'s trainable parameters and return the optimizer for `method`.
 
-    - hparams: any SlimOptimizer setting. lr, betas, eps, weight_decay, momentum, rule, seed and the codec
-      settings apply to every group; the others (rank, density, update_gap, scale, projector, ...) to the
-      projectable weights. lr defaults to ``default_lr(method)``.
+    - hparams: any SlimOptimizer setting. lr, betas, eps, weight_decay, momentum, rule, seed, compile and the
+      codec settings apply to every group; the others (rank, density, update_gap, scale, projector, ...) to the
+      projectable weights. lr defaults to ``default_lr(method)``. A setting that no group receiving it reads
+      (``rank`` for plain AdamW, ``momentum`` for Adam) is a ValueError naming it, not a silent no-op.
     - target_modules: which Linear modules are projectable (Hugging Face ``optim_target_modules`` convention);
       default all Linear weights outside the output layer.
     - state_full: ``"all"`` keeps embeddings, norms and the head in AdamW; ``"head"`` keeps only the output layer
@@ -205,7 +195,7 @@ class FRUGAL(SlimOptimizer):
     def __init__(self, params, lr: float = 1e-3, **settings: Any) -> None:
         if settings.get("rank") is not None and "density" not in settings:
             settings["density"] = None
-        super().__init__(params, lr=lr, **{**_FRUGAL, **settings})
+        super().__init__(params, lr=lr, **{**FRUGAL_DEFAULTS, **settings})
 
 
 class BAdam(SlimOptimizer):
@@ -240,4 +230,4 @@ class TACO(SlimOptimizer):
     """
 
     def __init__(self, params, lr: float = TACO_LR, **settings: Any) -> None:
-        super().__init__(params, lr=lr, **{**_TACO, **settings})
+        super().__init__(params, lr=lr, **{**TACO_DEFAULTS, **settings})

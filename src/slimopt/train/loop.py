@@ -28,6 +28,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from slimopt import catalog
 from slimopt.train import checkpoint as ckpt
 from slimopt.train import fsdp
 from slimopt.train.evaluate import evaluate, lm_loss
@@ -84,58 +85,19 @@ class TrainConfig:
 
 # --------------------------------------------------------------------------------------------- methods
 
-def _slimopt_methods() -> dict[str, str]:
-    try:
-        import slimopt
-        return dict(slimopt.methods())
-    except (ImportError, AttributeError):
-        # The optimizer core is not importable: only plain AdamW (torch) is available.
-        return {"adamw": "AdamW on every parameter (torch.optim.AdamW)"}
-
-
-def _baseline_methods() -> dict[str, str]:
-    try:
-        from slimopt import baselines
-    except ImportError:
-        return {}
-    fn = getattr(baselines, "baselines", None) or getattr(baselines, "methods", None)
-    return dict(fn()) if callable(fn) else {}
-
-
 def known_methods() -> dict[str, tuple[str, str]]:
     """Every name `--method` accepts -> (kind, description); kind is 'slimopt', 'peer' or 'baseline'."""
-    from slimopt import peers
-    out = {n: ("slimopt", d) for n, d in _slimopt_methods().items()}
-    out.update({n: ("baseline", d) for n, d in _baseline_methods().items() if n not in out})
-    out.update({n: ("peer", p.description) for n, p in peers.PEERS.items()})
-    return out
+    return catalog.known_methods()
 
 
 def method_kind(method: str) -> str:
     """'slimopt', 'peer' or 'baseline'; ValueError for an unknown name."""
-    known = known_methods()
-    if method not in known:
-        raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(known)} "
-                         f"(`slimopt methods` lists them with descriptions)")
-    return known[method][0]
+    return catalog.method_kind(method)
 
 
 def resolve_lr(method: str, lr: float | None = None) -> float:
     """`lr` when given, else the method's paper default."""
-    if lr is not None:
-        return float(lr)
-    kind = method_kind(method)
-    if kind == "peer":
-        from slimopt.peers import peer_default_lr
-        return peer_default_lr(method)
-    if kind == "baseline":
-        from slimopt import baselines
-        return float(baselines.default_lr(method)) if hasattr(baselines, "default_lr") else 1e-3
-    try:
-        import slimopt
-        return float(slimopt.default_lr(method))
-    except (ImportError, AttributeError):
-        return 1e-3
+    return float(lr) if lr is not None else catalog.default_lr(method)
 
 
 def _hidden_size(model: torch.nn.Module) -> int | None:
@@ -158,18 +120,10 @@ def make_optimizer(model: torch.nn.Module, method: str, lr: float | None = None,
     if kind == "baseline":
         from slimopt import baselines
         return baselines.build_optimizer(model, method, lr=resolve_lr(method, lr), weight_decay=weight_decay, **hp)
-    if method.startswith("galore") and "rank" not in hp and "density" not in hp and _hidden_size(model):
+    if (method.startswith("galore") and "rank" not in hp and "density" not in hp and _hidden_size(model)
+            and hp.get("projector") != "none"):
         hp["rank"] = max(1, _hidden_size(model) // 4)
-    try:
-        import slimopt
-        build = slimopt.build
-    except (ImportError, AttributeError):
-        build = None
-    if build is None:
-        if method != "adamw" or hp:
-            raise ValueError(f"method {method!r} needs slimopt's optimizer core, which is not importable here")
-        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=resolve_lr(method, lr),
-                                 weight_decay=weight_decay)
+    from slimopt.optim.recipes import build
     if lr is not None:
         hp["lr"] = lr
     return build(model, method, weight_decay=weight_decay, **hp)

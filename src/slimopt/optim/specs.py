@@ -1,0 +1,64 @@
+"""The named methods as data: what each one sets on the projectable weights and on the rest, and its paper's
+learning rate.
+
+Torch-free, so that listing the methods (``slimopt methods``, ``slimopt.catalog``) costs no torch import;
+``recipes.py`` turns a method into parameter groups. Papers: GaLore (arXiv 2403.03507: lr 0.01, scale 0.25, rank
+128 at 60M, update gap 200), FRUGAL (arXiv 2411.07837: lr 1e-3, density 0.25, blockwise, signSGD residual, state
+reset at every refresh, update gap 200), BAdam (arXiv 2404.02827), 8-bit Adam (arXiv 2110.02861), 4-bit Adam
+(arXiv 2309.01507), TACO (arXiv 2610.02199).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Method", "METHODS", "TACO_LR", "STATE_FREE", "GALORE_DEFAULTS", "FRUGAL_DEFAULTS", "TACO_DEFAULTS"]
+
+STATE_FREE = {"projector": "block", "density": 0.0, "free_rule": "sign"}
+GALORE_DEFAULTS = {"projector": "svd", "rank": 128, "update_gap": 200, "scale": 0.25, "on_refresh": "keep"}
+FRUGAL_DEFAULTS = {"projector": "block", "density": 0.25, "update_gap": 200, "free_rule": "sign", "on_refresh": "reset"}
+TACO_DEFAULTS = {"rule": "taco"}  # taco_* settings: slimopt.optim.taco.DEFAULTS
+
+TACO_LR = 3e-4  # a fine-tuning learning rate (the AdamW fallback's); TACO's matrices step lr * taco_alpha * m / n
+
+
+@dataclass(frozen=True)
+class Method:
+    """One named method: its description, paper lr and the settings of each kind of parameter."""
+
+    description: str
+    lr: float
+    projectable: dict[str, Any] = field(default_factory=dict)
+    rest: dict[str, Any] = field(default_factory=dict)
+    shared: dict[str, Any] = field(default_factory=dict)  # settings for every group (codecs)
+
+
+METHODS: dict[str, Method] = {
+    "adamw": Method("AdamW on every parameter (torch.optim.AdamW's update)", 1e-3),
+    "adamw8bit": Method("AdamW with 8-bit blockwise moments (arXiv 2110.02861)", 1e-3, shared={"state_bits": 8}),
+    "adamw4bit": Method("AdamW with 4-bit moments (arXiv 2309.01507)", 1e-3, shared={"state_bits": 4}),
+    "ternary_adamw": Method("AdamW with ternary {-1,0,+1} first moment and factored second moment", 1e-3,
+                            shared={"codec": "ternary"}),
+    "galore": Method("GaLore: Adam in the top-r SVD subspace of each Linear weight's gradient, rank 128",
+                     1e-2, projectable=dict(GALORE_DEFAULTS)),
+    "galore_rsvd": Method("GaLore with a randomized SVD refresh (same subspace, far cheaper)", 1e-2,
+                          projectable={**GALORE_DEFAULTS, "projector": "randomized_svd"}),
+    "galore8bit": Method("GaLore with 8-bit moments everywhere", 1e-2, projectable=dict(GALORE_DEFAULTS),
+                         shared={"state_bits": 8}),
+    "frugal": Method("FRUGAL: Adam on 25% of the Linear weights in turn, signSGD on the rest", 1e-3,
+                     projectable=dict(FRUGAL_DEFAULTS)),
+    "frugal8bit": Method("FRUGAL with 8-bit moments", 1e-3, projectable=dict(FRUGAL_DEFAULTS), shared={"state_bits": 8}),
+    "frugal_ternary": Method("FRUGAL with ternary first and factored second moments", 1e-3,
+                             projectable=dict(FRUGAL_DEFAULTS), shared={"codec": "ternary"}),
+    "frugal_rho0": Method("FRUGAL at density 0: signSGD on Linear weights, Adam on embeddings, norms, head", 1e-3,
+                          projectable={**FRUGAL_DEFAULTS, "density": 0.0}),
+    "badam": Method("BAdam: Adam on one Linear weight at a time (switching every 100 steps), the others frozen",
+                    1e-3, projectable={"projector": "block", "rank": 1, "update_gap": 100, "free_rule": "none",
+                                       "on_refresh": "reset"}),
+    "taco": Method("TACO: one-sparse ternary step per column of each Linear weight, one fp8 component of state "
+                   "per column (taco_k); AdamW on embeddings, norms, biases and head", TACO_LR,
+                   projectable=dict(TACO_DEFAULTS)),
+    "signsgd": Method("signSGD on every parameter: no optimizer state", 3e-4, projectable=dict(STATE_FREE),
+                      rest=dict(STATE_FREE)),
+}

@@ -1,0 +1,44 @@
+"""Which settings a parameter group's step reads.
+
+A setting given for a method whose groups never read it (``rank`` for plain AdamW, ``momentum`` for Adam,
+``taco_k`` outside TACO) would otherwise be accepted and silently do nothing; ``build`` asks ``unused_reason``
+for every setting the caller gave and raises when no group that received it reads it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from . import projectors as P
+
+__all__ = ["unused_reason"]
+
+_SUBSPACE = ("rank", "density", "update_gap", "on_refresh", "free_rule")
+
+
+def unused_reason(key: str, group: Mapping[str, Any]) -> str | None:
+    """None when `group`'s step reads setting `key`, else why it does not (a phrase naming what would)."""
+    rule, projector = group["rule"], group["projector"]
+    if key in _SUBSPACE and projector == "none":
+        return "it sizes or schedules a subspace and the projector is 'none'"
+    if key == "scale" and projector not in P.ORTHO_PROJECTORS + ("columns", "rows"):
+        return f"it scales a projected update and the projector is {projector!r}"
+    if key == "proj_side" and projector not in P.ORTHO_PROJECTORS:
+        return f"it chooses the side of svd, randomized_svd and random projections; the projector is {projector!r}"
+    if key in ("oversample", "power_iters") and projector != "randomized_svd":
+        return f"it tunes the randomized_svd projector; the projector is {projector!r}"
+    if key == "block_order" and projector != "block":
+        return f"it orders the block projector's blocks; the projector is {projector!r}"
+    if key == "free_scale" and (projector == "none" or group["free_rule"] == "none"):
+        return "it scales the state-free residual, and there is none (projector 'none' or free_rule 'none')"
+    if key == "momentum" and rule != "sgdm":
+        return f"only rule 'sgdm' reads it; the rule is {rule!r}"
+    if key in ("eps", "eps_placement") and rule not in ("adamw", "taco"):
+        return f"only the Adam rules read it; the rule is {rule!r}"
+    if key == "betas" and rule == "sgdm":
+        return "rule 'sgdm' uses momentum, not betas"
+    if key.startswith("taco_") and rule != "taco":
+        return f"only rule 'taco' reads it; the rule is {rule!r}"
+    if key == "compile" and (rule != "adamw" or projector != "none"):
+        return "the compiled step covers full-space AdamW only (rule 'adamw', projector 'none')"
+    return None
