@@ -42,7 +42,10 @@ class ReferenceOptimizer:
             st["exp_avg_sq"] = b2 * st["exp_avg_sq"] + (1 - b2) * g * g
             m_hat = st["exp_avg"] / (1 - b1 ** t)
             v_hat = st["exp_avg_sq"] / (1 - b2 ** t)
-            return m_hat / (torch.sqrt(v_hat) + group["eps"])
+            eps = group["eps"]
+            if group["eps_placement"] == "galore":  # sqrt(v) + eps, then the bias correction
+                eps = eps / math.sqrt(1 - b2 ** t)
+            return m_hat / (torch.sqrt(v_hat) + eps)
         if group["rule"] == "lion":
             d = torch.sign(b1 * st["exp_avg"] + (1 - b1) * g)
             st["exp_avg"] = b2 * st["exp_avg"] + (1 - b2) * g

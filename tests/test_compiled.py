@@ -6,19 +6,24 @@ import torch
 import slimopt
 
 
-def _pair(codec, dtype=torch.float32):
+def _pair(codec, dtype=torch.float32, **settings):
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(64, 80, generator=gen).to(dtype)  # 5120 elements: above the fp32 fallback threshold
     a, b = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
-    kw = dict(lr=1e-2, weight_decay=0.1, codec=codec)
+    kw = dict(lr=1e-2, weight_decay=0.1, codec=codec, **settings)
     return a, b, slimopt.SlimOptimizer([a], **kw), slimopt.SlimOptimizer([b], compile=True, **kw)
 
 
-@pytest.mark.parametrize("codec, dtype", [("fp32", torch.float32), ("int8", torch.float32),
-                                          ("int4", torch.float32), ("bf16", torch.bfloat16)])
-def test_compiled_equals_eager(codec, dtype):
+@pytest.mark.parametrize("codec, dtype, settings", [
+    ("fp32", torch.float32, {}), ("int8", torch.float32, {}), ("int4", torch.float32, {}),
+    ("bf16", torch.bfloat16, {}),
+    # eps added before the bias correction (galore-torch); eps 0.1 is comparable to sqrt(v) ~ 1, so a kernel
+    # that ignored the placement would be off by ~10% of a step
+    ("fp32", torch.float32, dict(eps_placement="galore", eps=0.1)),
+])
+def test_compiled_equals_eager(codec, dtype, settings):
     torch._dynamo.reset()
-    a, b, eager, fused = _pair(codec, dtype)
+    a, b, eager, fused = _pair(codec, dtype, **settings)
     gen = torch.Generator().manual_seed(1)
     for step in range(4):
         g = torch.randn(a.shape, generator=gen).to(dtype)

@@ -11,6 +11,7 @@ from reference import ReferenceOptimizer
 
 CASES = [
     dict(projector="none"),
+    dict(projector="none", eps_placement="galore", eps=1e-3),  # eps large enough to matter
     dict(projector="none", rule="lion", betas=(0.9, 0.99)),
     dict(projector="none", rule="sgdm", momentum=0.8),
     dict(projector="svd", rank=3, on_refresh="keep", free_rule="none", scale=0.25),

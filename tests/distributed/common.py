@@ -49,7 +49,8 @@ def make_model() -> Net:
 # the other projectors, rules and codecs. update_gap 2 puts refreshes at steps 1, 3, 5 (K1 + K2 = 6 steps).
 GAP = dict(update_gap=2)
 MIXED_A = {  # projectors, sides, on_refresh modes and codecs on AdamW
-    r"layers\.0\.q_proj": dict(projector="svd", rank=8, proj_side="right", **GAP),
+    # eps before the bias correction (galore-torch's placement), large enough to change the step on randn gradients
+    r"layers\.0\.q_proj": dict(projector="svd", rank=8, proj_side="right", eps_placement="galore", eps=0.5, **GAP),
     r"layers\.0\.down_proj\.weight": dict(projector="random", rank=8, rule="lion", free_rule="sign",
                                          on_refresh="project", **GAP),
     r"layers\.0\.odd\.weight": dict(projector="columns", density=0.25, free_rule="sign", v_codec="factored", **GAP),

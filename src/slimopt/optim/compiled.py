@@ -27,13 +27,15 @@ def supported(codecs: list[tuple[str, Any]]) -> bool:
 @functools.lru_cache(maxsize=None)
 def _kernel(m_codec: Any, v_codec: Any, shape: torch.Size) -> Callable[..., None]:
     def adamw_step(p: Tensor, g: Tensor, state: dict[str, Tensor], lr: Tensor, beta1: Tensor, beta2: Tensor,
-                   eps: Tensor, wd: Tensor, bias1: Tensor, bias2_sqrt: Tensor) -> None:
+                   eps_before: Tensor, eps: Tensor, wd: Tensor, bias1: Tensor, bias2_sqrt: Tensor) -> None:
         # p: parameter (shape, any float dtype); g: fp32 gradient (shape); state: the codecs' tensors
         m = m_codec.decode("exp_avg", state, shape)
         v = v_codec.decode("exp_avg_sq", state, shape)
         m = m + (1 - beta1) * (g - m)
         v = v * beta2 + (1 - beta2) * g * g
-        denom = v.sqrt() / bias2_sqrt + eps
+        # one of eps_before (eps_placement "galore") and eps ("torch") is 0: adding 0 is exact, so both
+        # placements share this graph and round as the eager path (rules.direction) does
+        denom = (v.sqrt() + eps_before) / bias2_sqrt + eps
         new_p = p.float() * (1 - lr * wd) - (lr / bias1) * (m / denom)
         p.copy_(new_p)
         m_codec.encode("exp_avg", m, state)
@@ -49,6 +51,8 @@ def adamw_step(p: Tensor, g: Tensor, state: dict[str, Tensor], codecs: list[tupl
     dev = p.device
     t = lambda x: torch.as_tensor(float(x), dtype=torch.float32, device=dev)  # noqa: E731
     state_tensors = {k: v for k, v in state.items() if k not in ("step", "moment_step")}
+    before = group["eps_placement"] == "galore"
+    eps = float(group["eps"])
     _kernel(codecs[0][1], codecs[1][1], p.shape)(
-        p, g, state_tensors, t(group["lr"]), t(beta1), t(beta2), t(group["eps"]), t(group["weight_decay"]),
-        t(1 - beta1 ** age), t((1 - beta2 ** age) ** 0.5))
+        p, g, state_tensors, t(group["lr"]), t(beta1), t(beta2), t(eps if before else 0.0),
+        t(0.0 if before else eps), t(group["weight_decay"]), t(1 - beta1 ** age), t((1 - beta2 ** age) ** 0.5))

@@ -39,11 +39,16 @@ from .codecs import make_codec, resolve_codecs
 from .rules import FREE_RULES, MOMENTS, RULES, apply_update, direction
 
 ON_REFRESH = ("keep", "reset", "project")
+# Where Adam's eps enters: "torch" adds it to the bias-corrected sqrt(v_hat) (torch.optim.AdamW); "galore" adds it
+# to sqrt(v) before the bias correction (galore-torch, transformers' old AdamW, the eps-hat form of Kingma & Ba,
+# arXiv 1412.6980, section 2): the same as "torch" with eps / sqrt(1 - beta2^t), up to 32x larger early at 0.999.
+EPS_PLACEMENTS = ("torch", "galore")
 
 DEFAULTS: dict[str, Any] = dict(
     lr=1e-3,
     betas=(0.9, 0.999),
     eps=1e-8,
+    eps_placement="torch",
     weight_decay=0.0,
     momentum=0.9,  # sgdm only
     rule="adamw",
@@ -90,6 +95,7 @@ def validate_group(group: dict[str, Any]) -> None:
         raise ValueError(f"momentum must be in [0, 1], got {group['momentum']!r}")
     for name, allowed in (("rule", RULES), ("free_rule", FREE_RULES), ("projector", P.PROJECTORS),
                           ("on_refresh", ON_REFRESH), ("proj_side", P.PROJ_SIDES),
+                          ("eps_placement", EPS_PLACEMENTS),
                           ("block_order", P.BLOCK_ORDERS)):
         if group[name] not in allowed:
             raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {group[name]!r}")
@@ -123,6 +129,8 @@ class SlimOptimizer(torch.optim.Optimizer):
 
     - ``lr``, ``betas``, ``eps``, ``weight_decay`` (decoupled, applied once in full space before the update),
       ``momentum`` (for ``rule="sgdm"``).
+    - ``eps_placement``: ``torch`` (m_hat / (sqrt(v_hat) + eps), torch.optim.AdamW) | ``galore``
+      (m_hat / ((sqrt(v) + eps) / sqrt(1 - beta2^t)), galore-torch's and transformers' old AdamW's arithmetic).
     - ``rule``: the state-full rule, ``adamw`` | ``lion`` | ``sgdm`` | ``taco`` (2-D tensors: the one-sparse
       ternary step with a compact per-column history, set by the ``taco_*`` settings, see
       ``slimopt.optim.taco``; other tensors: AdamW with the group's codecs).
@@ -422,8 +430,10 @@ class SlimOptimizer(torch.optim.Optimizer):
 
         torch casts floating state to the parameter's dtype (and even uint8 codes of a floating parameter), which
         would turn 8-bit codes into floats and fp32 scales into bf16. State tensors only move to the parameter's
-        device; ``step`` stays on the CPU.
+        device; ``step`` stays on the CPU. A group saved before a setting existed gets its default (the
+        arithmetic it was saved with; e.g. ``eps_placement="torch"``).
         """
+        state_dict = {**state_dict, "param_groups": [{**DEFAULTS, **g} for g in state_dict["param_groups"]]}
         if portable.is_portable(state_dict):  # a DCP / resharding checkpoint (portable.py)
             portable.load_portable(self, state_dict)
             return

@@ -5,6 +5,8 @@ afterwards, so a rule never knows the storage format. State-free rules act on th
 
 - ``adamw``: Adam's direction (Kingma & Ba, arXiv 1412.6980) with the bias corrections of torch.optim.AdamW;
   weight decay is decoupled (Loshchilov & Hutter, arXiv 1711.05101) and applied with the step by ``apply_update``.
+  ``eps_placement`` says where eps enters: ``torch`` m_hat / (sqrt(v_hat) + eps), or ``galore``
+  m_hat / ((sqrt(v) + eps) / sqrt(1 - beta2^t)), the arithmetic of galore-torch and transformers' old AdamW.
 - ``lion``: sign of an interpolated momentum (Chen et al., arXiv 2302.06675).
 - ``sgdm``: heavy-ball momentum, as torch.optim.SGD with dampening 0.
 - ``taco``: TACO (arXiv 2610.02199). Its 2-D step and compact state live in ``taco.py`` (the optimizer dispatches
@@ -47,7 +49,10 @@ def direction(rule: str, g: Tensor, mom: Mapping[str, Tensor], step: int, group:
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         bias1 = 1 - beta1 ** step
         bias2_sqrt = (1 - beta2 ** step) ** 0.5
-        denom = (v.sqrt() / bias2_sqrt).add_(group["eps"])
+        if group["eps_placement"] == "galore":  # eps before the bias correction (galore-torch)
+            denom = v.sqrt().add_(group["eps"]).div_(bias2_sqrt)
+        else:  # torch.optim.AdamW
+            denom = (v.sqrt() / bias2_sqrt).add_(group["eps"])
         return m / denom, 1.0 / bias1
     if rule == "lion":
         beta1, beta2 = group["betas"]
