@@ -24,8 +24,8 @@ from .specs import FRUGAL_DEFAULTS, METHODS, STATE_FREE, TACO_DEFAULTS, TACO_LR,
 from .usage import unused_reason
 
 # Settings build() accepts; those in _SHARED go to every group, the rest to the projectable group.
-_SHARED = ("lr", "betas", "eps", "weight_decay", "momentum", "rule", "seed", "codec", "m_codec", "v_codec",
-           "state_bits", "compile")
+_SHARED = ("lr", "betas", "eps", "eps_placement", "weight_decay", "momentum", "rule", "seed", "codec", "m_codec",
+           "v_codec", "state_bits", "compile")
 
 
 def methods() -> dict[str, str]:
@@ -126,10 +126,11 @@ def build(model: nn.Module, method: str = "adamw", *, target_modules: str | Iter
           **hparams: Any) -> SlimOptimizer:
     """Partition `model`'s trainable parameters and return the optimizer for `method`.
 
-    - hparams: any SlimOptimizer setting. lr, betas, eps, weight_decay, momentum, rule, seed, compile and the
-      codec settings apply to every group; the others (rank, density, update_gap, scale, projector, ...) to the
-      projectable weights. lr defaults to ``default_lr(method)``. A setting that no group receiving it reads
-      (``rank`` for plain AdamW, ``momentum`` for Adam) is a ValueError naming it, not a silent no-op.
+    - hparams: any SlimOptimizer setting. lr, betas, eps, eps_placement, weight_decay, momentum, rule, seed,
+      compile and the codec settings apply to every group; the others (rank, density, update_gap, scale,
+      projector, ...) to the projectable weights. lr defaults to ``default_lr(method)``. A setting that no group
+      receiving it reads (``rank`` for plain AdamW, ``momentum`` for Adam) is a ValueError naming it, not a silent
+      no-op.
     - target_modules: which Linear modules are projectable (Hugging Face ``optim_target_modules`` convention);
       default all Linear weights outside the output layer.
     - state_full: ``"all"`` keeps embeddings, norms and the head in AdamW; ``"head"`` keeps only the output layer
@@ -153,10 +154,16 @@ class GaLoreAdamW(SlimOptimizer):
     """Drop-in for ``galore_torch.GaLoreAdamW``: groups with a ``rank`` are projected.
 
     Accepts galore-torch's group layout ``{"params", "rank", "update_proj_gap", "scale", "proj_type"}`` (what the
-    Hugging Face Trainer builds for ``optim="galore_adamw"``). Differences: weight decay is decoupled and applied
-    before the update (galore-torch applies it after); eps is added to the bias-corrected sqrt(v) as in
-    torch.optim.AdamW (galore-torch adds it before the correction): identical when eps is negligible.
-    Example::
+    Hugging Face Trainer builds for ``optim="galore_adamw"``) and galore-torch's defaults (lr 1e-3, eps 1e-6).
+    Its Adam arithmetic is galore-torch's: eps is added to sqrt(v) before the bias correction
+    (``eps_placement="galore"``; ``"torch"`` gives torch.optim.AdamW's m_hat / (sqrt(v_hat) + eps), which moves
+    the parameters 5-45% of their movement away from galore-torch at eps 1e-8 to 1e-6 over 10 steps of a tiny
+    LLaMA). tests/test_galore_parity.py checks every proj_type at eps 1e-6 and 1e-8.
+
+    One difference on purpose (DESIGN.md section 3): weight decay is applied once, before the update,
+    p (1 - lr wd) - lr u, where galore-torch applies it after, (p - lr u)(1 - lr wd). The two differ by lr * wd times
+    each step's update: 1e-4 of the parameters' movement at lr 1e-2 and weight decay 0.01. ``correct_bias=False``
+    is refused. Example::
 
         >>> import torch, slimopt
         >>> w, b = torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.zeros(32))
@@ -165,13 +172,14 @@ class GaLoreAdamW(SlimOptimizer):
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0,
-                 correct_bias: bool = True, **settings: Any) -> None:
+                 correct_bias: bool = True, eps_placement: str = "galore", **settings: Any) -> None:
         if not correct_bias:
             raise ValueError("correct_bias=False is not supported: slimopt always applies Adam's bias correction")
         params = list(params)
         if params and isinstance(params[0], dict):
             params = [_from_galore_group(g) for g in params]
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **settings)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, eps_placement=eps_placement,
+                         **settings)
 
 
 def _from_galore_group(group: dict[str, Any]) -> dict[str, Any]:
@@ -188,8 +196,15 @@ class FRUGAL(SlimOptimizer):
     """FRUGAL (arXiv 2411.07837): Adam on a subspace, signSGD on the rest; defaults from the paper.
 
     Defaults: blockwise selection of whole tensors at density 0.25, a new selection every 200 steps with the
-    moments reset, signSGD on the residual. Every projector is available (``projector="svd"``, ``"random"``,
-    ``"columns"``, ...). Use ``slimopt.build(model, "frugal")`` to keep embeddings, norms and the head in AdamW.
+    moments reset, signSGD on the residual at the full lr. Every projector is available (``projector="svd"``,
+    ``"random"``, ``"columns"``, ...). Use ``slimopt.build(model, "frugal")`` to keep embeddings, norms and the head
+    in AdamW.
+
+    The Adam part is the reference's (github fzmushko/FRUGAL, ``BlockAdamW``): eps 1e-8 added to the
+    bias-corrected sqrt(v) (torch's placement), weight decay before the update. Different here: the blocks walk
+    in ascending order (the reference draws them at random: ``block_order="random"`` draws each refresh's blocks
+    independently), and weight_decay defaults to 0 (the reference class to 0.01). README, "Drop-ins and their
+    references".
     """
 
     def __init__(self, params, lr: float = 1e-3, **settings: Any) -> None:
@@ -199,7 +214,15 @@ class FRUGAL(SlimOptimizer):
 
 
 class BAdam(SlimOptimizer):
-    """BAdam (arXiv 2404.02827) as a baseline: Adam on one tensor of the group at a time, the others frozen."""
+    """BAdam (arXiv 2404.02827) as a baseline: Adam on one tensor of the group at a time, the others frozen.
+
+    As the reference (github Ledzy/BAdam, ``BlockOptimizer`` around torch.optim.AdamW): Adam's state and bias
+    correction restart whenever a block becomes active, each block gets ``update_gap`` steps in turn (the
+    README's 100), torch's eps placement. Different here: a block is one tensor of the group (the reference's
+    default block is a transformer layer; one Linear weight per block is its README's finer partition; a group
+    holding the Linear weights in layer order with ``density=1/num_layers`` steps a layer at a time), and the
+    order is ascending (the reference's constructor defaults to descending, its README to random).
+    """
 
     def __init__(self, params, lr: float = 1e-3, **settings: Any) -> None:
         base = {"projector": "block", "rank": 1, "update_gap": 100, "free_rule": "none", "on_refresh": "reset"}
