@@ -33,12 +33,16 @@ def test_lowbit_adamw_matches_peer(peer, bits):
         theirs = _run(lambda ps: bnb.optim.AdamW8bit(ps, **KW))
     ours = _run(lambda ps: slimopt.SlimOptimizer(ps, state_bits=bits, **KW))
     reference = _run(lambda ps: torch.optim.AdamW(ps, **KW))
+    same = torch.isclose(ours, theirs, rtol=1e-5, atol=1e-5)
     if peer == "bnb8":
         # bitsandbytes' CPU quantizer sends ~0.15% of values to the second-nearest code (ours is the exact
         # nearest, tests/test_quant.py): those elements differ by one code step of m or v, all others agree.
-        same = torch.isclose(ours, theirs, rtol=1e-5, atol=1e-5)
         assert same.float().mean() > 0.98
-        assert (ours - theirs).abs().max() < 0.25 * KW["lr"]
     else:
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        # Not exact everywhere: torchao computes m and v in a compiled kernel, we in eager ops, and the two round
+        # alike only on some processors. A value one ulp from a code boundary then takes the neighbouring code
+        # (with every gradient moved by one ulp, 4 of 30 seeds put one of the 8192 entries 1.2e-4 away at 8 bits).
+        # Same maps and blocks leave at most a few such entries; a wrong map, block or formula moves most of them.
+        assert int((~same).sum()) <= 8
+    assert (ours - theirs).abs().max() < 0.25 * KW["lr"]  # at most one code step of m or v apart
     assert not torch.allclose(ours, reference, rtol=0, atol=1e-7)  # the quantization really happened

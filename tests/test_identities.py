@@ -41,6 +41,11 @@ def test_frugal_svd_density_one_equals_adamw_up_to_rotation():
 
 
 def test_frugal_density_zero_is_signsgd_plus_adamw():
+    # Both sides step on a's gradients. With each model's own backward, the two Adam implementations (which round
+    # apart by an ulp) make the twins' gradients differ by up to 1e-8 after one step, while some projectable
+    # entries are as small as 1e-9: sign() would then follow the processor's last bit. On the same gradients the
+    # signs are the same by construction, and the identity (density 0 == signSGD there, AdamW elsewhere) is
+    # checked as tightly as before.
     a, b = twins()
     data = batches(10)
     lr, wd = 1e-3, 0.01
@@ -49,9 +54,11 @@ def test_frugal_density_zero_is_signsgd_plus_adamw():
     projectable = set(kinds["projectable"])
     params_b = dict(b.named_parameters())
     adam_b = torch.optim.AdamW([p for n, p in params_b.items() if n not in projectable], lr=lr, weight_decay=wd)
-    run(a, opt_a, data)
     for ids in data:
-        backward(b, ids)
+        backward(a, ids)
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            pb.grad = pa.grad.clone()
+        opt_a.step()
         adam_b.step()
         with torch.no_grad():
             for n in projectable:
