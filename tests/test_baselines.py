@@ -311,7 +311,7 @@ def test_relora_restart_with_slimopt_galore_state():
 
 
 def test_loop_adaptor_methods_and_errors():
-    assert set(baselines.methods()) == {"lowrank", "lora", "relora"}
+    assert set(baselines.methods()) == {"lowrank", "lora", "relora", "frozen"}
     assert baselines.default_lr("relora") == 1e-3
     with pytest.raises(ValueError, match="unknown baseline 'dora'"):
         baselines.prepare(tiny_llama(), "dora")

@@ -18,10 +18,15 @@ GaLore (arXiv 2403.03507) compares gradient projection with three ways of making
   trainable factors W = B A of rank r and nothing else. ``apply_low_rank`` initialises them from the truncated
   SVD of the weight (the best rank-r approximation) or randomly for pretraining from scratch.
 
+- **Frozen** (the control of ``slimopt compare``): every projectable weight (``slimopt.optim.partition``: the
+  ``nn.Linear`` weights of attention and MLP, the ones GaLore, FRUGAL and TACO act on) stays at its
+  initialisation; AdamW trains the embeddings, norms and output layer. A method that does not beat it has taught
+  the transformer weights nothing measurable. ``freeze_projectable`` applies it to any model.
+
 ``count_parameters`` reports trainable and total parameters, the figure these baselines trade memory for.
-``methods`` / ``prepare`` / ``build_optimizer`` / ``default_lr`` plug the three into the pretraining loop
-(``slimopt train --method lowrank | lora | relora``); ``prepare`` returns a ``BaselineHook`` that performs the
-ReLoRA restarts after each optimizer step, checkpoints its counters and exports a plain model to save.
+``methods`` / ``prepare`` / ``build_optimizer`` / ``default_lr`` plug them into the pretraining loop
+(``slimopt train --method lowrank | lora | relora | frozen``); ``prepare`` returns a ``BaselineHook`` that
+performs the ReLoRA restarts after each optimizer step, checkpoints its counters and exports a plain model to save.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ __all__ = [
     "LowRankLinear",
     "apply_low_rank",
     "merge_low_rank",
+    "freeze_projectable",
     "methods",
     "default_lr",
     "prepare",
@@ -468,10 +474,27 @@ def merge_low_rank(model: nn.Module) -> nn.Module:
     return model
 
 
+def freeze_projectable(model: nn.Module) -> list[str]:
+    """Set ``requires_grad=False`` on every parameter ``slimopt.optim.partition.classify`` calls projectable (the
+    partition every slimopt method uses); return their names. Embeddings, norms, biases and the head stay
+    trainable, so an optimizer over the trainable parameters trains exactly what is not a projectable weight."""
+    from slimopt.optim.partition import classify
+
+    frozen = [name for name, (p, kind) in classify(model).items() if kind == "projectable"]
+    params = dict(model.named_parameters())
+    for name in frozen:
+        params[name].requires_grad_(False)
+    if not frozen:
+        raise ValueError("frozen: the model has no projectable weights (nn.Linear weights outside the head) to "
+                         "freeze, so the control would train the whole model")
+    return frozen
+
+
 # --------------------------------------------------------------------------------------------------------------
-# Adaptor for the pretraining loop (slimopt.train.loop): `slimopt train --method lowrank | lora | relora`.
+# Adaptor for the pretraining loop (slimopt.train.loop): `slimopt train --method lowrank | lora | relora | frozen`.
 
 _OPTIONS = {
+    "frozen": set(),
     "lowrank": {"rank", "init"},
     "lora": {"rank", "alpha", "dropout"},
     "relora": {"rank", "alpha", "dropout", "restart_every", "restart_warmup", "prune_ratio"},
@@ -484,7 +507,7 @@ def methods() -> dict[str, str]:
 
 
 def default_lr(method: str) -> float:
-    """1e-3, the AdamW learning rate of the GaLore paper's LLaMA runs, for all three baselines."""
+    """1e-3, the AdamW learning rate of the GaLore paper's LLaMA runs, for every baseline."""
     _check_method(method)
     return BASELINE_LR
 
@@ -531,6 +554,8 @@ class BaselineHook:
         """A copy of ``model`` in its original architecture (adapters or factors merged into dense weights)."""
         import copy
 
+        if self.method == "frozen":
+            return model  # nothing was added to the architecture
         clone = copy.deepcopy(model)
         if self.method == "lowrank":
             return merge_low_rank(clone)
@@ -540,6 +565,7 @@ class BaselineHook:
 def prepare(model: nn.Module, method: str, *, seed: int = 0, **options: Any) -> tuple[nn.Module, BaselineHook]:
     """Transform a freshly initialised causal LM for a baseline; returns the model to train and its hook.
 
+    ``frozen`` takes no options: it freezes the projectable weights (``freeze_projectable``).
     Options (all optional): ``rank`` (default hidden_size / 4, the rank-to-width ratio of GaLore's runs:
     128 at 60M, 512 at 1B); lowrank: ``init`` ("random", default, or "svd"); lora / relora: ``alpha`` (32),
     ``dropout`` (0); relora: ``restart_every`` (200 steps: short CPU runs; ReLoRA used 5,000),
@@ -549,6 +575,9 @@ def prepare(model: nn.Module, method: str, *, seed: int = 0, **options: Any) -> 
     unknown = set(options) - _OPTIONS[method]
     if unknown:
         raise ValueError(f"unknown option(s) {sorted(unknown)} for {method}; allowed: {sorted(_OPTIONS[method])}")
+    if method == "frozen":
+        freeze_projectable(model)
+        return model, BaselineHook(method, model, seed=seed)
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     rank = options.get("rank") or (max(1, hidden // 4) if hidden else None)
     if rank is None:

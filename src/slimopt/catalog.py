@@ -1,9 +1,10 @@
 """Every name ``--method`` accepts, with its kind, description and default learning rate, without importing torch.
 
-Three kinds: slimopt's own methods (``slimopt.optim.specs``), the low-rank baselines (``slimopt.baselines``:
-GaLore's Low-Rank, LoRA arXiv 2106.09685, ReLoRA arXiv 2307.05695) and other libraries' optimizers
-(``slimopt.peers``). Listing them (``slimopt methods``) or checking a name costs no torch import: the tables are
-data, and a peer's availability is read from the installed packages, not by importing them.
+Three kinds: slimopt's own methods (``slimopt.optim.specs``), the baselines (``slimopt.baselines``: GaLore's
+Low-Rank, LoRA arXiv 2106.09685, ReLoRA arXiv 2307.05695, and the frozen-weights control of ``slimopt compare``)
+and other libraries' optimizers (``slimopt.peers``). Listing them (``slimopt methods``) or checking a name costs
+no torch import: the tables are data, and a peer's availability is read from the installed packages, not by
+importing them.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ BASELINES: dict[str, str] = {
     "lowrank": "Low-rank weights W = B A in attention and MLP, trained from scratch (GaLore's Low-Rank baseline)",
     "lora": "LoRA adapters on a frozen random init, embeddings/norms/lm_head trained (arXiv 2106.09685)",
     "relora": "LoRA merged and restarted every N steps with optimizer reset and re-warmup (arXiv 2307.05695)",
+    "frozen": "AdamW on embeddings, norms and head only; every projectable Linear weight frozen at its init "
+              "(the control of slimopt compare)",
 }
-BASELINE_LR = 1e-3  # the AdamW learning rate of the GaLore paper's LLaMA runs, for all three baselines
+BASELINE_LR = 1e-3  # the AdamW learning rate of the GaLore paper's LLaMA runs, for every baseline
 
 
 def known_methods() -> dict[str, tuple[str, str]]:
