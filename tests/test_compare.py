@@ -42,7 +42,9 @@ def compared(data, tmp_path_factory):
 def test_table_rows_and_numbers(compared):
     cfg, rows, out = compared
     csv_rows = read_results(out / "results.csv")
-    assert [r["method"] for r in csv_rows] == ["adamw", "galore", "frugal_rho0", "lowrank"]
+    # the control first, then the methods in the order given
+    assert [r["method"] for r in csv_rows] == ["frozen", "adamw", "galore", "frugal_rho0", "lowrank"]
+    assert [r["role"] for r in csv_rows] == ["control"] + ["method"] * 4
     assert list(csv_rows[0]) == list(CSV_COLUMNS)
     tokens = 6 * cfg.base.batch_size * cfg.base.seq_len
     for r in csv_rows:
@@ -57,12 +59,15 @@ def test_table_rows_and_numbers(compared):
     assert by["galore"]["state_mib"] < by["adamw"]["state_mib"]
     assert by["frugal_rho0"]["state_mib"] < by["galore"]["state_mib"]
     assert by["lowrank"]["trainable_params"] < by["adamw"]["trainable_params"]
+    assert by["frozen"]["trainable_params"] < by["adamw"]["trainable_params"]
     assert by["adamw"]["lr"] == pytest.approx(1e-3) and by["galore"]["lr"] == pytest.approx(1e-2)
+    assert by["frozen"]["lr"] == pytest.approx(1e-3) and by["frozen"]["lr_source"] == "AdamW's"
+    assert by["adamw"]["lr_source"] == "paper" and by["adamw"]["seeds"] == 1
     assert "rank=16" in by["galore"]["settings"]
 
     md = (out / "results.md").read_text()
     table = [line for line in md.splitlines() if line.startswith("| ")]
-    assert len(table) == 1 + 4  # header + one row per method
+    assert len(table) == 1 + 5  # header + the control + one row per method
     for r in csv_rows:
         row = next(line for line in table if line.startswith(f"| {r['method']} |"))
         cells = [c.strip() for c in row.strip("|").split("|")]
@@ -100,9 +105,9 @@ def test_a_diverging_method_is_reported_and_the_others_kept(data, tmp_path):
     cfg = CompareConfig(base=base, methods=["signsgd", "adamw"], out=str(tmp_path / "o"), isolate=False,
                         progress=False, method_opts={"signsgd": {"lr": 1e30}})  # weights overflow to inf
     rows = run_compare(cfg, log=lambda *_: None)
-    assert [r["status"] for r in rows] == ["diverged", "ok"]
+    assert [(r["method"], r["status"]) for r in rows] == [("frozen", "ok"), ("signsgd", "diverged"), ("adamw", "ok")]
     csv_rows = read_results(tmp_path / "o" / "results.csv")
-    assert math.isnan(csv_rows[0]["val_ppl"]) and math.isfinite(csv_rows[1]["val_ppl"])
+    assert math.isnan(csv_rows[1]["val_ppl"]) and math.isfinite(csv_rows[2]["val_ppl"])
     assert "| signsgd | slimopt | diverged |" in (tmp_path / "o" / "results.md").read_text()
     assert (tmp_path / "o" / "loss_curves.png").stat().st_size > 10_000
 
@@ -137,8 +142,9 @@ def test_cli_bad_input_writes_nothing(data, tmp_path, capsys):
 def test_in_process_mode_says_memory_is_not_per_method(data, tmp_path):
     corpus, cache = data
     cfg = CompareConfig(base=replace(fast_config(corpus, cache, max_steps=2)), methods=["adamw"],
-                        out=str(tmp_path / "o"), isolate=False, progress=False)
+                        out=str(tmp_path / "o"), isolate=False, progress=False, control=False)
     rows = run_compare(cfg, log=lambda *_: None)
+    assert [r["method"] for r in rows] == ["adamw"]  # control=False: no control row
     assert rows[0]["status"] == "ok" and "in-process" in rows[0]["peak_mem_kind"]
     assert "in-process" in (tmp_path / "o" / "results.md").read_text()
     assert np.isfinite(rows[0]["val_ppl"])

@@ -2,7 +2,13 @@
 
 With no arguments: a tiny LLaMA on the built-in KJV corpus, every default method that exists here (adamw,
 adamw8bit, galore, frugal, frugal_rho0, badam, ternary_adamw, taco and the low-rank baselines), a few minutes on
-a 2-core CPU. Writes results.md, results.csv, loss_curves.png, memory.png and runs/<method>/metrics.jsonl.
+a 2-core CPU. Writes results.md, results.csv, results_per_seed.csv, loss_curves.png, memory.png and
+runs/<method>/metrics.jsonl.
+
+Every comparison includes a control row (method frozen: AdamW on embeddings, norms and head, the attention and
+MLP weights frozen); a method that does not beat it is marked, and a warning says what to change when AdamW
+beats it by less than 20% in perplexity. --tune-lr picks each method's learning rate on short runs first,
+--seeds N repeats every run and says which gaps are inside the noise.
 """
 
 from __future__ import annotations
@@ -12,12 +18,32 @@ import argparse
 from slimopt.cli.train import _int, add_data_model_args, add_recipe_args
 from slimopt.options import parse_method_opts
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "run", "parse_lr_grid"]
+
+
+def parse_lr_grid(text: str) -> tuple[float, ...]:
+    """'1/4,1/2,1,2,4' -> (0.25, 0.5, 1.0, 2.0, 4.0); a ValueError naming --lr-grid for anything else."""
+    from fractions import Fraction
+
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            out.append(float(Fraction(part)) if "/" in part else float(part))
+        except (ValueError, ZeroDivisionError):
+            raise ValueError(f"--lr-grid: {part!r} is not a number or fraction (e.g. 1/4,1/2,1,2,4)") from None
+    if not out:
+        raise ValueError("--lr-grid is empty: give multipliers of each method's default lr, e.g. 1/4,1/2,1,2,4")
+    return tuple(out)
 
 EXAMPLES = """examples:
   slimopt compare                                         # defaults: tiny model, KJV, ~3-5 min on 2 CPU cores
   slimopt compare --data bbc --out results/bbc
   slimopt compare --methods adamw,galore,frugal,torch-adamw,galore-torch --tokens 4e6
+  slimopt compare --methods adamw,galore,frugal --tune-lr --seeds 3   # tuned lrs, mean and spread of 3 seeds
+  slimopt compare --tune-lr --lr-grid 1/3,1,3 --tune-fraction 0.5 --no-control
   slimopt compare --model 60m --data ./c4.jsonl --tokenizer ./t5-base --device cuda --batch-size 512 \\
       --tokens 1.1e9 --dtype bf16-autocast --set galore.rank=128
 """
@@ -38,6 +64,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--in-process", action="store_true",
                    help="run methods in this process (faster start, but peak memory is not per method)")
     p.add_argument("--no-progress", action="store_true", help="no per-method progress bars")
+    h = p.add_argument_group("honest comparisons")
+    h.add_argument("--no-control", action="store_true",
+                   help="leave out the control row (frozen: AdamW on embeddings, norms and head with every attention "
+                        "and MLP weight frozen, at AdamW's lr), the floor a method must clear")
+    h.add_argument("--tune-lr", action="store_true",
+                   help="before the comparison, run each method (the control too) at every multiple in --lr-grid of "
+                        "its default lr for --tune-fraction of the steps and keep the lr with the lowest "
+                        "validation loss (lr_sweep.csv, lr_sweep.json, lr_sweep.png)")
+    h.add_argument("--lr-grid", default=None, metavar="MULTIPLIERS",
+                   help="comma-separated multipliers of each method's default lr for --tune-lr, fractions allowed "
+                        "(default: 1/4,1/2,1,2,4)")
+    h.add_argument("--tune-fraction", type=float, default=None, metavar="F",
+                   help="length of each --tune-lr run as a fraction of the full run's steps (default: 0.25)")
+    h.add_argument("--seeds", type=int, default=1, metavar="N",
+                   help="run every method with seeds SEED..SEED+N-1 (initialisation and batch order); the table "
+                        "shows mean and spread, the ranking which gaps are inside the noise (default: 1)")
     add_data_model_args(p, d)
     add_recipe_args(p, d, f"default {d.tokens:.0e}")
     p.add_argument("--eval-every", type=_int, default=None, help="steps between evaluations (default: 8 per run)")
@@ -57,8 +99,18 @@ def run(args) -> int:
                    clip=args.clip, dtype=args.dtype, seed=args.seed, device=args.device, threads=args.threads,
                    eval_tokens=args.eval_tokens, eval_every=args.eval_every, cache_dir=args.cache_dir)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+    if not args.tune_lr:
+        for flag, value in (("--lr-grid", args.lr_grid), ("--tune-fraction", args.tune_fraction)):
+            if value is not None:
+                raise ValueError(f"{flag} sets up --tune-lr, which was not given")
+    tuning = {}
+    if args.lr_grid is not None:
+        tuning["lr_grid"] = parse_lr_grid(args.lr_grid)
+    if args.tune_fraction is not None:
+        tuning["tune_fraction"] = args.tune_fraction
     cfg = CompareConfig(base=base, methods=methods, method_opts=parse_method_opts(args.set_opts), out=args.out,
-                        isolate=not args.in_process, progress=not args.no_progress)
+                        isolate=not args.in_process, progress=not args.no_progress, control=not args.no_control,
+                        tune_lr=args.tune_lr, seeds=args.seeds, **tuning)
     rows = run_compare(cfg)
     failed = [r["method"] for r in rows if r["status"].startswith("failed")]
     return 1 if failed else 0

@@ -5,6 +5,17 @@ scale: every method pretrains the same model from the same initialisation on the
 of tokens with its own paper learning rate, then the held-out perplexity, optimizer-state size, peak memory and
 speed go side by side into `results.md` / `results.csv`, with loss curves and a memory chart as PNG.
 
+What keeps the comparison honest (docs/pretraining.md, "Is the comparison measuring optimizers?"):
+
+- a control row (method ``frozen``: AdamW on embeddings, norms and head, every projectable weight frozen), run
+  first; methods that do not beat it are marked, and a warning says what to change when AdamW beats it by less
+  than 20% in perplexity (the budget then measures token statistics, not the training of the transformer weights);
+- ``tune_lr``: each method's learning rate picked by validation loss from a grid of multipliers of its default,
+  on short runs, before the full runs (lr_sweep.csv / .json / .png);
+- ``seeds``: every run repeated with seeds seed..seed+N-1 (initialisation and batch order); the table gives mean
+  and spread and the ranking says which gaps are inside the noise;
+- a projector whose rank covers the smaller side of a weight is marked full-rank (it is not low-rank then).
+
 Each method runs in a fresh process forked from a server that has already imported torch and transformers, so
 one method's allocations never inflate the next one's peak memory, a crash in one method does not stop the others,
 and the import cost is paid once. `isolate=False` runs them in this process instead (peak memory then only
@@ -26,11 +37,15 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from slimopt.train.loop import TrainConfig, known_methods, method_kind, train
-from slimopt.train.results import write_csv_and_markdown
+from slimopt.train.compare_analysis import (CONTROL, MIN_CONTROL_MARGIN, aggregate_seeds, baseline_full_rank_weights,
+                                            budget_warning, choose_lr, control_margin, control_verdicts,
+                                            full_rank_weights, inside_noise, noise_pairs, ranking_text)
+from slimopt.train.loop import TrainConfig, known_methods, method_kind, resolve_lr, train
+from slimopt.train.results import write_csv, write_csv_and_markdown, write_json
 
-__all__ = ["DEFAULT_METHODS", "CompareConfig", "default_methods", "run_compare", "write_results", "read_results",
-           "CSV_COLUMNS", "scaled_schedule_opts"]
+__all__ = ["DEFAULT_METHODS", "DEFAULT_LR_GRID", "DEFAULT_TUNE_FRACTION", "CONTROL", "CompareConfig",
+           "default_methods", "run_compare", "write_results", "read_results", "CSV_COLUMNS", "SEED_CSV_COLUMNS",
+           "SWEEP_COLUMNS", "scaled_schedule_opts"]
 
 # In the order the table lists them: full Adam, low-bit Adam, subspace methods, block methods, state-free
 # extremes, then the low-rank baselines the GaLore paper shows failing at pretraining.
@@ -39,7 +54,20 @@ DEFAULT_METHODS = ("adamw", "adamw8bit", "galore", "frugal", "frugal_rho0", "bad
 
 CSV_COLUMNS = ("method", "kind", "status", "val_loss", "val_ppl", "state_mib", "state_bytes_per_param",
                "peak_mem_mib", "tokens_per_s", "wall_time_s", "cpu_time_s", "lr", "settings", "steps", "tokens",
-               "trainable_params", "params")
+               "trainable_params", "params", "role", "seeds", "seeds_ok", "val_loss_std", "val_ppl_std",
+               "val_ppl_min", "val_ppl_max", "lr_source", "lr_multiplier", "clears_control", "notes")
+# One row per run (method x seed): results_per_seed.csv.
+SEED_CSV_COLUMNS = ("method", "role", "seed", "kind", "status", "val_loss", "val_ppl", "state_mib",
+                    "state_bytes_per_param", "peak_mem_mib", "tokens_per_s", "wall_time_s", "cpu_time_s", "lr",
+                    "settings", "steps", "tokens", "trainable_params", "params")
+# One row per learning-rate sweep point: lr_sweep.csv.
+SWEEP_COLUMNS = ("method", "multiplier", "lr", "base_lr", "steps", "seed", "status", "val_loss", "val_ppl", "chosen")
+_TEXT_COLUMNS = frozenset({"method", "kind", "status", "settings", "role", "lr_source", "notes"})
+_BOOL_COLUMNS = frozenset({"clears_control", "chosen"})
+
+DEFAULT_LR_GRID = (0.25, 0.5, 1.0, 2.0, 4.0)  # multipliers of each method's default lr that --tune-lr tries
+DEFAULT_TUNE_FRACTION = 0.25  # the tuning runs' length, as a fraction of the full run's steps
+CONTROL_NOTE = "control: AdamW on embeddings, norms and head; attention and MLP weights frozen"
 
 
 def default_methods() -> list[str]:
@@ -102,7 +130,13 @@ def _recipe_gap(method: str) -> int | None:
 @dataclass
 class CompareConfig:
     """What to compare: `base` holds every shared setting; `methods` the names; `method_opts` per-method extras
-    (e.g. {"galore": {"rank": 64}, "frugal": {"lr": 3e-3}}: the key "lr" sets that method's learning rate)."""
+    (e.g. {"galore": {"rank": 64}, "frugal": {"lr": 3e-3}}: the key "lr" sets that method's learning rate).
+
+    `control` adds the control row (method "frozen", at AdamW's lr) unless `methods` already holds it.
+    `tune_lr` picks each method's lr from `lr_grid` (multipliers of its default or --set lr) by validation loss
+    on runs of `tune_fraction` of the steps, at the base seed. `seeds` repeats every full run with seeds
+    base.seed, base.seed + 1, ..., base.seed + seeds - 1.
+    """
 
     base: TrainConfig = field(default_factory=_compare_defaults)
     methods: list[str] | None = None
@@ -110,15 +144,59 @@ class CompareConfig:
     out: str = "runs/compare"
     isolate: bool = True
     progress: bool = True
+    control: bool = True
+    tune_lr: bool = False
+    lr_grid: tuple[float, ...] = DEFAULT_LR_GRID
+    tune_fraction: float = DEFAULT_TUNE_FRACTION
+    seeds: int = 1
 
 
-def _method_config(cfg: CompareConfig, method: str) -> TrainConfig:
+def _entries(cfg: CompareConfig) -> list[str]:
+    """The methods to run, in table order: the control first (unless listed already or switched off)."""
+    methods = list(cfg.methods) if cfg.methods else default_methods()
+    if cfg.control and CONTROL not in methods:
+        methods.insert(0, CONTROL)
+    return methods
+
+
+def _full_steps(cfg: CompareConfig) -> int:
     from slimopt.train.loop import _total_steps
-    extra = {**scaled_schedule_opts(method, _total_steps(cfg.base)), **cfg.method_opts.get(method, {})}
-    lr = extra.pop("lr", None)
-    return replace(cfg.base, method=method, opt={**cfg.base.opt, **extra}, lr=lr if lr is not None else None,
-                   out=str(Path(cfg.out) / "runs" / method), overwrite=True, resume=False, save_every=0,
-                   save_model=False, tensorboard=False)
+    return _total_steps(cfg.base)
+
+
+def _tune_steps(cfg: CompareConfig) -> int:
+    return max(1, round(_full_steps(cfg) * cfg.tune_fraction))
+
+
+def _base_lr(cfg: CompareConfig, method: str) -> tuple[float, str]:
+    """The lr a method runs at without tuning, and where it comes from: --set, the paper, or (control) AdamW's."""
+    lr = cfg.method_opts.get(method, {}).get("lr")
+    if lr is not None:
+        return float(lr), "--set"
+    if method == CONTROL:
+        return resolve_lr("adamw"), "AdamW's"
+    return resolve_lr(method), "paper"
+
+
+def _method_config(cfg: CompareConfig, method: str, lr: float | None = None, seed: int | None = None,
+                   out: Path | None = None) -> TrainConfig:
+    extra = {**scaled_schedule_opts(method, _full_steps(cfg)), **cfg.method_opts.get(method, {})}
+    extra.pop("lr", None)
+    if lr is None:
+        lr = _base_lr(cfg, method)[0]
+    return replace(cfg.base, method=method, opt={**cfg.base.opt, **extra}, lr=lr,
+                   seed=cfg.base.seed if seed is None else seed,
+                   out=str(out if out is not None else Path(cfg.out) / "runs" / method), overwrite=True,
+                   resume=False, save_every=0, save_model=False, tensorboard=False)
+
+
+def _run_dir(cfg: CompareConfig, method: str, seed: int) -> Path:
+    folder = Path(cfg.out) / "runs" / method
+    return folder if cfg.seeds == 1 else folder / f"seed{seed}"
+
+
+def _tune_dir(cfg: CompareConfig, method: str, multiplier: float) -> Path:
+    return Path(cfg.out) / "tune" / method / f"x{multiplier:g}"
 
 
 def _validate(cfg: CompareConfig, methods: list[str]) -> None:
@@ -129,6 +207,22 @@ def _validate(cfg: CompareConfig, methods: list[str]) -> None:
     dup = sorted({m for m in methods if methods.count(m) > 1})
     if dup:
         raise ValueError(f"methods listed twice: {', '.join(dup)}")
+    if not isinstance(cfg.seeds, int) or isinstance(cfg.seeds, bool) or cfg.seeds < 1:
+        raise ValueError(f"--seeds must be an integer >= 1 (the number of seeds each method runs with), "
+                         f"got {cfg.seeds!r}")
+    if cfg.tune_lr:
+        grid = list(cfg.lr_grid or ())
+        if not grid:
+            raise ValueError("--lr-grid is empty: give multipliers of each method's default lr, e.g. "
+                             "1/4,1/2,1,2,4")
+        bad = [g for g in grid if not (isinstance(g, (int, float)) and math.isfinite(g) and g > 0)]
+        if bad:
+            raise ValueError(f"--lr-grid multipliers must be positive numbers, got {bad}")
+        if len(set(grid)) != len(grid):
+            raise ValueError(f"--lr-grid lists a multiplier twice: {grid}")
+        if not (isinstance(cfg.tune_fraction, (int, float)) and 0 < cfg.tune_fraction <= 1):
+            raise ValueError(f"--tune-fraction must be in (0, 1] (the tuning runs' share of the steps), "
+                             f"got {cfg.tune_fraction!r}")
     peers = available_peers()
     for m in methods:
         if method_kind(m) == "peer" and peers[m] is not None:
@@ -143,29 +237,43 @@ def _validate(cfg: CompareConfig, methods: list[str]) -> None:
         raise ValueError(f"--out {out} exists and is not a folder")
 
 
-def _dry_build(tc: TrainConfig, vocab_size: int) -> None:
+def _dry_build(tc: TrainConfig, vocab_size: int) -> list[tuple[str, tuple[int, int], int]]:
     """Build the model on the meta device (no memory, no init cost) and the method's optimizer over it, so a bad
-    hyperparameter of the 5th method fails before the 1st one trains."""
+    hyperparameter of the 5th method fails before the 1st one trains. Returns the projectable weights on which
+    the method keeps a full-rank subspace (compare_analysis.full_rank_weights)."""
     import warnings
 
     from slimopt.train import models
     from slimopt.train.loop import make_optimizer
     if tc.model.lower() not in models.LLAMA_SIZES:
-        return  # a checkpoint would have to be read; its method settings are checked when its run starts
+        return []  # a checkpoint would have to be read; its method settings are checked when its run starts
+    kind = method_kind(tc.method)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # libraries' deprecation notices say nothing about this run
             model = models.build_model(tc.model, vocab_size, tc.seq_len, seed=tc.seed, device="meta")
-            if method_kind(tc.method) == "baseline":
+            if kind == "baseline":
                 from slimopt import baselines
-                model, _ = baselines.prepare(model, tc.method, seed=tc.seed, **tc.opt)
-                make_optimizer(model, tc.method, lr=tc.lr, weight_decay=tc.weight_decay)
+                original = model
+                model, _ = baselines.prepare(models.build_model(tc.model, vocab_size, tc.seq_len, seed=tc.seed,
+                                                                device="meta"), tc.method, seed=tc.seed, **tc.opt)
+                optimizer = make_optimizer(model, tc.method, lr=tc.lr, weight_decay=tc.weight_decay)
             else:
-                make_optimizer(model, tc.method, lr=tc.lr, weight_decay=tc.weight_decay, **tc.opt)
+                optimizer = make_optimizer(model, tc.method, lr=tc.lr, weight_decay=tc.weight_decay, **tc.opt)
     except ValueError as e:
         raise ValueError(f"method {tc.method!r}: {e}") from e
     except Exception:  # noqa: BLE001 - something meta tensors cannot do; the real run will tell
-        return
+        return []
+    try:
+        if kind == "baseline":
+            if tc.method == CONTROL:
+                return []
+            hidden = getattr(original.config, "hidden_size", None)
+            rank = tc.opt.get("rank") or (max(1, hidden // 4) if hidden else None)
+            return baseline_full_rank_weights(original, int(rank)) if rank else []
+        return full_rank_weights(model, optimizer)
+    except Exception:  # noqa: BLE001 - an optimizer whose groups say nothing about ranks
+        return []
 
 
 def _child_train(cfg: TrainConfig) -> dict:
@@ -189,42 +297,206 @@ def _run_isolated(cfg: TrainConfig) -> dict:
         return ex.submit(_child_train, cfg).result()
 
 
+def _run_one(cfg: CompareConfig, tc: TrainConfig) -> dict:
+    """One training run as a row; a failure becomes the row's status (with error.txt in its folder)."""
+    try:
+        res = _run_isolated(tc) if cfg.isolate else train(tc)
+        row = _row(res, tc.method)
+    except Exception as e:  # one run failing must not lose the others' results
+        tb = traceback.format_exc(limit=3)
+        row = {"method": tc.method, "kind": method_kind(tc.method), "status": f"failed: {type(e).__name__}: {e}",
+               "lr": tc.lr, "history": {"train": [], "eval": []}}
+        Path(tc.out).mkdir(parents=True, exist_ok=True)
+        (Path(tc.out) / "error.txt").write_text(tb)
+    row["settings"] = _settings(tc)
+    row["seed"] = tc.seed
+    if not cfg.isolate and row.get("status") == "ok":
+        row["peak_mem_kind"] += " (in-process: later methods reuse freed memory)"
+    return row
+
+
+def _sweep(cfg: CompareConfig, method: str, sweeps: dict, log) -> None:
+    """The learning-rate grid of one method on short runs; fills sweeps[method] point by point."""
+    base_lr, source = _base_lr(cfg, method)
+    steps = _tune_steps(cfg)
+    entry = sweeps[method] = {"base_lr": base_lr, "base_lr_source": source, "points": [], "chosen": None}
+    for mult in cfg.lr_grid:
+        lr = base_lr * mult
+        tc = replace(_method_config(cfg, method, lr=lr, out=_tune_dir(cfg, method, mult)), max_steps=steps,
+                     tokens=None, eval_every=0, progress=False)
+        r = _run_one(cfg, tc)
+        entry["points"].append({"method": method, "multiplier": float(mult), "lr": lr, "base_lr": base_lr,
+                                "steps": steps, "seed": tc.seed, "status": r["status"],
+                                "val_loss": r.get("val_loss"), "val_ppl": r.get("val_ppl"), "chosen": False})
+        got = f"val loss {r['val_loss']:.4f}" if r["status"] == "ok" else r["status"]
+        log(f"  tune {method} lr {lr:.3g} (x{mult:g}): {got}")
+        best = choose_lr(entry["points"])
+        for p in entry["points"]:
+            p["chosen"] = p is best
+        entry["chosen"] = best
+        _write_sweep(sweeps, cfg)
+
+
+def _chosen_lr(cfg: CompareConfig, method: str, sweeps: dict) -> tuple[float, str, float | None]:
+    """(lr, where it comes from, its multiplier of the default) for the full runs of `method`."""
+    base_lr, source = _base_lr(cfg, method)
+    entry = sweeps.get(method)
+    if entry is None:
+        return base_lr, source, None
+    best = entry["chosen"]
+    if best is None:
+        return base_lr, f"{source} (tuning failed)", None
+    return best["lr"], f"tuned (x{best['multiplier']:g} of {source} {base_lr:g})", best["multiplier"]
+
+
 def run_compare(cfg: CompareConfig, log=print) -> list[dict]:
-    """Train every method, write the results into `cfg.out`, return one row per method (see CSV_COLUMNS)."""
-    methods = list(cfg.methods) if cfg.methods else default_methods()
+    """Train every method (the control first), write the results into `cfg.out`, return one row per method
+    (see CSV_COLUMNS; with several seeds the numbers are means and row["runs"] holds the per-seed rows)."""
+    methods = _entries(cfg)
     _validate(cfg, methods)  # all checks before the first write or the first step
-    from slimopt.train.loop import _prepare_data, _total_steps
+    from slimopt.train.loop import _prepare_data
     t0 = time.perf_counter()
-    _, packed = _prepare_data(cfg.base, _total_steps(cfg.base))  # once, so every run hits the cache
+    steps = _full_steps(cfg)
+    _, packed = _prepare_data(cfg.base, steps)  # once, so every run hits the cache
+    full_rank = {m: _dry_build(_method_config(cfg, m), packed.vocab_size) for m in methods}
+    b = cfg.base
+    seeds = _seed_list(cfg)
+    log(f"slimopt compare: {len(methods)} methods x {steps} steps of {b.batch_size}x{b.seq_len} "
+        f"tokens ({steps * b.batch_size * b.seq_len:,} tokens), model {b.model}, "
+        f"data {b.data} ({packed.train.shape[0]:,} train blocks), "
+        + (f"seed {b.seed}" if len(seeds) == 1 else f"seeds {seeds[0]}-{seeds[-1]}")
+        + (f"; control: {CONTROL}" if CONTROL in methods else "; no control row"))
     for m in methods:
-        _dry_build(_method_config(cfg, m), packed.vocab_size)
-    steps = _total_steps(cfg.base)
-    log(f"slimopt compare: {len(methods)} methods x {steps} steps of {cfg.base.batch_size}x{cfg.base.seq_len} "
-        f"tokens ({steps * cfg.base.batch_size * cfg.base.seq_len:,} tokens), model {cfg.base.model}, "
-        f"data {cfg.base.data} ({packed.train.shape[0]:,} train blocks), seed {cfg.base.seed}")
+        if full_rank[m]:
+            log(f"warning: {_full_rank_note(full_rank[m], m)}")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    sweeps: dict[str, dict] = {}
+    if cfg.tune_lr:
+        log(f"tuning learning rates: {len(cfg.lr_grid)} runs of {_tune_steps(cfg)} steps per method "
+            f"(x{', x'.join(f'{g:g}' for g in cfg.lr_grid)} of each default), seed {b.seed}")
+        for m in methods:
+            _sweep(cfg, m, sweeps, log)
+            best = sweeps[m]["chosen"]
+            log(f"  {m}: lr {best['lr']:.3g} (x{best['multiplier']:g})" if best else
+                f"  {m}: no grid point finished; the full runs use lr {sweeps[m]['base_lr']:.3g}")
+    rows: list[dict] = []
     for i, m in enumerate(methods, 1):
-        tc = replace(_method_config(cfg, m), progress=cfg.progress)
-        try:
-            res = _run_isolated(tc) if cfg.isolate else train(tc)
-            row = _row(res, m)
-            row["settings"] = _settings(tc)
-        except Exception as e:  # one method failing must not lose the others' results
-            tb = traceback.format_exc(limit=3)
-            row = {"method": m, "kind": method_kind(m), "status": f"failed: {type(e).__name__}: {e}",
-                   "settings": _settings(tc), "history": {"train": [], "eval": []}}
-            (out / "runs" / m).mkdir(parents=True, exist_ok=True)
-            (out / "runs" / m / "error.txt").write_text(tb)
-        if not cfg.isolate and row.get("status") == "ok":
-            row["peak_mem_kind"] += " (in-process: later methods reuse freed memory)"
+        lr, source, mult = _chosen_lr(cfg, m, sweeps)
+        runs = []
+        for seed in seeds:
+            tc = replace(_method_config(cfg, m, lr=lr, seed=seed, out=_run_dir(cfg, m, seed)), progress=cfg.progress)
+            run = _run_one(cfg, tc)
+            run["role"] = "control" if m == CONTROL else "method"
+            runs.append(run)
+            tag = f"[{i}/{len(methods)}]" + (f" seed {seed}" if len(seeds) > 1 else "")
+            log(f"{tag} {_summary_line(run)}")
+        row = aggregate_seeds(runs)
+        row.update(role="control" if m == CONTROL else "method", lr=lr, lr_source=source, lr_multiplier=mult,
+                   full_rank=full_rank[m], lr_edge=_at_grid_edge(cfg, mult))
         rows.append(row)
-        log(f"[{i}/{len(methods)}] {_summary_line(row)}")
-        write_results(rows, cfg, out, elapsed=time.perf_counter() - t0)  # partial results survive a crash
-    write_results(rows, cfg, out, elapsed=time.perf_counter() - t0)
+        _annotate(rows)
+        write_results(rows, cfg, out, elapsed=time.perf_counter() - t0, sweeps=sweeps)  # partial results survive
+    _annotate(rows)
+    write_results(rows, cfg, out, elapsed=time.perf_counter() - t0, sweeps=sweeps)
+    for line in _conclusions(rows, cfg):
+        log(line)
     log(f"results: {out / 'results.md'} ({time.perf_counter() - t0:.0f} s in all)")
     return rows
+
+
+def _seed_list(cfg: CompareConfig) -> list[int]:
+    return [cfg.base.seed + k for k in range(cfg.seeds)]
+
+
+def _at_grid_edge(cfg: CompareConfig, mult: float | None) -> bool:
+    grid = sorted(cfg.lr_grid)
+    return mult is not None and len(grid) > 1 and mult in (grid[0], grid[-1])
+
+
+def _control_row(rows: list[dict]) -> dict | None:
+    return next((r for r in rows if r["method"] == CONTROL), None)
+
+
+def _full_rank_note(weights: list, method: str | None = None) -> str:
+    name, (m, n), r = weights[0]
+    who = f"{method}: " if method else ""
+    return (f"{who}full-rank: rank {r} covers the smaller side of {len(weights)} projectable weight"
+            f"{'s' if len(weights) != 1 else ''} (e.g. {name}, {m}x{n}), so it is not low-rank there")
+
+
+def _annotate(rows: list[dict]) -> None:
+    """Each row's clears_control verdict and notes (control, not clearing it, full rank, seeds, tuning)."""
+    control = _control_row(rows)
+    verdicts = control_verdicts(rows, control)
+    for r in rows:
+        notes = []
+        if r["method"] == CONTROL:
+            notes.append(CONTROL_NOTE)
+        verdict = verdicts.get(r["method"])
+        r["clears_control"] = verdict
+        if verdict is False:
+            noise = inside_noise(r, control)
+            notes.append("does not clear the control" + (" (inside the noise)" if noise else ""))
+        elif verdict and inside_noise(r, control):
+            notes.append("below the control only inside the noise")
+        if r.get("full_rank"):
+            notes.append(_full_rank_note(r["full_rank"]))
+        if r.get("seed_problems") and r.get("seeds", 1) > 1:
+            notes.append(f"{', '.join(r['seed_problems'])}"
+                         + (f"; statistics over {r['seeds_ok']} of {r['seeds']} seeds" if r.get("seeds_ok") else ""))
+        if r.get("lr_edge"):
+            notes.append(f"tuned lr at the grid's edge (x{r['lr_multiplier']:g}): the best may lie beyond it")
+        r["notes"] = "; ".join(notes)
+
+
+def _warnings(rows: list[dict], cfg: CompareConfig) -> list[str]:
+    control = _control_row(rows)
+    out = []
+    w = budget_warning(rows, control, steps=_full_steps(cfg), vocab_size=None if cfg.base.tokenizer else
+                       cfg.base.vocab_size, model=cfg.base.model)
+    if w:
+        out.append(w)
+    behind = [r["method"] for r in rows if r.get("clears_control") is False]
+    if behind and control is not None:
+        out.append(f"not below the control ({control['val_ppl']:.2f}): {', '.join(behind)}. A model whose "
+                   f"attention and MLP weights never move does at least as well, so these rows show nothing "
+                   f"about how the method trains them.")
+    for r in rows:
+        if r.get("full_rank"):
+            out.append(_full_rank_note(r["full_rank"], r["method"]) + ": a rotation of full Adam, which says "
+                       "nothing about low-rank training; use a rank below the smaller side (--set "
+                       f"{r['method']}.rank=...)")
+    return out
+
+
+def _noise_text(rows: list[dict], cfg: CompareConfig) -> str:
+    if cfg.seeds == 1:
+        return ("One seed: the spread between seeds was not measured, so close gaps may be noise "
+                "(--seeds 3 measures it).")
+    pairs = noise_pairs(rows)
+    if not pairs:
+        return f"Every gap is larger than the noise: no two methods' min-max ranges over {cfg.seeds} seeds overlap."
+    return (f"Inside the noise (min-max ranges over {cfg.seeds} seeds overlap, so their order is not measured): "
+            + ", ".join(f"{a} ~ {b}" for a, b in pairs) + ".")
+
+
+def _conclusions(rows: list[dict], cfg: CompareConfig) -> list[str]:
+    """The terminal summary after the last run: ranking, noise, control, warnings."""
+    control = _control_row(rows)
+    lines = []
+    ranked = ranking_text(rows, control)
+    if ranked:
+        lines.append(f"ranking (val ppl{', mean ± std' if cfg.seeds > 1 else ''}): {ranked}")
+        lines.append(_noise_text(rows, cfg))
+    if control is not None and control.get("status") == "ok":
+        adamw = next((r for r in rows if r["method"] == "adamw"), None)
+        margin = control_margin(adamw, control) if adamw else None
+        lines.append(f"control ({CONTROL}): val ppl {control['val_ppl']:.2f}"
+                     + (f"; AdamW is {margin:.0%} below it (needs >= {MIN_CONTROL_MARGIN:.0%})"
+                        if margin is not None else ""))
+    lines += [f"warning: {w}" for w in _warnings(rows, cfg)]
+    return lines
 
 
 def _settings(tc: TrainConfig) -> str:
@@ -277,31 +549,65 @@ def _machine() -> str:
             f"{platform.system()} {platform.release()}")
 
 
-def write_results(rows: list[dict], cfg: CompareConfig, out: Path, elapsed: float | None = None) -> None:
-    """results.csv, results.md, loss_curves.png and memory.png in `out`."""
-    out = write_csv_and_markdown(out, CSV_COLUMNS, rows, _markdown(rows, cfg, elapsed))
+def write_results(rows: list[dict], cfg: CompareConfig, out: Path, elapsed: float | None = None,
+                  sweeps: dict | None = None) -> None:
+    """results.csv (one row per method), results_per_seed.csv (one per run), results.md, loss_curves.png and
+    memory.png in `out`; with a learning-rate sweep also lr_sweep.csv / .json / .png."""
+    out = write_csv_and_markdown(out, CSV_COLUMNS, rows, _markdown(rows, cfg, elapsed, sweeps or {}))
+    per_seed = [run for r in rows for run in r.get("runs", [r])]
+    write_csv(out / "results_per_seed.csv", SEED_CSV_COLUMNS, per_seed)
     from slimopt.train.compare_plots import plot_loss_curves, plot_memory
-    plot_loss_curves(rows, out / "loss_curves.png", title=_title(cfg))
+    plot_loss_curves(rows, out / "loss_curves.png", title=_title(cfg, curves=True))
     plot_memory(rows, out / "memory.png", title=_title(cfg))
+    if sweeps:
+        _write_sweep(sweeps, cfg)
+
+
+def _write_sweep(sweeps: dict, cfg: CompareConfig) -> None:
+    """lr_sweep.csv (one row per grid point), lr_sweep.json (the same with each method's choice) and
+    lr_sweep.png (validation loss against lr per method, log x axis) in cfg.out."""
+    out = Path(cfg.out)
+    points = [p for entry in sweeps.values() for p in entry["points"]]
+    write_csv(out / "lr_sweep.csv", SWEEP_COLUMNS, points)
+    write_json(out / "lr_sweep.json", {
+        "grid": list(cfg.lr_grid), "fraction": cfg.tune_fraction, "steps": _tune_steps(cfg),
+        "full_steps": _full_steps(cfg), "seed": cfg.base.seed, "selection": "lowest validation loss",
+        "methods": {m: {"base_lr": e["base_lr"], "base_lr_source": e["base_lr_source"],
+                        "chosen_lr": e["chosen"]["lr"] if e["chosen"] else None,
+                        "chosen_multiplier": e["chosen"]["multiplier"] if e["chosen"] else None,
+                        "points": e["points"]} for m, e in sweeps.items()}})
+    from slimopt.train.compare_plots import plot_lr_sweep
+    plot_lr_sweep(sweeps, out / "lr_sweep.png",
+                  title=f"{_title(cfg, seeds=False)}: validation loss after {_tune_steps(cfg)} of "
+                        f"{_full_steps(cfg)} steps, seed {cfg.base.seed}")
 
 
 def read_results(path: str | os.PathLike) -> list[dict]:
-    """The rows of a results.csv, numbers parsed."""
+    """The rows of a results.csv (or results_per_seed.csv, lr_sweep.csv), numbers and True/False parsed."""
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     for r in rows:
         for k, v in r.items():
-            if k in ("method", "kind", "status", "settings"):
+            if k in _TEXT_COLUMNS:
+                continue
+            if k in _BOOL_COLUMNS:
+                r[k] = {"True": True, "False": False}.get(v)
                 continue
             r[k] = float(v) if v not in ("", None) else None
     return rows
 
 
-def _title(cfg: CompareConfig) -> str:
+def _title(cfg: CompareConfig, seeds: bool = True, curves: bool = False) -> str:
     b = cfg.base
     steps = _steps(b)
     data = Path(b.data).name if Path(b.data).expanduser().exists() else b.data  # a path: its file or folder name
-    return f"{b.model} on {data}, {steps * b.batch_size * b.seq_len:,} tokens, seed {b.seed}"
+    title = f"{b.model} on {data}, {steps * b.batch_size * b.seq_len:,} tokens"
+    if not seeds:
+        return title
+    s = _seed_list(cfg)
+    if len(s) == 1:
+        return f"{title}, seed {s[0]}"
+    return f"{title}, seeds {s[0]}-{s[-1]}" + (f" (curves: seed {s[0]})" if curves else "")
 
 
 def _steps(b: TrainConfig) -> int:
@@ -309,50 +615,114 @@ def _steps(b: TrainConfig) -> int:
     return _total_steps(b)
 
 
-def _markdown(rows: list[dict], cfg: CompareConfig, elapsed: float | None) -> str:
+def _markdown(rows: list[dict], cfg: CompareConfig, elapsed: float | None, sweeps: dict) -> str:
     b = cfg.base
     steps = _steps(b)
+    seeds = _seed_list(cfg)
+    multi = len(seeds) > 1
     kinds = sorted({r["peak_mem_kind"] for r in rows if r.get("peak_mem_kind")})
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    if sweeps:
+        lr_text = (f"each method's learning rate tuned: {len(cfg.lr_grid)} runs of {_tune_steps(cfg)} steps "
+                   f"(x{', x'.join(f'{g:g}' for g in cfg.lr_grid)} of its default; seed {b.seed}), the one with "
+                   f"the lowest validation loss kept (columns lr, lr from; lr_sweep.csv, lr_sweep.png)")
+    else:
+        lr_text = ("each method at its paper learning rate, the control at AdamW's (columns lr, lr from; "
+                   "--tune-lr tunes them)")
+    seed_text = (f"seeds {seeds[0]}-{seeds[-1]} (initialisation and batch order), each number the mean over the "
+                 f"seeds; spread: min-max and sample standard deviation of the seeds' perplexities"
+                 if multi else f"seed {seeds[0]}")
     lines = [
         f"# slimopt compare: {_title(cfg)}",
         "",
         f"- Date: {now}. Machine: {_machine()}.",
         f"- Model {b.model}, data {b.data} (tokenizer: {b.tokenizer or f'byte-level BPE, vocab {b.vocab_size}'}), "
         f"seq_len {b.seq_len}, batch {b.batch_size} x grad-accum {b.grad_accum}, {steps} steps, dtype {b.dtype}, "
-        f"warmup {b.warmup}, cosine to {b.min_lr_ratio} x peak, clip {b.clip}, weight decay {b.weight_decay}, "
-        f"seed {b.seed}; each method at its paper learning rate (column lr).",
+        f"warmup {b.warmup}, cosine to {b.min_lr_ratio} x peak, clip {b.clip}, weight decay {b.weight_decay}; "
+        f"{seed_text}; {lr_text}.",
         f"- Validation: true mean cross-entropy over {_val_tokens(rows)} held-out tokens (documents never trained "
         f"on); perplexity = exp(loss).",
-        f"- Peak memory: {'; '.join(kinds) or 'n/a'}. Optimizer state: bytes of every state tensor as allocated. "
-        f"Tokens/s: training steps only; wall s: the whole run (model build, evaluations); CPU s: processor time "
-        f"of the run over all its threads, which other work on the machine does not inflate.",
     ]
+    if _control_row(rows) is not None:
+        lines.append(f"- Control (`{CONTROL}`): AdamW on the embeddings, norms and output layer only, every "
+                     f"projectable weight (the attention and MLP Linear weights the methods act on) frozen at its "
+                     f"initialisation. A method whose perplexity is not below it has shown nothing about how it "
+                     f"trains those weights (column notes). AdamW should beat it by at least "
+                     f"{MIN_CONTROL_MARGIN:.0%}, or the budget measures token statistics rather than optimizers.")
+    else:
+        lines.append("- No control row (--no-control): nothing here shows whether the budget measures the "
+                     "methods' training of the transformer weights.")
+    lines.append(f"- Peak memory: {'; '.join(kinds) or 'n/a'}. Optimizer state: bytes of every state tensor as "
+                 f"allocated. Tokens/s: training steps only; wall s: the whole run (model build, evaluations); "
+                 f"CPU s: processor time of the run over all its threads, which other work on the machine does not "
+                 f"inflate.")
     if elapsed is not None:
         lines.append(f"- Wall time of the whole comparison: {elapsed:.0f} s.")
     lines.append(f"- Step-counting settings (subspace refresh / block switch / restart intervals) are scaled to the "
                  f"run when it is shorter than {_MIN_REFRESHES} of the papers' intervals: column settings.")
-    lines += ["", "| method | kind | val ppl | val loss | state MiB | state B/param | peak MiB | tokens/s | wall s "
-              "| CPU s | lr | settings |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    warns = _warnings(rows, cfg)
+    if warns:
+        lines.append("")
+        lines += [f"> **Warning:** {w}\n>" for w in warns]
+        lines[-1] = lines[-1][:-2]
+    spread_head = " ppl min-max | ppl std |" if multi else ""
+    spread_align = "---:|---:|" if multi else ""
+    lines += ["", f"| method | kind | val ppl | val loss |{spread_head} state MiB | state B/param | peak MiB | "
+                  f"tokens/s | wall s | CPU s | lr | lr from | settings | notes |",
+              f"|---|---|---:|---:|{spread_align}---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for r in rows:
+        tail = f"{_fmt(r.get('lr'), 'g')} | {r.get('lr_source', '')} | {r.get('settings', '')} | {r.get('notes', '')} |"
+        blank_spread = " | |" if multi else ""
         if r["status"].startswith("failed"):
-            lines.append(f"| {r['method']} | {r['kind']} | {r['status']} | | | | | | | | | {r.get('settings', '')} |")
+            lines.append(f"| {r['method']} | {r['kind']} | {r['status']} | |{blank_spread} | | | | | | {tail}")
             continue
         ppl = _fmt(r["val_ppl"], ".2f") if r["status"] == "ok" else "diverged"
-        lines.append(f"| {r['method']} | {r['kind']} | {ppl} | {_fmt(r['val_loss'], '.4f')} | "
+        spread = ""
+        if multi:
+            rng = (f"{r['val_ppl_min']:.2f}-{r['val_ppl_max']:.2f}" if r.get("val_ppl_min") is not None else "")
+            spread = f" {rng} | {_fmt(r.get('val_ppl_std'), '.2f')} |"
+        lines.append(f"| {r['method']} | {r['kind']} | {ppl} | {_fmt(r['val_loss'], '.4f')} |{spread} "
                      f"{_fmt(r['state_mib'], '.3f')} | {_fmt(r['state_bytes_per_param'], '.2f')} | "
                      f"{_fmt(r['peak_mem_mib'], '.0f')} | {_fmt(r['tokens_per_s'], ',.0f')} | "
-                     f"{_fmt(r['wall_time_s'], '.1f')} | {_fmt(r['cpu_time_s'], '.1f')} | {_fmt(r['lr'], 'g')} | "
-                     f"{r.get('settings', '')} |")
-    ok = [r for r in rows if r["status"] == "ok"]
-    if ok:
-        ranked = sorted(ok, key=lambda r: r["val_ppl"])
-        lines += ["", "Ranking by validation perplexity (lower is better): "
-                  + " < ".join(f"{r['method']} ({r['val_ppl']:.1f})" for r in ranked) + "."]
+                     f"{_fmt(r['wall_time_s'], '.1f')} | {_fmt(r['cpu_time_s'], '.1f')} | {tail}")
+    control = _control_row(rows)
+    ranked = ranking_text(rows, control)
+    if ranked:
+        lines += ["", f"Ranking by validation perplexity (lower is better{'; mean ± std' if multi else ''}): "
+                      f"{ranked}.", "", _noise_text(rows, cfg)]
+    if sweeps:
+        lines += ["", *_sweep_table(sweeps, cfg), "", "![lr sweep](lr_sweep.png)"]
     lines += ["", "![loss curves](loss_curves.png)", "", "![memory](memory.png)", "",
-              "Reproduce one row: `slimopt train " + _cli_args(b) + " --method METHOD`.", ""]
+              "Reproduce one row: `slimopt train " + _cli_args(b) + " --method METHOD --lr LR` (LR: column lr"
+              + (", and --seed for each seed" if multi else "") + ").", ""]
     return "\n".join(lines)
+
+
+def _sweep_table(sweeps: dict, cfg: CompareConfig) -> list[str]:
+    """Validation loss of every sweep point, the chosen one in bold."""
+    grid = list(cfg.lr_grid)
+    lines = [f"Learning-rate sweep ({_tune_steps(cfg)} of {_full_steps(cfg)} steps, seed {cfg.base.seed}): "
+             f"validation loss at each multiple of the default lr; the chosen one in bold.", "",
+             "| method | default lr | " + " | ".join(f"x{g:g}" for g in grid) + " | chosen lr |",
+             "|---|---:|" + "---:|" * len(grid) + "---:|"]
+    for m, e in sweeps.items():
+        cells = []
+        by_mult = {p["multiplier"]: p for p in e["points"]}
+        for g in grid:
+            p = by_mult.get(float(g))
+            if p is None:
+                cells.append("")
+            elif p["status"] != "ok":
+                cells.append(_short(p["status"]))
+            else:
+                cells.append(f"**{p['val_loss']:.4f}**" if p["chosen"] else f"{p['val_loss']:.4f}")
+        chosen = f"{e['chosen']['lr']:.3g}" if e["chosen"] else "none finished"
+        lines.append(f"| {m} | {e['base_lr']:g} | " + " | ".join(cells) + f" | {chosen} |")
+    return lines
+
+
+def _short(status: str) -> str:
+    return "failed" if status.startswith("failed") else status
 
 
 def _val_tokens(rows: list[dict]) -> str:

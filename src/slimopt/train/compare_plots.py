@@ -1,4 +1,5 @@
-"""Figures of `slimopt compare`: loss curves against tokens, and optimizer-state / peak memory per method.
+"""Figures of `slimopt compare`: loss curves against tokens, optimizer-state / peak memory per method, and the
+learning-rate sweep (validation loss against lr per method).
 
 Drawn with matplotlib's Agg backend (no display needed). Rows are those of `slimopt.train.compare.run_compare`;
 a row's `history` holds `train` and `eval` lists of (tokens, loss) pairs.
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from slimopt.figures import pyplot, save_figure
 
-__all__ = ["plot_loss_curves", "plot_memory", "ema"]
+__all__ = ["plot_loss_curves", "plot_memory", "plot_lr_sweep", "ema"]
 
 
 def ema(values: list[float], beta: float = 0.9) -> list[float]:
@@ -98,4 +99,46 @@ def plot_memory(rows: list[dict], path: str | Path, title: str = "") -> Path:
     ax_s.set_yticklabels(names)
     ax_s.invert_yaxis()
     fig.suptitle(title or "memory per method", fontsize=11)
+    return save_figure(fig, path)
+
+
+def plot_lr_sweep(sweeps: dict[str, dict], path: str | Path, title: str = "") -> Path:
+    """Validation loss against learning rate (log x axis), one line per method, the chosen lr starred.
+
+    `sweeps` maps a method to {"points": [{"lr", "val_loss", "status", "chosen"}, ...]}; points that failed or
+    diverged are drawn as crosses on the top edge, so a grid that ran off the stable range shows as such.
+    """
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    cmap = plt.get_cmap("tab10" if len(sweeps) <= 10 else "tab20")
+    finite = [p["val_loss"] for e in sweeps.values() for p in e["points"]
+              if p.get("status") == "ok" and p.get("val_loss") is not None and math.isfinite(p["val_loss"])]
+    top = max(finite) if finite else 1.0
+    bottom = min(finite) if finite else 0.0
+    pad = 0.05 * (top - bottom) if top > bottom else 0.05
+    for i, (method, entry) in enumerate(sweeps.items()):
+        color = cmap(i % cmap.N)
+        pts = sorted(entry["points"], key=lambda p: p["lr"])
+        ok = [p for p in pts if p.get("status") == "ok" and p.get("val_loss") is not None
+              and math.isfinite(p["val_loss"])]
+        if ok:
+            ax.plot([p["lr"] for p in ok], [p["val_loss"] for p in ok], color=color, lw=1.4, marker="o", ms=4,
+                    label=method)
+        bad = [p for p in pts if p not in ok]
+        if bad:
+            ax.plot([p["lr"] for p in bad], [top + pad] * len(bad), color=color, ls="none", marker="x", ms=7,
+                    label=None if ok else f"{method} (none finished)")
+        best = [p for p in ok if p.get("chosen")]
+        if best:
+            ax.plot([best[0]["lr"]], [best[0]["val_loss"]], color=color, marker="*", ms=15, ls="none",
+                    markeredgecolor="black", markeredgewidth=0.6)
+    ax.set_xscale("log")
+    ax.set_xlabel("peak learning rate (log scale)")
+    ax.set_ylabel("validation loss")
+    ax.set_ylim(bottom - pad, top + 2 * pad)
+    ax.grid(alpha=0.3, which="both")
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(handles, labels, fontsize=8, loc="best", ncol=3 if len(labels) > 6 else 1)
+    ax.set_title(title or "validation loss against learning rate", fontsize=10)
     return save_figure(fig, path)

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["csv_cell", "write_csv_and_markdown"]
+__all__ = ["csv_cell", "write_csv", "write_json", "write_csv_and_markdown"]
 
 
 def csv_cell(v: Any) -> Any:
@@ -27,18 +27,46 @@ def csv_cell(v: Any) -> Any:
     return "" if v is None else v
 
 
-def write_csv_and_markdown(out: str | os.PathLike, columns: Iterable[str], rows: Iterable[dict[str, Any]],
-                           markdown: str) -> Path:
-    """Write `rows` (their `columns`, in order) to out/results.csv and `markdown` to out/results.md; return `out`."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+def write_csv(path: str | os.PathLike, columns: Iterable[str], rows: Iterable[dict[str, Any]]) -> Path:
+    """Write `rows` (their `columns`, in order) to the CSV file `path`, atomically; return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     columns = tuple(columns)
-    with open(out / "results.csv.tmp", "w", newline="") as f:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(columns)
         for r in rows:
             w.writerow([csv_cell(r.get(c)) for c in columns])
-    os.replace(out / "results.csv.tmp", out / "results.csv")
+    os.replace(tmp, path)
+    return path
+
+
+def _json_safe(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # JSON has no NaN or infinity
+    if isinstance(v, dict):
+        return {str(k): _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    return v
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> Path:
+    """Write `obj` as indented JSON to `path`, atomically; non-finite floats become null. Return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_json_safe(obj), indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def write_csv_and_markdown(out: str | os.PathLike, columns: Iterable[str], rows: Iterable[dict[str, Any]],
+                           markdown: str) -> Path:
+    """Write `rows` (their `columns`, in order) to out/results.csv and `markdown` to out/results.md; return `out`."""
+    out = Path(out)
+    write_csv(out / "results.csv", columns, rows)
     (out / "results.md.tmp").write_text(markdown)
     os.replace(out / "results.md.tmp", out / "results.md")
     return out

@@ -1,0 +1,336 @@
+"""What keeps `slimopt compare` honest: the control row (only what is not a projectable weight trains), the
+learning-rate sweep's choice, the warnings (a method that does not clear the control; AdamW less than 20% below
+it), the seed statistics and the noise they imply, and the full-rank mark. Tiny runs (a few steps of the tiny
+LLaMA at vocabulary 512), in this process."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import replace
+
+import matplotlib.image
+import pytest
+import torch
+
+from pretrain_helpers import VOCAB, fast_config, write_corpus
+from slimopt import baselines
+from slimopt.cli import main
+from slimopt.optim.partition import classify
+from slimopt.train import models
+from slimopt.train.compare import CompareConfig, read_results, run_compare
+from slimopt.train.compare_analysis import (MIN_CONTROL_MARGIN, aggregate_seeds, baseline_full_rank_weights,
+                                            budget_warning, choose_lr, control_verdicts, full_rank_weights,
+                                            inside_noise, noise_pairs, ranking_text)
+from slimopt.train.loop import make_optimizer, train
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("honest")
+    return write_corpus(folder), folder / "cache"
+
+
+def _table(md: str) -> dict[str, list[str]]:
+    """The results.md table: method -> cells, keyed by the header's column names."""
+    lines = [line for line in md.splitlines() if line.startswith("| ")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {}
+    for line in lines[2:] if lines[1].startswith("|---") else lines[1:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == len(head) and cells[0] and not cells[0].startswith("---"):
+            rows[cells[0]] = dict(zip(head, cells))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ the control
+
+
+def test_control_trains_only_what_is_not_projectable(data, tmp_path):
+    corpus, cache = data
+    tc = replace(fast_config(corpus, cache, max_steps=4), method="frozen", out=str(tmp_path / "run"),
+                 save_model=True, lr=1e-2)
+    res = train(tc)
+    init = models.build_model("tiny", VOCAB, tc.seq_len, seed=tc.seed)
+    kinds = {n: k for n, (_, k) in classify(init).items()}
+    assert sorted(set(kinds.values())) == ["embedding", "head", "other", "projectable"]
+    trained = models.build_model(str(tmp_path / "run" / "final"), VOCAB, tc.seq_len)
+    before, after = dict(init.named_parameters()), dict(trained.named_parameters())
+    for name, kind in kinds.items():
+        if kind == "projectable":  # every attention and MLP Linear weight exactly as initialised
+            assert torch.equal(after[name], before[name]), name
+        else:  # embeddings, norms and head moved
+            assert not torch.equal(after[name], before[name]), name
+    assert res["trainable_params"] == sum(p.numel() for n, p in before.items() if kinds[n] != "projectable")
+    assert res["trainable_params"] < res["params"]
+    assert res["lr"] == pytest.approx(1e-2)
+
+
+def test_control_optimizer_holds_exactly_the_non_projectable_parameters():
+    model = models.build_model("tiny", VOCAB, 32, seed=0, device="meta")
+    kinds = {n: k for n, (_, k) in classify(model).items()}
+    model, _ = baselines.prepare(model, "frozen")
+    opt = make_optimizer(model, "frozen")
+    in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in in_opt}
+    assert names == {n for n, k in kinds.items() if k != "projectable"}
+    assert all(not p.requires_grad for n, p in model.named_parameters() if kinds[n] == "projectable")
+
+
+# ------------------------------------------------------------------------------------------------ warnings
+
+
+def _row(method, ppl, **kw):
+    return {"method": method, "status": "ok", "val_ppl": ppl, "val_loss": math.log(ppl), **kw}
+
+
+def test_budget_warning_threshold_and_advice():
+    control = _row("frozen", 100.0)
+    # 19% below the control: a warning that says what to change
+    w = budget_warning([control, _row("adamw", 81.0)], control, steps=128, vocab_size=2048, model="tiny")
+    assert w is not None and "only 19%" in w and "at least 20%" in w
+    assert "--max-steps 512" in w and "--vocab-size 512" in w and "--model small" in w
+    # 21% below: none
+    assert budget_warning([control, _row("adamw", 79.0)], control, steps=128) is None
+    assert MIN_CONTROL_MARGIN == 0.20
+    # AdamW above the control
+    w = budget_warning([control, _row("adamw", 130.0)], control, steps=8)
+    assert "does not beat the control (30% worse)" in w
+    # no AdamW row / a failed control: the check could not be made, and says so
+    assert "adamw is not among the methods" in budget_warning([control, _row("galore", 50.0)], control)
+    failed = {"method": "frozen", "status": "failed: RuntimeError: x"}
+    assert "did not finish" in budget_warning([failed, _row("adamw", 50.0)], failed)
+    assert budget_warning([_row("adamw", 50.0)], None) is None  # --no-control
+
+
+def test_control_verdicts_mark_what_does_not_clear_it():
+    control = _row("frozen", 100.0)
+    rows = [control, _row("adamw", 99.0), _row("galore", 100.0), _row("taco", 150.0),
+            {"method": "lora", "status": "failed: x"}]
+    assert control_verdicts(rows, control) == {"adamw": True, "galore": False, "taco": False, "lora": None}
+    text = ranking_text(rows, control)
+    assert text.startswith("adamw (99.0) < ")
+    assert "galore (100.0) [not below the control]" in text and "taco (150.0) [not below the control]" in text
+    assert "frozen (100.0)" in text and "frozen (100.0) [" not in text
+
+
+def test_a_method_below_the_control_is_marked_and_warned(data, tmp_path):
+    """AdamW at a learning rate too small to move anything: it does not clear the control (which trains at AdamW's
+    default lr), so its row is marked, the ranking says so, and the budget warning names what to change."""
+    corpus, cache = data
+    logged = []
+    cfg = CompareConfig(base=fast_config(corpus, cache, max_steps=6), methods=["adamw"],
+                        method_opts={"adamw": {"lr": 1e-7}}, out=str(tmp_path / "o"), isolate=False,
+                        progress=False)
+    rows = run_compare(cfg, log=logged.append)
+    by = {r["method"]: r for r in rows}
+    assert by["adamw"]["val_ppl"] > by["frozen"]["val_ppl"]
+    csv_rows = {r["method"]: r for r in read_results(tmp_path / "o" / "results.csv")}
+    assert csv_rows["adamw"]["clears_control"] is False and csv_rows["frozen"]["clears_control"] is None
+    assert "does not clear the control" in csv_rows["adamw"]["notes"]
+    md = (tmp_path / "o" / "results.md").read_text()
+    assert "does not clear the control" in _table(md)["adamw"]["notes"]
+    assert "control" in _table(md)["frozen"]["notes"]
+    assert "[not below the control]" in md
+    assert "> **Warning:** AdamW" in md and "does not beat the control" in md and "--max-steps 24" in md
+    text = "\n".join(logged)
+    assert "warning: AdamW" in text and "warning: not below the control" in text and "ranking (val ppl)" in text
+
+
+def test_no_warning_when_adamw_clears_the_control_widely(data, tmp_path):
+    """The control at a learning rate too small to move anything: AdamW clears it by far more than 20%, and no
+    budget warning is written."""
+    corpus, cache = data
+    logged = []
+    cfg = CompareConfig(base=fast_config(corpus, cache, max_steps=6), methods=["adamw"],
+                        method_opts={"adamw": {"lr": 1e-2}, "frozen": {"lr": 1e-7}}, out=str(tmp_path / "o"),
+                        isolate=False, progress=False)
+    rows = run_compare(cfg, log=logged.append)
+    by = {r["method"]: r for r in rows}
+    assert by["adamw"]["val_ppl"] < (1 - MIN_CONTROL_MARGIN) * by["frozen"]["val_ppl"]
+    assert by["frozen"]["lr"] == pytest.approx(1e-7) and by["frozen"]["lr_source"] == "--set"
+    md = (tmp_path / "o" / "results.md").read_text()
+    assert "**Warning:**" not in md and by["adamw"]["clears_control"] is True
+    assert not any(line.startswith("warning:") for line in logged)
+    assert any(line.startswith("control (frozen): val ppl") and "AdamW is" in line for line in logged)
+
+
+# ------------------------------------------------------------------------------------------------ seeds
+
+
+def test_seed_statistics_from_per_seed_rows():
+    runs = [_row("adamw", 20.0, seed=0, state_mib=1.0, cpu_time_s=3.0),
+            _row("adamw", 22.0, seed=1, state_mib=1.0, cpu_time_s=5.0),
+            _row("adamw", 27.0, seed=2, state_mib=1.0, cpu_time_s=4.0),
+            {"method": "adamw", "seed": 3, "status": "diverged", "val_loss": float("nan"),
+             "val_ppl": float("nan")}]
+    r = aggregate_seeds(runs)
+    assert r["seeds"] == 4 and r["seeds_ok"] == 3 and r["seed_problems"] == ["seed 3 diverged"]
+    assert r["val_ppl"] == pytest.approx(23.0)
+    assert r["val_ppl_std"] == pytest.approx(statistics.stdev([20.0, 22.0, 27.0]))
+    assert (r["val_ppl_min"], r["val_ppl_max"]) == (20.0, 27.0)
+    losses = [math.log(x) for x in (20.0, 22.0, 27.0)]
+    assert r["val_loss"] == pytest.approx(statistics.mean(losses))
+    assert r["val_loss_std"] == pytest.approx(statistics.stdev(losses))
+    assert r["cpu_time_s"] == pytest.approx(4.0) and r["status"] == "ok"
+    one = aggregate_seeds([_row("galore", 30.0, seed=0)])
+    assert one["val_ppl"] == 30.0 and one["val_ppl_std"] is None and one["seeds_ok"] == 1
+    none = aggregate_seeds([{"method": "x", "seed": 0, "status": "failed: ValueError: no"}])
+    assert none["status"].startswith("failed") and math.isnan(none["val_ppl"])
+
+
+def test_gaps_inside_the_noise():
+    a = aggregate_seeds([_row("a", 16.6, seed=0), _row("a", 16.9, seed=1)])
+    b = aggregate_seeds([_row("b", 16.8, seed=0), _row("b", 17.1, seed=1)])  # overlaps a
+    c = aggregate_seeds([_row("c", 17.8, seed=0), _row("c", 18.0, seed=1)])  # apart from both
+    assert inside_noise(a, b) and not inside_noise(b, c) and not inside_noise(a, c)
+    assert noise_pairs([c, b, a]) == [("a", "b")]
+    assert ranking_text([c, b, a]) == "a (16.8 ± 0.2) ~ b (17.0 ± 0.2) < c (17.9 ± 0.1)"
+    single = aggregate_seeds([_row("d", 16.7, seed=0)])
+    assert inside_noise(a, single) is None  # one seed: the spread is unknown
+
+
+# ------------------------------------------------------------------------------------------------ lr sweep
+
+
+def test_choose_lr_picks_the_lowest_validation_loss():
+    pts = [{"lr": 1e-3, "val_loss": 5.0, "status": "ok"}, {"lr": 2e-3, "val_loss": 4.5, "status": "ok"},
+           {"lr": 4e-3, "val_loss": float("nan"), "status": "diverged"},
+           {"lr": 8e-3, "val_loss": 4.0, "status": "failed: RuntimeError: x"},
+           {"lr": 5e-4, "val_loss": 4.5, "status": "ok"}]
+    assert choose_lr(pts)["lr"] == 5e-4  # the lowest loss; a tie goes to the smaller lr
+    assert choose_lr(pts[:2])["lr"] == 2e-3
+    assert choose_lr(pts[2:4]) is None
+
+
+@pytest.fixture(scope="module")
+def tuned(data, tmp_path_factory):
+    """A tuned, two-seed comparison with GaLore at full rank."""
+    corpus, cache = data
+    out = tmp_path_factory.mktemp("tuned") / "o"
+    logged = []
+    cfg = CompareConfig(base=fast_config(corpus, cache, max_steps=6), methods=["adamw", "galore"],
+                        method_opts={"galore": {"rank": 128}}, out=str(out), isolate=False, progress=False,
+                        tune_lr=True, lr_grid=(0.5, 1.0, 2.0), tune_fraction=0.5, seeds=2)
+    rows = run_compare(cfg, log=logged.append)
+    return cfg, rows, out, logged
+
+
+def test_lr_sweep_choice_is_used_and_shown(tuned):
+    cfg, rows, out, _ = tuned
+    sweep = read_results(out / "lr_sweep.csv")
+    assert {r["method"] for r in sweep} == {"frozen", "adamw", "galore"}
+    results = {r["method"]: r for r in read_results(out / "results.csv")}
+    table = _table((out / "results.md").read_text())
+    for m in ("frozen", "adamw", "galore"):
+        pts = [p for p in sweep if p["method"] == m]
+        assert [p["multiplier"] for p in pts] == [0.5, 1.0, 2.0] and all(p["steps"] == 3 for p in pts)
+        assert len({p["val_loss"] for p in pts}) == 3  # the grid points really differ
+        best = min(pts, key=lambda p: p["val_loss"])
+        assert [p["chosen"] for p in pts] == [p is best for p in pts]
+        assert results[m]["lr"] == pytest.approx(best["lr"])
+        assert results[m]["lr_multiplier"] == best["multiplier"] and results[m]["lr_source"].startswith("tuned")
+        assert table[m]["lr from"].startswith(f"tuned (x{best['multiplier']:g} of")
+        assert float(table[m]["lr"]) == pytest.approx(best["lr"], rel=1e-5)
+        for seed in (0, 1):  # the full runs ran at the chosen lr
+            log = (out / "runs" / m / f"seed{seed}" / "metrics.jsonl").read_text()
+            assert f'"peak_lr": {best["lr"]!r}' in log
+    assert results["frozen"]["lr"] / 1e-3 == results["frozen"]["lr_multiplier"]  # tuned around AdamW's lr
+    md = (out / "results.md").read_text()
+    assert "Learning-rate sweep (3 of 6 steps" in md and "![lr sweep](lr_sweep.png)" in md
+    img = matplotlib.image.imread(out / "lr_sweep.png")
+    assert img.shape[:2] == (500, 800) and (img[..., :3].min(axis=-1) < 0.9).mean() > 0.01
+    import json
+    doc = json.loads((out / "lr_sweep.json").read_text())
+    assert doc["grid"] == [0.5, 1.0, 2.0] and doc["steps"] == 3
+    assert doc["methods"]["adamw"]["chosen_lr"] == pytest.approx(results["adamw"]["lr"])
+
+
+def test_seed_rows_and_their_statistics(tuned):
+    _, rows, out, logged = tuned
+    per_seed = read_results(out / "results_per_seed.csv")
+    results = {r["method"]: r for r in read_results(out / "results.csv")}
+    for m, r in results.items():
+        runs = [x for x in per_seed if x["method"] == m]
+        assert [x["seed"] for x in runs] == [0.0, 1.0]
+        ppl = [x["val_ppl"] for x in runs]
+        assert ppl[0] != ppl[1]  # the seed changes the initialisation and the batches
+        assert r["seeds"] == 2 and r["val_ppl"] == pytest.approx(statistics.mean(ppl), rel=1e-12)
+        assert r["val_ppl_std"] == pytest.approx(statistics.stdev(ppl), rel=1e-9)
+        assert (r["val_ppl_min"], r["val_ppl_max"]) == (min(ppl), max(ppl))
+        assert r["val_loss"] == pytest.approx(statistics.mean(x["val_loss"] for x in runs), rel=1e-12)
+    md = (out / "results.md").read_text()
+    table = _table(md)
+    for m, r in results.items():
+        assert table[m]["ppl min-max"] == f"{r['val_ppl_min']:.2f}-{r['val_ppl_max']:.2f}"
+        assert float(table[m]["ppl std"]) == pytest.approx(r["val_ppl_std"], abs=0.006)
+    assert "seeds 0-1" in md and "mean ± std" in md
+    assert ("Inside the noise" in md) or ("Every gap is larger than the noise" in md)
+    assert any(line.startswith("ranking (val ppl, mean ± std): ") for line in logged)
+
+
+def test_full_rank_projector_is_warned_and_marked(tuned):
+    _, rows, out, logged = tuned
+    results = {r["method"]: r for r in read_results(out / "results.csv")}
+    assert "full-rank: rank 128" in results["galore"]["notes"] and "not low-rank" in results["galore"]["notes"]
+    assert "full-rank" not in results["adamw"]["notes"]
+    md = (out / "results.md").read_text()
+    assert "full-rank" in _table(md)["galore"]["notes"]
+    assert "> **Warning:** galore: full-rank" in md
+    assert any(line.startswith("warning: galore: full-rank") for line in logged)
+
+
+def test_full_rank_detection():
+    model = models.build_model("tiny", VOCAB, 32, seed=0, device="meta")  # hidden 128, MLP 352
+    found = full_rank_weights(model, make_optimizer(model, "galore", rank=128))
+    assert len(found) == 14 and all(r == 128 and min(shape) == 128 for _, shape, r in found)
+    assert full_rank_weights(model, make_optimizer(model, "galore", rank=127)) == []
+    assert full_rank_weights(model, make_optimizer(model, "galore")) == []  # default rank: hidden / 4 = 32
+    # density: a share of the smaller side; density 1 keeps all of it
+    assert len(full_rank_weights(model, make_optimizer(model, "galore", density=1.0))) == 14
+    # blockwise FRUGAL and BAdam select whole tensors, not a subspace of one: never marked
+    assert full_rank_weights(model, make_optimizer(model, "frugal", density=1.0)) == []
+    assert full_rank_weights(model, make_optimizer(model, "adamw")) == []
+    assert len(baseline_full_rank_weights(model, 128)) == 14 and baseline_full_rank_weights(model, 64) == []
+
+
+# ------------------------------------------------------------------------------------------------ the command
+
+
+def test_cli_options_and_bad_input(data, tmp_path, capsys):
+    corpus, cache = data
+    out = tmp_path / "cmp"
+    common = ["compare", "--data", str(corpus), "--vocab-size", str(VOCAB), "--cache-dir", str(cache),
+              "--seq-len", "32", "--batch-size", "8", "--eval-tokens", "1024", "--max-steps", "2", "--out", str(out),
+              "--no-progress", "--in-process", "--methods", "adamw"]
+    for extra, message in ((["--seeds", "0"], "--seeds must be an integer >= 1"),
+                           (["--tune-lr", "--lr-grid", ","], "--lr-grid is empty"),
+                           (["--tune-lr", "--lr-grid", "1,abc"], "--lr-grid: 'abc' is not a number"),
+                           (["--tune-lr", "--lr-grid", "1,-2"], "--lr-grid multipliers must be positive"),
+                           (["--tune-lr", "--lr-grid", "1,1"], "--lr-grid lists a multiplier twice"),
+                           (["--tune-lr", "--tune-fraction", "0"], "--tune-fraction must be in (0, 1]"),
+                           (["--lr-grid", "1,2"], "--lr-grid sets up --tune-lr, which was not given")):
+        assert main(common + extra) == 2, extra
+        assert message in capsys.readouterr().err, extra
+    assert not out.exists()
+
+    assert main(common + ["--no-control", "--tune-lr", "--lr-grid", "1/2,1", "--tune-fraction", "0.5"]) == 0
+    text = capsys.readouterr().out
+    assert "no control row" in text and "tune adamw lr 0.0005 (x0.5)" in text
+    rows = read_results(out / "results.csv")
+    assert [r["method"] for r in rows] == ["adamw"] and rows[0]["lr_source"].startswith("tuned")
+    assert "No control row (--no-control)" in (out / "results.md").read_text()
+    sweep = read_results(out / "lr_sweep.csv")
+    assert [(p["multiplier"], p["steps"]) for p in sweep] == [(0.5, 1.0), (1.0, 1.0)]
+
+
+def test_a_failing_sweep_point_keeps_the_others(data, tmp_path):
+    corpus, cache = data
+    cfg = CompareConfig(base=fast_config(corpus, cache, max_steps=4), methods=["signsgd"], control=False,
+                        out=str(tmp_path / "o"), isolate=False, progress=False, tune_lr=True,
+                        lr_grid=(1.0, 1e33), tune_fraction=0.5)  # x1e33: the weights overflow to inf
+    rows = run_compare(cfg, log=lambda *_: None)
+    sweep = read_results(tmp_path / "o" / "lr_sweep.csv")
+    assert [p["status"] for p in sweep] == ["ok", "diverged"] and [p["chosen"] for p in sweep] == [True, False]
+    assert rows[0]["status"] == "ok" and rows[0]["lr"] == pytest.approx(3e-4)
+    assert "diverged" in (tmp_path / "o" / "results.md").read_text()
