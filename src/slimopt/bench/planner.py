@@ -39,7 +39,9 @@ below its two ends when a layer's activations outweigh its gradients (the usual 
 X is what the update allocates: slimopt and galore-torch update one parameter at a time in fp32, so X is a
 per-element cost of the largest parameter that depends on the codec (20 bytes per element for plain moments, 33
 for 8-bit, measured on CPU with torch's MemTracker; ``_SCRATCH``); fused kernels (torch fused AdamW,
-bitsandbytes) allocate nothing; torch's foreach AdamW one state-sized temporary for all parameters at once.
+bitsandbytes, and slimopt's multi-tensor path where it applies: ``multi_tensor.py``, CPU weights) allocate
+nothing, but for one sign() of an inactive block's gradient; torch's foreach AdamW one state-sized temporary for
+all parameters at once. A model on the meta device (a config only) is planned as the GPU runs it.
 On CPU, against MemTracker's count of every tensor, this peak is within a few percent for LLaMA models with and
 without checkpointing and layer-wise updates (tests/test_planner.py).
 """
@@ -249,6 +251,7 @@ def _scratch_bytes(kind: str, p: torch.Tensor) -> int:
 def _slim_param(opt, p: torch.Tensor, group: dict) -> tuple[str, int, int, int]:
     """(layout, moment bytes when the parameter holds moments, projection bytes, update scratch), as ``_update``
     creates them."""
+    from slimopt.optim import multi_tensor
     from slimopt.optim import projectors as P
     from slimopt.optim import taco
     from slimopt.optim.optimizer import state_shape
@@ -258,7 +261,15 @@ def _slim_param(opt, p: torch.Tensor, group: dict) -> tuple[str, int, int, int]:
         never = layout == "block" and (group["rank"] == 0 or (group["rank"] is None and group["density"] == 0))
         kind = "state_free" if never else "taco" if taco.owns(group, p.shape) else _codec_family(opt, p, group,
                                                                                                   p.shape)
-        return layout, _slim_moments(opt, p, group, p.shape), 0, _scratch_bytes(kind, p)
+        scratch = _scratch_bytes(kind, p)
+        if kind not in ("state_free", "taco") and group["rule"] in ("adamw", "taco") and \
+                multi_tensor.adamw_kernel_applies(group, p.dtype, p.device.type,
+                                                  opt._moment_codecs(group, p.shape, p.dtype)):
+            scratch = 0  # torch's fused AdamW updates in place
+        if layout == "block" and multi_tensor.residual_kernel_applies(group, p.dtype, p.device.type):
+            # an inactive block's sign() temporary; the active step's own scratch when it has one
+            scratch = max(0 if never else scratch, multi_tensor.residual_scratch_bytes(group, p))
+        return layout, _slim_moments(opt, p, group, p.shape), 0, scratch
     side = P.side_for(p.shape, group["proj_side"]) if layout in P.ORTHO_PROJECTORS else None
     r = P.subspace_rank(p.shape, layout, side, group["rank"], group["density"])
     if r == 0:  # density 0: everything state-free, nothing stored but the step counter

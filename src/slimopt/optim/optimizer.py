@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from . import compiled
+from . import multi_tensor
 from . import portable
 from . import projectors as P
 from . import sharded
@@ -71,6 +72,7 @@ DEFAULTS: dict[str, Any] = dict(
     state_bits=None,
     **taco.DEFAULTS,  # taco_k, taco_decay, taco_format, taco_scale_dtype, taco_norm, taco_alpha
     compile=False,
+    fused=True,
 )
 
 
@@ -118,8 +120,9 @@ def validate_group(group: dict[str, Any]) -> None:
             raise ValueError(f"{name} must be an integer >= 0, got {group[name]!r}")
     resolve_codecs(group["codec"], group["m_codec"], group["v_codec"], group["state_bits"])
     taco.validate(group)
-    if not isinstance(group["compile"], bool):
-        raise ValueError(f"compile must be True or False, got {group['compile']!r}")
+    for name in ("compile", "fused"):
+        if not isinstance(group[name], bool):
+            raise ValueError(f"{name} must be True or False, got {group[name]!r}")
 
 
 class SlimOptimizer(torch.optim.Optimizer):
@@ -147,6 +150,9 @@ class SlimOptimizer(torch.optim.Optimizer):
       (see ``slimopt.optim.codecs``).
     - ``compile``: run full-space AdamW steps through a torch.compile'd kernel (``compiled.py``) that decodes,
       updates and encodes in one pass; hyperparameters enter as 0-D tensors, so schedules never recompile.
+    - ``fused`` (default True): step the parameters whose update is a standard kernel all at once
+      (``multi_tensor.py``: torch's fused AdamW for plain moments, foreach kernels for an inactive block's
+      residual); False runs every parameter through the eager per-tensor step, the reference.
 
     Parameters that are not 2-D take the rule on the full gradient under a subspace projector; ``block`` works for
     any shape.
@@ -168,6 +174,7 @@ class SlimOptimizer(torch.optim.Optimizer):
         self._where: dict[Tensor, tuple[int, int, int]] = {}
         self._codecs: dict[tuple, Any] = {}
         self._blocks: dict[tuple, frozenset[int]] = {}
+        self._batch = multi_tensor.Batch()
         super().__init__(params, {**DEFAULTS, **settings})
 
     # ------------------------------------------------------------------------------------------------------------
@@ -205,17 +212,25 @@ class SlimOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group)
+        try:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._update(p, group)
+            self._batch.run()  # the parameters _update queued for a multi-tensor kernel
+        finally:
+            self._batch = multi_tensor.Batch()  # nothing queued survives a failed step
         return loss
 
     @torch.no_grad()
     def step_param(self, p: Tensor) -> None:
         """Update one parameter from its .grad (for optimizer-in-backward use); a None grad is skipped."""
         if p.grad is not None:
-            self._update(p, self.param_groups[self._where[p][0]])
+            try:
+                self._update(p, self.param_groups[self._where[p][0]])
+                self._batch.run()
+            finally:
+                self._batch = multi_tensor.Batch()
 
     def _codec(self, spec: str, role: str, numel: int, dtype: torch.dtype):
         key = (spec, role, numel, dtype)
@@ -288,8 +303,19 @@ class SlimOptimizer(torch.optim.Optimizer):
             state["step"] = torch.zeros((), dtype=torch.float32)
         state["step"] += 1
         step = int(state["step"].item())  # a CPU tensor, as in torch.optim: no device sync
-        g = grad if grad.dtype in (torch.float32, torch.float64) else grad.float()  # compute in fp32 (or fp64)
         layout = self._layout(p, group)
+        if layout == "block":
+            def fresh() -> None:
+                self._init_moments(state, self._moment_codecs(group, grad.shape, p.dtype), grad.shape, p.device)
+
+            active = self._block_turn(p, group, state, step, fresh)
+            if not active and multi_tensor.residual_applies(group, p, grad):
+                self._batch.residual(group, p, grad)
+                return
+        if layout == "none" or (layout == "block" and active):
+            if self._queue_adamw(p, group, state, grad):
+                return
+        g = grad if grad.dtype in (torch.float32, torch.float64) else grad.float()  # compute in fp32 (or fp64)
 
         full = None  # the state-full update in full space, before lr
         coef = 0.0
@@ -297,12 +323,13 @@ class SlimOptimizer(torch.optim.Optimizer):
         if layout == "none":
             if self._fused(p, group, state, g):
                 return
+            if group["fused"] and taco.owns(group, p.shape):  # one entry a column to write, not a dense pass
+                rows, signs, c = taco.sparse_update(state, g, group, p.shape)
+                taco.apply_sparse(p, rows, signs, c, group)
+                return
             full, coef = self._stateful(p, group, state, g, step)
         elif layout == "block":
-            def fresh() -> None:
-                self._init_moments(state, self._moment_codecs(group, g.shape, p.dtype), g.shape, p.device)
-
-            if self._block_turn(p, group, state, step, fresh):
+            if active:
                 full, coef = self._stateful(p, group, state, g, step)
             else:
                 resid = g
@@ -310,6 +337,19 @@ class SlimOptimizer(torch.optim.Optimizer):
             full, coef, resid = self._projected(p, group, state, g, step, layout)
 
         apply_update(p, full, coef, resid, group)
+
+    def _queue_adamw(self, p: Tensor, group: dict[str, Any], state: dict[str, Tensor], grad: Tensor) -> bool:
+        """Queue p's full-space update for torch's fused AdamW (multi_tensor.py) where that is its arithmetic."""
+        if group["rule"] not in ("adamw", "taco") or taco.owns(group, p.shape):
+            return False
+        codecs = self._moment_codecs(group, grad.shape, p.dtype)
+        if not multi_tensor.adamw_applies(group, p, grad, codecs):
+            return False
+        if codecs[0][0] not in state:
+            self._init_moments(state, codecs, grad.shape, p.device)
+        state["moment_step"] += 1
+        self._batch.adamw(group, p, grad, state)
+        return True
 
     def _fused(self, p: Tensor, group: dict[str, Any], state: dict[str, Tensor], g: Tensor) -> bool:
         """The torch.compile'd full-space AdamW step (compiled.py), where the group asks for it and it applies."""

@@ -25,7 +25,7 @@ from .usage import unused_reason
 
 # Settings build() accepts; those in _SHARED go to every group, the rest to the projectable group.
 _SHARED = ("lr", "betas", "eps", "eps_placement", "weight_decay", "momentum", "rule", "seed", "codec", "m_codec",
-           "v_codec", "state_bits", "compile")
+           "v_codec", "state_bits", "compile", "fused")
 
 
 def methods() -> dict[str, str]:

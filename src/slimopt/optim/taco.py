@@ -254,12 +254,22 @@ def update(state: MutableMapping[str, Tensor], g: Tensor, group: Mapping[str, An
     use); shape: the parameter's (m, n) for the dimension normalization (default g's shape). d is (m, n), ternary,
     one nonzero per column (zero columns stay zero).
     """
+    rows, signs, c = sparse_update(state, g, group, shape)
+    return torch.zeros_like(g).scatter_(0, rows, signs), c
+
+
+def sparse_update(state: MutableMapping[str, Tensor], g: Tensor, group: Mapping[str, Any],
+                  shape: torch.Size | tuple[int, ...] | None = None) -> tuple[Tensor, Tensor, float]:
+    """``update`` with the direction as its one entry a column: (rows, signs, c), rows (1, n) int64 and signs
+    (1, n) fp32 in {-1, 0, +1}; d = zeros (m, n) with d[rows[0, j], j] = signs[0, j]. Applying it costs O(n)
+    instead of a pass over the weight (``apply_sparse``)."""
     if g.dim() != 2:
         raise ValueError(f"TACO's update needs a 2-D gradient, got shape {tuple(g.shape)}")
     c = float(group["taco_alpha"]) * dimension_factor(shape if shape is not None else g.shape, group["taco_norm"])
     k = group["taco_k"]
     if k == 0:
-        return ternary_direction(g), c
+        rows = g.abs().argmax(dim=0, keepdim=True)  # (1, n); argmax returns the first maximum
+        return rows, g.gather(0, rows).sign(), c
     m, n = g.shape
     if "taco_rows" not in state or state["taco_rows"].shape != (k, n):
         state.update(init_state(g.shape, k, group["taco_format"], group["taco_scale_dtype"], g.device))
@@ -283,7 +293,21 @@ def update(state: MutableMapping[str, Tensor], g: Tensor, group: Mapping[str, An
     order = all_values.abs().sort(dim=0, descending=True, stable=True).indices[:k]
     kept_rows, kept_values = all_rows.gather(0, order), all_values.gather(0, order)
     # 5. the direction: the sign of the largest kept component (slot 0 after the sort), at its row
-    d = torch.zeros_like(g).scatter_(0, kept_rows[:1], kept_values[:1].sign())
+    rows, signs = kept_rows[:1], kept_values[:1].sign()
     # 6. store
     _encode(state, kept_rows, kept_values)
-    return d, c
+    return rows, signs, c
+
+
+def apply_sparse(p: Tensor, rows: Tensor, signs: Tensor, coef: float, group: Mapping[str, Any]) -> None:
+    """``rules.apply_update(p, d, coef, None, group)`` for TACO's one-entry-a-column d, touching n entries.
+
+    p: (m, n); rows, signs: (1, n) as ``sparse_update`` returns them. The same arithmetic as the dense form on
+    every entry: the decay multiplies all of p in place; the chosen entries get p + (-lr c) sign in fp32, rounded
+    once to p's dtype (the dense add computes p + (-lr c) d in fp32 too, and adds exactly 0 elsewhere)."""
+    lr, wd = float(group["lr"]), float(group["weight_decay"])
+    if wd != 0.0:
+        p.mul_(1.0 - lr * wd)
+    cols = torch.arange(p.shape[1], device=p.device)
+    r = rows[0]
+    p[r, cols] = p[r, cols].float().add_(signs[0], alpha=-lr * coef).to(p.dtype)

@@ -1,0 +1,132 @@
+"""Multi-tensor steps: the parameters of a group whose update is a standard kernel, stepped in one call.
+
+The eager step (``optimizer.py``) updates one tensor at a time in a dozen passes (decode, Adam's arithmetic op by
+op, encode, weight decay, apply). Two of the per-parameter updates slimopt composes are exactly a kernel torch
+already ships, fused over every tensor of a list:
+
+- **AdamW in full space with moments in the weight's own dtype** (fp32 moments of fp32 weights, bf16 moments of
+  bf16 weights; eps added after the bias correction, torch's placement): ``torch._fused_adamw_``, the kernel behind
+  ``torch.optim.AdamW(fused=True)``. One pass per tensor reads the gradient, the weight and both moments once,
+  computes in fp32 and writes the weight and the moments once; decoupled weight decay is applied to the weight
+  first, as ``rules.apply_update`` does. It covers ``adamw`` and every method's AdamW groups (embeddings, norms
+  and head of GaLore, FRUGAL, BAdam, TACO), and FRUGAL's and BAdam's active blocks.
+- **The state-free residual of an inactive FRUGAL block** (``free_rule`` ``sign`` or ``sgd``): decay for all of
+  them in one foreach call, then ``p -= lr * free_scale * sign(g)`` tensor by tensor, the direction in fp32 as
+  in the eager step (one temporary at a time).
+
+The optimizer queues such parameters while it walks the group (``Batch.adamw`` / ``Batch.residual``, after the
+same per-parameter bookkeeping as the eager step: step counters, block turns, moment resets) and runs the queue
+at the end of ``step()`` (``Batch.run``). The state is the eager path's, tensor for tensor, so a run can switch
+paths between steps or across a checkpoint. Versus the eager step: the residual is bit-identical; AdamW differs
+by rounding (the fused kernel multiplies in another order and rounds a bf16 weight once instead of twice):
+tests/test_multi_tensor.py bounds it. ``fused=False`` on a group selects the eager step, which stays the reference.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .codecs import Bf16Codec, Fp32Codec
+
+__all__ = ["adamw_applies", "residual_applies", "adamw_kernel_applies", "residual_kernel_applies",
+           "residual_scratch_bytes", "Batch"]
+
+_DTYPES = (torch.float32, torch.bfloat16)
+_DEVICES = ("cpu",)  # CUDA: the Triton kernels are the route there (torch's fused AdamW wants device step tensors)
+
+
+def adamw_kernel_applies(group: dict[str, Any], dtype: torch.dtype, device_type: str,
+                         codecs: list[tuple[str, Any]]) -> bool:
+    """Whether a full-space state-full update of a `dtype` weight on `device_type` with these moment codecs is
+    torch's fused AdamW: rule adamw (or TACO's AdamW fallback), torch's eps placement, both moments stored plainly
+    in the weight's dtype. (The planner asks this for weights it only describes.)"""
+    if not group["fused"] or group["compile"] or group["eps_placement"] != "torch":
+        return False
+    if device_type not in _DEVICES or dtype not in _DTYPES:
+        return False
+    if [k for k, _ in codecs] != ["exp_avg", "exp_avg_sq"]:
+        return False
+    return all((isinstance(c, Fp32Codec) and c.dtype == dtype)
+               or (isinstance(c, Bf16Codec) and not c.stochastic and dtype == torch.bfloat16) for _, c in codecs)
+
+
+def residual_kernel_applies(group: dict[str, Any], dtype: torch.dtype, device_type: str) -> bool:
+    """Whether a whole-tensor state-free update (an inactive block) of a `dtype` weight is stepped here."""
+    return group["fused"] and group["free_rule"] in ("sign", "sgd") and device_type in _DEVICES and dtype in _DTYPES
+
+
+def residual_scratch_bytes(group: dict[str, Any], p: Tensor) -> int:
+    """What the residual step allocates at most for p (its gradient has p's dtype): sign(grad) and its fp32 copy
+    for a narrower gradient, or the fp32 copy alone for sgd."""
+    fp32 = 4 * p.numel() if p.dtype != torch.float32 else 0
+    sign = p.numel() * p.element_size() if group["free_rule"] == "sign" else 0
+    return sign + fp32
+
+
+def _plain_tensors(p: Tensor, grad: Tensor) -> bool:
+    return (grad.dtype == p.dtype and grad.layout == torch.strided and p.is_contiguous() and grad.is_contiguous()
+            and type(p.data) is Tensor)
+
+
+def adamw_applies(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[str, Any]]) -> bool:
+    """``adamw_kernel_applies`` for this weight and gradient (same dtype, dense, contiguous)."""
+    return _plain_tensors(p, grad) and adamw_kernel_applies(group, p.dtype, p.device.type, codecs)
+
+
+def residual_applies(group: dict[str, Any], p: Tensor, grad: Tensor) -> bool:
+    """``residual_kernel_applies`` for this weight and gradient (same dtype, dense, contiguous)."""
+    return _plain_tensors(p, grad) and residual_kernel_applies(group, p.dtype, p.device.type)
+
+
+class Batch:
+    """The parameters queued during one ``step()``, run group by group at its end."""
+
+    def __init__(self) -> None:
+        # (group id, dtype) -> [params, grads, exp_avgs, exp_avg_sqs, moment steps]
+        self._adamw: dict[tuple[int, torch.dtype], tuple[list[Tensor], ...]] = defaultdict(lambda: ([], [], [], [], []))
+        self._resid: dict[tuple[int, torch.dtype], tuple[list[Tensor], list[Tensor]]] = defaultdict(lambda: ([], []))
+        self._groups: dict[int, dict[str, Any]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._adamw or self._resid)
+
+    def adamw(self, group: dict[str, Any], p: Tensor, grad: Tensor, state: dict[str, Tensor]) -> None:
+        """Queue p for a fused AdamW step; its ``moment_step`` is already counted for this step."""
+        self._groups[id(group)] = group
+        lists = self._adamw[(id(group), p.dtype)]
+        for lst, t in zip(lists, (p, grad, state["exp_avg"], state["exp_avg_sq"], state["moment_step"])):
+            lst.append(t)
+
+    def residual(self, group: dict[str, Any], p: Tensor, grad: Tensor) -> None:
+        """Queue p for its state-free update: decay, then ``p -= lr * free_scale * free_rule(grad)``."""
+        self._groups[id(group)] = group
+        params, grads = self._resid[(id(group), p.dtype)]
+        params.append(p)
+        grads.append(grad)
+
+    def run(self) -> None:
+        """Step everything queued, then forget it."""
+        for (gid, _), (params, grads, exp_avgs, exp_avg_sqs, steps) in self._adamw.items():
+            group = self._groups[gid]
+            beta1, beta2 = group["betas"]
+            torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False,
+                                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                                weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), maximize=False,
+                                grad_scale=None, found_inf=None)
+        for (gid, _), (params, grads) in self._resid.items():
+            group = self._groups[gid]
+            lr, wd = float(group["lr"]), float(group["weight_decay"])
+            if wd != 0.0:
+                torch._foreach_mul_(params, 1.0 - lr * wd)
+            sign = group["free_rule"] == "sign"
+            for p, g in zip(params, grads):  # one temporary at a time, not one per queued tensor
+                # in fp32, as the eager step: a bf16 operand would round lr * free_scale * sign(g) to bf16 first
+                d = g.sign().float() if sign and g.dtype != torch.float32 else g.sign() if sign else g.float()
+                p.add_(d, alpha=-lr * float(group["free_scale"]))
+        self._adamw.clear()
+        self._resid.clear()
+        self._groups.clear()
