@@ -61,12 +61,19 @@ def test_table_rows_and_numbers(compared):
     assert by["lowrank"]["trainable_params"] < by["adamw"]["trainable_params"]
     assert by["frozen"]["trainable_params"] < by["adamw"]["trainable_params"]
     assert by["adamw"]["lr"] == pytest.approx(1e-3) and by["galore"]["lr"] == pytest.approx(1e-2)
-    assert by["frozen"]["lr"] == pytest.approx(1e-3) and by["frozen"]["lr_source"] == "AdamW's"
+    # the control at the best of its own short sweep around AdamW's lr
+    sweep = read_results(out / "lr_sweep.csv")
+    assert [(p["method"], p["multiplier"], p["steps"]) for p in sweep] == [("frozen", m, 2) for m in (1, 3, 10, 30)]
+    best = min(sweep, key=lambda p: p["val_loss"])
+    assert by["frozen"]["lr"] == pytest.approx(best["lr"]) and best["chosen"]
+    assert by["frozen"]["lr_source"] == f"tuned (x{best['multiplier']:g} of AdamW's 0.001)"
     assert by["adamw"]["lr_source"] == "paper" and by["adamw"]["seeds"] == 1
     assert "rank=16" in by["galore"]["settings"]
 
     md = (out / "results.md").read_text()
-    table = [line for line in md.splitlines() if line.startswith("| ")]
+    lines = md.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("| method | kind |")))
+    table = [line for line in lines[start:lines.index("", start)] if not line.startswith("|---")]
     assert len(table) == 1 + 5  # header + the control + one row per method
     for r in csv_rows:
         row = next(line for line in table if line.startswith(f"| {r['method']} |"))

@@ -33,13 +33,15 @@ def data(tmp_path_factory):
 
 def _table(md: str) -> dict[str, list[str]]:
     """The results.md table: method -> cells, keyed by the header's column names."""
-    lines = [line for line in md.splitlines() if line.startswith("| ")]
-    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    lines = md.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("| method | kind |")))
+    table = lines[start:lines.index("", start)]
+    head = [c.strip() for c in table[0].strip("|").split("|")]
     rows = {}
-    for line in lines[2:] if lines[1].startswith("|---") else lines[1:]:
+    for line in table[2:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == len(head) and cells[0] and not cells[0].startswith("---"):
-            rows[cells[0]] = dict(zip(head, cells))
+        assert len(cells) == len(head), line
+        rows[cells[0]] = dict(zip(head, cells))
     return rows
 
 
@@ -90,6 +92,11 @@ def test_budget_warning_threshold_and_advice():
     w = budget_warning([control, _row("adamw", 81.0)], control, steps=128, vocab_size=2048, model="tiny")
     assert w is not None and "only 19%" in w and "at least 20%" in w
     assert "--max-steps 512" in w and "--vocab-size 512" in w and "--model small" in w
+    assert "--tune-lr" not in w
+    w = budget_warning([control, _row("adamw", 81.0, lr_source="paper")], control, steps=128)
+    assert "AdamW at its best lr (--tune-lr)" in w
+    w = budget_warning([control, _row("adamw", 81.0, lr_source="tuned (x2 of paper 0.001)")], control, steps=128)
+    assert "--tune-lr" not in w
     # 21% below: none
     assert budget_warning([control, _row("adamw", 79.0)], control, steps=128) is None
     assert MIN_CONTROL_MARGIN == 0.20
@@ -125,6 +132,7 @@ def test_a_method_below_the_control_is_marked_and_warned(data, tmp_path):
     rows = run_compare(cfg, log=logged.append)
     by = {r["method"]: r for r in rows}
     assert by["adamw"]["val_ppl"] > by["frozen"]["val_ppl"]
+    assert by["frozen"]["lr_source"].startswith("tuned (x") and by["adamw"]["lr_source"] == "--set"
     csv_rows = {r["method"]: r for r in read_results(tmp_path / "o" / "results.csv")}
     assert csv_rows["adamw"]["clears_control"] is False and csv_rows["frozen"]["clears_control"] is None
     assert "does not clear the control" in csv_rows["adamw"]["notes"]
@@ -224,8 +232,9 @@ def test_lr_sweep_choice_is_used_and_shown(tuned):
     table = _table((out / "results.md").read_text())
     for m in ("frozen", "adamw", "galore"):
         pts = [p for p in sweep if p["method"] == m]
-        assert [p["multiplier"] for p in pts] == [0.5, 1.0, 2.0] and all(p["steps"] == 3 for p in pts)
-        assert len({p["val_loss"] for p in pts}) == 3  # the grid points really differ
+        grid = [1.0, 3.0, 10.0, 30.0] if m == "frozen" else [0.5, 1.0, 2.0]  # the control has its own grid
+        assert [p["multiplier"] for p in pts] == grid and all(p["steps"] == 3 for p in pts)
+        assert len({p["val_loss"] for p in pts}) == len(grid)  # the grid points really differ
         best = min(pts, key=lambda p: p["val_loss"])
         assert [p["chosen"] for p in pts] == [p is best for p in pts]
         assert results[m]["lr"] == pytest.approx(best["lr"])
@@ -242,7 +251,7 @@ def test_lr_sweep_choice_is_used_and_shown(tuned):
     assert img.shape[:2] == (500, 800) and (img[..., :3].min(axis=-1) < 0.9).mean() > 0.01
     import json
     doc = json.loads((out / "lr_sweep.json").read_text())
-    assert doc["grid"] == [0.5, 1.0, 2.0] and doc["steps"] == 3
+    assert doc["methods"]["adamw"]["grid"] == [0.5, 1.0, 2.0] and doc["steps"] == 3
     assert doc["methods"]["adamw"]["chosen_lr"] == pytest.approx(results["adamw"]["lr"])
 
 
@@ -308,8 +317,10 @@ def test_cli_options_and_bad_input(data, tmp_path, capsys):
                            (["--tune-lr", "--lr-grid", "1,abc"], "--lr-grid: 'abc' is not a number"),
                            (["--tune-lr", "--lr-grid", "1,-2"], "--lr-grid multipliers must be positive"),
                            (["--tune-lr", "--lr-grid", "1,1"], "--lr-grid lists a multiplier twice"),
-                           (["--tune-lr", "--tune-fraction", "0"], "--tune-fraction must be in (0, 1]"),
-                           (["--lr-grid", "1,2"], "--lr-grid sets up --tune-lr, which was not given")):
+                           (["--tune-fraction", "0"], "--tune-fraction must be in (0, 1]"),
+                           (["--lr-grid", "1,2"], "--lr-grid sets up --tune-lr, which was not given"),
+                           (["--control-lr-grid", ""], "--control-lr-grid is empty"),
+                           (["--no-control", "--control-lr-grid", "1"], "which --no-control leaves out")):
         assert main(common + extra) == 2, extra
         assert message in capsys.readouterr().err, extra
     assert not out.exists()

@@ -8,7 +8,8 @@ runs/<method>/metrics.jsonl.
 Every comparison includes a control row (method frozen: AdamW on embeddings, norms and head, the attention and
 MLP weights frozen); a method that does not beat it is marked, and a warning says what to change when AdamW
 beats it by less than 20% in perplexity. --tune-lr picks each method's learning rate on short runs first,
---seeds N repeats every run and says which gaps are inside the noise.
+--seeds N repeats every run and says which gaps are inside the noise. The control runs at its best learning
+rate, picked from a few multiples of AdamW's on short runs.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from slimopt.options import parse_method_opts
 __all__ = ["add_parser", "run", "parse_lr_grid"]
 
 
-def parse_lr_grid(text: str) -> tuple[float, ...]:
-    """'1/4,1/2,1,2,4' -> (0.25, 0.5, 1.0, 2.0, 4.0); a ValueError naming --lr-grid for anything else."""
+def parse_lr_grid(text: str, option: str = "--lr-grid") -> tuple[float, ...]:
+    """'1/4,1/2,1,2,4' -> (0.25, 0.5, 1.0, 2.0, 4.0); a ValueError naming the option for anything else."""
     from fractions import Fraction
 
     out = []
@@ -33,9 +34,9 @@ def parse_lr_grid(text: str) -> tuple[float, ...]:
         try:
             out.append(float(Fraction(part)) if "/" in part else float(part))
         except (ValueError, ZeroDivisionError):
-            raise ValueError(f"--lr-grid: {part!r} is not a number or fraction (e.g. 1/4,1/2,1,2,4)") from None
+            raise ValueError(f"{option}: {part!r} is not a number or fraction (e.g. 1/4,1/2,1,2,4)") from None
     if not out:
-        raise ValueError("--lr-grid is empty: give multipliers of each method's default lr, e.g. 1/4,1/2,1,2,4")
+        raise ValueError(f"{option} is empty: give multipliers of the default lr, e.g. 1/4,1/2,1,2,4")
     return tuple(out)
 
 EXAMPLES = """examples:
@@ -75,8 +76,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     h.add_argument("--lr-grid", default=None, metavar="MULTIPLIERS",
                    help="comma-separated multipliers of each method's default lr for --tune-lr, fractions allowed "
                         "(default: 1/4,1/2,1,2,4)")
+    h.add_argument("--control-lr-grid", default=None, metavar="MULTIPLIERS",
+                   help="multipliers of AdamW's lr the control is swept over before the comparison, so that it is "
+                        "the best a model with frozen transformer weights can do (default: 1,3,10,30; "
+                        "--set frozen.lr=LR runs it at LR instead)")
     h.add_argument("--tune-fraction", type=float, default=None, metavar="F",
-                   help="length of each --tune-lr run as a fraction of the full run's steps (default: 0.25)")
+                   help="length of each tuning run (--tune-lr, and the control's sweep) as a fraction of the full "
+                        "run's steps (default: 0.25)")
     h.add_argument("--seeds", type=int, default=1, metavar="N",
                    help="run every method with seeds SEED..SEED+N-1 (initialisation and batch order); the table "
                         "shows mean and spread, the ranking which gaps are inside the noise (default: 1)")
@@ -99,13 +105,15 @@ def run(args) -> int:
                    clip=args.clip, dtype=args.dtype, seed=args.seed, device=args.device, threads=args.threads,
                    eval_tokens=args.eval_tokens, eval_every=args.eval_every, cache_dir=args.cache_dir)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
-    if not args.tune_lr:
-        for flag, value in (("--lr-grid", args.lr_grid), ("--tune-fraction", args.tune_fraction)):
-            if value is not None:
-                raise ValueError(f"{flag} sets up --tune-lr, which was not given")
+    if not args.tune_lr and args.lr_grid is not None:
+        raise ValueError("--lr-grid sets up --tune-lr, which was not given")
+    if args.no_control and args.control_lr_grid is not None:
+        raise ValueError("--control-lr-grid sets up the control row, which --no-control leaves out")
     tuning = {}
     if args.lr_grid is not None:
         tuning["lr_grid"] = parse_lr_grid(args.lr_grid)
+    if args.control_lr_grid is not None:
+        tuning["control_lr_grid"] = parse_lr_grid(args.control_lr_grid, "--control-lr-grid")
     if args.tune_fraction is not None:
         tuning["tune_fraction"] = args.tune_fraction
     cfg = CompareConfig(base=base, methods=methods, method_opts=parse_method_opts(args.set_opts), out=args.out,

@@ -8,8 +8,10 @@ speed go side by side into `results.md` / `results.csv`, with loss curves and a 
 What keeps the comparison honest (docs/pretraining.md, "Is the comparison measuring optimizers?"):
 
 - a control row (method ``frozen``: AdamW on embeddings, norms and head, every projectable weight frozen), run
-  first; methods that do not beat it are marked, and a warning says what to change when AdamW beats it by less
-  than 20% in perplexity (the budget then measures token statistics, not the training of the transformer weights);
+  first at its best learning rate (a short sweep of its own: a floor must be the best a model with frozen
+  transformer weights can do, and that lr is 10-30x AdamW's); methods that do not beat it are marked, and a warning
+  says what to change when AdamW beats it by less than 20% in perplexity (the budget then measures token
+  statistics, not the training of the transformer weights);
 - ``tune_lr``: each method's learning rate picked by validation loss from a grid of multipliers of its default,
   on short runs, before the full runs (lr_sweep.csv / .json / .png);
 - ``seeds``: every run repeated with seeds seed..seed+N-1 (initialisation and batch order); the table gives mean
@@ -66,6 +68,10 @@ _TEXT_COLUMNS = frozenset({"method", "kind", "status", "settings", "role", "lr_s
 _BOOL_COLUMNS = frozenset({"clears_control", "chosen"})
 
 DEFAULT_LR_GRID = (0.25, 0.5, 1.0, 2.0, 4.0)  # multipliers of each method's default lr that --tune-lr tries
+# Multipliers of AdamW's lr the control always tries (unless its lr is --set): with the transformer weights frozen
+# the embeddings and head want a far larger lr than AdamW's 1e-3 (tiny LLaMA, KJV, 128 steps: val ppl 227 at 1e-3,
+# 101 at 3e-3, 69 at 1e-2, 68 at 3e-2), and a control at a poor lr is a floor too low to show anything.
+DEFAULT_CONTROL_LR_GRID = (1.0, 3.0, 10.0, 30.0)
 DEFAULT_TUNE_FRACTION = 0.25  # the tuning runs' length, as a fraction of the full run's steps
 CONTROL_NOTE = "control: AdamW on embeddings, norms and head; attention and MLP weights frozen"
 
@@ -132,9 +138,10 @@ class CompareConfig:
     """What to compare: `base` holds every shared setting; `methods` the names; `method_opts` per-method extras
     (e.g. {"galore": {"rank": 64}, "frugal": {"lr": 3e-3}}: the key "lr" sets that method's learning rate).
 
-    `control` adds the control row (method "frozen", at AdamW's lr) unless `methods` already holds it.
-    `tune_lr` picks each method's lr from `lr_grid` (multipliers of its default or --set lr) by validation loss
-    on runs of `tune_fraction` of the steps, at the base seed. `seeds` repeats every full run with seeds
+    `control` adds the control row (method "frozen") unless `methods` already holds it; its lr is picked from
+    `control_lr_grid` (multipliers of AdamW's lr) like a tuned method's, unless method_opts sets it (then it is
+    tuned only with `tune_lr`). `tune_lr` picks each method's lr from `lr_grid` (multipliers of its default or
+    --set lr) by validation loss on runs of `tune_fraction` of the steps, at the base seed. `seeds` repeats every full run with seeds
     base.seed, base.seed + 1, ..., base.seed + seeds - 1.
     """
 
@@ -147,6 +154,7 @@ class CompareConfig:
     control: bool = True
     tune_lr: bool = False
     lr_grid: tuple[float, ...] = DEFAULT_LR_GRID
+    control_lr_grid: tuple[float, ...] = DEFAULT_CONTROL_LR_GRID
     tune_fraction: float = DEFAULT_TUNE_FRACTION
     seeds: int = 1
 
@@ -162,6 +170,15 @@ def _entries(cfg: CompareConfig) -> list[str]:
 def _full_steps(cfg: CompareConfig) -> int:
     from slimopt.train.loop import _total_steps
     return _total_steps(cfg.base)
+
+
+def _grid_for(cfg: CompareConfig, method: str) -> tuple[float, ...] | None:
+    """The lr multipliers a method is swept over before its full runs, or None (it runs at its base lr)."""
+    if method == CONTROL:
+        if cfg.tune_lr or cfg.method_opts.get(method, {}).get("lr") is None:
+            return tuple(cfg.control_lr_grid)
+        return None
+    return tuple(cfg.lr_grid) if cfg.tune_lr else None
 
 
 def _tune_steps(cfg: CompareConfig) -> int:
@@ -210,16 +227,21 @@ def _validate(cfg: CompareConfig, methods: list[str]) -> None:
     if not isinstance(cfg.seeds, int) or isinstance(cfg.seeds, bool) or cfg.seeds < 1:
         raise ValueError(f"--seeds must be an integer >= 1 (the number of seeds each method runs with), "
                          f"got {cfg.seeds!r}")
-    if cfg.tune_lr:
-        grid = list(cfg.lr_grid or ())
+    for option, grid, used in (("--lr-grid", cfg.lr_grid, cfg.tune_lr),
+                               ("--control-lr-grid", cfg.control_lr_grid, _grid_for(cfg, CONTROL) is not None
+                                and CONTROL in methods)):
+        if not used:
+            continue
+        grid = list(grid or ())
         if not grid:
-            raise ValueError("--lr-grid is empty: give multipliers of each method's default lr, e.g. "
-                             "1/4,1/2,1,2,4")
+            raise ValueError(f"{option} is empty: give multipliers of the default lr, e.g. "
+                             + ("1/4,1/2,1,2,4" if option == "--lr-grid" else "1,3,10,30"))
         bad = [g for g in grid if not (isinstance(g, (int, float)) and math.isfinite(g) and g > 0)]
         if bad:
-            raise ValueError(f"--lr-grid multipliers must be positive numbers, got {bad}")
+            raise ValueError(f"{option} multipliers must be positive numbers, got {bad}")
         if len(set(grid)) != len(grid):
-            raise ValueError(f"--lr-grid lists a multiplier twice: {grid}")
+            raise ValueError(f"{option} lists a multiplier twice: {grid}")
+    if any(_grid_for(cfg, m) for m in methods):
         if not (isinstance(cfg.tune_fraction, (int, float)) and 0 < cfg.tune_fraction <= 1):
             raise ValueError(f"--tune-fraction must be in (0, 1] (the tuning runs' share of the steps), "
                              f"got {cfg.tune_fraction!r}")
@@ -320,7 +342,8 @@ def _sweep(cfg: CompareConfig, method: str, sweeps: dict, log) -> None:
     base_lr, source = _base_lr(cfg, method)
     steps = _tune_steps(cfg)
     entry = sweeps[method] = {"base_lr": base_lr, "base_lr_source": source, "points": [], "chosen": None}
-    for mult in cfg.lr_grid:
+    entry["grid"] = list(_grid_for(cfg, method))
+    for mult in entry["grid"]:
         lr = base_lr * mult
         tc = replace(_method_config(cfg, method, lr=lr, out=_tune_dir(cfg, method, mult)), max_steps=steps,
                      tokens=None, eval_every=0, progress=False)
@@ -372,10 +395,19 @@ def run_compare(cfg: CompareConfig, log=print) -> list[dict]:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     sweeps: dict[str, dict] = {}
-    if cfg.tune_lr:
-        log(f"tuning learning rates: {len(cfg.lr_grid)} runs of {_tune_steps(cfg)} steps per method "
-            f"(x{', x'.join(f'{g:g}' for g in cfg.lr_grid)} of each default), seed {b.seed}")
-        for m in methods:
+    tuned = [m for m in methods if _grid_for(cfg, m)]
+    if tuned:
+        parts = []
+        if CONTROL in tuned:
+            parts.append(f"the control at x{', x'.join(f'{g:g}' for g in _grid_for(cfg, CONTROL))} of "
+                         f"{_base_lr(cfg, CONTROL)[0]:g}")
+        others = [m for m in tuned if m != CONTROL]
+        if others:
+            parts.append(f"{len(others)} method{'s' if len(others) > 1 else ''} at "
+                         f"x{', x'.join(f'{g:g}' for g in cfg.lr_grid)} of each one's default")
+        log(f"tuning learning rates on runs of {_tune_steps(cfg)} of {steps} steps, seed {b.seed}: "
+            + "; ".join(parts))
+        for m in tuned:
             _sweep(cfg, m, sweeps, log)
             best = sweeps[m]["chosen"]
             log(f"  {m}: lr {best['lr']:.3g} (x{best['multiplier']:g})" if best else
@@ -393,7 +425,7 @@ def run_compare(cfg: CompareConfig, log=print) -> list[dict]:
             log(f"{tag} {_summary_line(run)}")
         row = aggregate_seeds(runs)
         row.update(role="control" if m == CONTROL else "method", lr=lr, lr_source=source, lr_multiplier=mult,
-                   full_rank=full_rank[m], lr_edge=_at_grid_edge(cfg, mult))
+                   full_rank=full_rank[m], lr_edge=_at_grid_edge(_grid_for(cfg, m), mult))
         rows.append(row)
         _annotate(rows)
         write_results(rows, cfg, out, elapsed=time.perf_counter() - t0, sweeps=sweeps)  # partial results survive
@@ -409,8 +441,8 @@ def _seed_list(cfg: CompareConfig) -> list[int]:
     return [cfg.base.seed + k for k in range(cfg.seeds)]
 
 
-def _at_grid_edge(cfg: CompareConfig, mult: float | None) -> bool:
-    grid = sorted(cfg.lr_grid)
+def _at_grid_edge(grid: tuple[float, ...] | None, mult: float | None) -> bool:
+    grid = sorted(grid or ())
     return mult is not None and len(grid) > 1 and mult in (grid[0], grid[-1])
 
 
@@ -570,9 +602,9 @@ def _write_sweep(sweeps: dict, cfg: CompareConfig) -> None:
     points = [p for entry in sweeps.values() for p in entry["points"]]
     write_csv(out / "lr_sweep.csv", SWEEP_COLUMNS, points)
     write_json(out / "lr_sweep.json", {
-        "grid": list(cfg.lr_grid), "fraction": cfg.tune_fraction, "steps": _tune_steps(cfg),
+        "fraction": cfg.tune_fraction, "steps": _tune_steps(cfg),
         "full_steps": _full_steps(cfg), "seed": cfg.base.seed, "selection": "lowest validation loss",
-        "methods": {m: {"base_lr": e["base_lr"], "base_lr_source": e["base_lr_source"],
+        "methods": {m: {"grid": e["grid"], "base_lr": e["base_lr"], "base_lr_source": e["base_lr_source"],
                         "chosen_lr": e["chosen"]["lr"] if e["chosen"] else None,
                         "chosen_multiplier": e["chosen"]["multiplier"] if e["chosen"] else None,
                         "points": e["points"]} for m, e in sweeps.items()}})
@@ -622,13 +654,15 @@ def _markdown(rows: list[dict], cfg: CompareConfig, elapsed: float | None, sweep
     multi = len(seeds) > 1
     kinds = sorted({r["peak_mem_kind"] for r in rows if r.get("peak_mem_kind")})
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    if sweeps:
+    if cfg.tune_lr:
         lr_text = (f"each method's learning rate tuned: {len(cfg.lr_grid)} runs of {_tune_steps(cfg)} steps "
                    f"(x{', x'.join(f'{g:g}' for g in cfg.lr_grid)} of its default; seed {b.seed}), the one with "
                    f"the lowest validation loss kept (columns lr, lr from; lr_sweep.csv, lr_sweep.png)")
     else:
-        lr_text = ("each method at its paper learning rate, the control at AdamW's (columns lr, lr from; "
-                   "--tune-lr tunes them)")
+        lr_text = ("each method at its paper learning rate (columns lr, lr from; --tune-lr tunes them)")
+    if CONTROL in sweeps:
+        lr_text += (f"; the control at the best of x{', x'.join(f'{g:g}' for g in sweeps[CONTROL]['grid'])} of "
+                    f"{sweeps[CONTROL]['base_lr']:g} on runs of {_tune_steps(cfg)} steps")
     seed_text = (f"seeds {seeds[0]}-{seeds[-1]} (initialisation and batch order), each number the mean over the "
                  f"seeds; spread: min-max and sample standard deviation of the seeds' perplexities"
                  if multi else f"seed {seeds[0]}")
@@ -700,7 +734,7 @@ def _markdown(rows: list[dict], cfg: CompareConfig, elapsed: float | None, sweep
 
 def _sweep_table(sweeps: dict, cfg: CompareConfig) -> list[str]:
     """Validation loss of every sweep point, the chosen one in bold."""
-    grid = list(cfg.lr_grid)
+    grid = sorted({g for e in sweeps.values() for g in e["grid"]})
     lines = [f"Learning-rate sweep ({_tune_steps(cfg)} of {_full_steps(cfg)} steps, seed {cfg.base.seed}): "
              f"validation loss at each multiple of the default lr; the chosen one in bold.", "",
              "| method | default lr | " + " | ".join(f"x{g:g}" for g in grid) + " | chosen lr |",

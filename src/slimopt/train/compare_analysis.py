@@ -174,6 +174,8 @@ def budget_warning(rows: list[dict], control: dict | None, *, steps: int | None 
     bigger = {"tiny": "small", "small": "60m", "60m": "130m", "130m": "350m", "350m": "1b", "1b": "7b"}
     nxt = bigger.get((model or "").lower())
     fixes.append(f"a bigger model (--model {nxt})" if nxt else "a bigger model (--model)")
+    if "lr_source" in adamw and not str(adamw["lr_source"]).startswith("tuned"):
+        fixes.append("and AdamW at its best lr (--tune-lr)")
     return (f"AdamW (val ppl {adamw['val_ppl']:.2f}) {how} in perplexity (control {control['val_ppl']:.2f}: "
             f"AdamW on embeddings, norms and head, every attention and MLP weight frozen); it should be at least "
             f"{margin:.0%} below. At this budget the ranking measures how fast each method fits the embeddings "
