@@ -390,10 +390,8 @@ CASES = [
     train_case("train-save-then-resume",
                "slimopt train --method frugal --density 0.25 --update-gap 200 --save-every 100 --out runs/frugal",
                replace={"--save-every": "1"},
-               then=train_case("resume", "slimopt train --out runs/frugal --resume",
-                               xfail="the documented `slimopt train --out runs/frugal --resume` does not repeat "
-                                     "the run's --method frugal --density 0.25 --update-gap 200, and resume "
-                                     "refuses settings that differ from the checkpoint's")),
+               then=train_case("resume", "slimopt train --method frugal --density 0.25 --update-gap 200 "
+                               "--out runs/frugal --resume")),
     # docs/results/compare-kjv/results.md (compare-bbc/results.md: the same with --data bbc, run below)
     train_case("train-reproduce-row", "slimopt train --model tiny --data kjv --seq-len 64 --batch-size 16 "
                "--max-steps 128 --vocab-size 2048 --seed 0 --dtype fp32 --eval-tokens 8192 --method METHOD",
@@ -485,7 +483,7 @@ def test_every_documented_invocation_has_a_case():
     assert ("memory", frozenset({"--model", "--method", "--gpu-memory", "--batch", "--seq"})) in docs
     assert ("bench", frozenset({"--model", "--device", "--dtype", "--steps", "--warmup", "--max-minutes",
                                 "--check-planner", "--batch", "--seq"})) in docs
-    assert ("train", frozenset({"--resume"})) in docs
+    assert ("train", frozenset({"--method", "--density", "--update-gap", "--resume"})) in docs
     assert len({c.id for c in CASES + NEEDS_HUB}) == len(CASES + NEEDS_HUB)
 
 

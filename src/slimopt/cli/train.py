@@ -17,10 +17,11 @@ EXAMPLES = """examples:
   slimopt train                                      # tiny LLaMA on the built-in KJV corpus, AdamW
   slimopt train --method galore --tokens 2e6 --out runs/galore
   slimopt train --method frugal --density 0.25 --update-gap 200 --save-every 100 --out runs/frugal
-  slimopt train --out runs/frugal --resume           # continue that run from its last checkpoint
+  slimopt train --method frugal --density 0.25 --update-gap 200 --out runs/frugal --resume
+                                                     # continue that run (same settings) from its last checkpoint
   slimopt train --model 60m --data ./c4-shard.jsonl --tokenizer ./t5-base --dtype bf16-autocast --batch-size 512 \\
       --grad-accum 4 --tokens 1.1e9 --method frugal --device cuda
-  torchrun --nproc_per_node 8 -m slimopt train --fsdp --model 1b --method galore --opt proj_side=right \
+  torchrun --nproc_per_node 8 -m slimopt train --fsdp --model 1b --method galore --opt proj_side=right \\
       --save-every 500 --out runs/galore-fsdp      # FSDP2: weights, gradients and optimizer state sharded
 """
 
