@@ -525,8 +525,9 @@ def _conclusions(rows: list[dict], cfg: CompareConfig) -> list[str]:
         adamw = next((r for r in rows if r["method"] == "adamw"), None)
         margin = control_margin(adamw, control) if adamw else None
         lines.append(f"control ({CONTROL}): val ppl {control['val_ppl']:.2f}"
-                     + (f"; AdamW is {margin:.0%} below it (needs >= {MIN_CONTROL_MARGIN:.0%})"
-                        if margin is not None else ""))
+                     + ("" if margin is None else
+                        f"; AdamW is {margin:.0%} below it (needs >= {MIN_CONTROL_MARGIN:.0%})" if margin >= 0 else
+                        f"; AdamW is {-margin:.0%} above it (needs to be >= {MIN_CONTROL_MARGIN:.0%} below)"))
     lines += [f"warning: {w}" for w in _warnings(rows, cfg)]
     return lines
 
