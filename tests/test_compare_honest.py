@@ -301,6 +301,10 @@ def test_full_rank_detection():
     assert full_rank_weights(model, make_optimizer(model, "frugal", density=1.0)) == []
     assert full_rank_weights(model, make_optimizer(model, "adamw")) == []
     assert len(baseline_full_rank_weights(model, 128)) == 14 and baseline_full_rank_weights(model, 64) == []
+    from slimopt.peers import available_peers
+    if available_peers().get("galore-torch") is None:  # installed: its groups carry a plain "rank"
+        assert len(full_rank_weights(model, make_optimizer(model, "galore-torch", rank=128))) == 14
+        assert full_rank_weights(model, make_optimizer(model, "galore-torch", rank=64)) == []
 
 
 # ------------------------------------------------------------------------------------------------ the command

@@ -141,8 +141,8 @@ class CompareConfig:
     `control` adds the control row (method "frozen") unless `methods` already holds it; its lr is picked from
     `control_lr_grid` (multipliers of AdamW's lr) like a tuned method's, unless method_opts sets it (then it is
     tuned only with `tune_lr`). `tune_lr` picks each method's lr from `lr_grid` (multipliers of its default or
-    --set lr) by validation loss on runs of `tune_fraction` of the steps, at the base seed. `seeds` repeats every full run with seeds
-    base.seed, base.seed + 1, ..., base.seed + seeds - 1.
+    --set lr) by validation loss on runs of `tune_fraction` of the steps, at the base seed. `seeds` repeats every
+    full run with seeds base.seed, base.seed + 1, ..., base.seed + seeds - 1.
     """
 
     base: TrainConfig = field(default_factory=_compare_defaults)
