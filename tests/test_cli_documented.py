@@ -397,6 +397,11 @@ CASES = [
                "--max-steps 128 --vocab-size 2048 --seed 0 --dtype fp32 --eval-tokens 8192 --method METHOD",
                replace={"--seq-len": "32", "--batch-size": "8", "--max-steps": "2", "--vocab-size": "512",
                         "--eval-tokens": "512", "--method": "adamw"}),
+    # docs/results/compare-kjv-v512/results.md: results written since the lr column can hold a tuned lr
+    train_case("train-reproduce-row-lr", "slimopt train --model tiny --data kjv --seq-len 64 --batch-size 16 "
+               "--max-steps 512 --vocab-size 512 --seed 0 --dtype fp32 --eval-tokens 8192 --method METHOD --lr LR",
+               replace={"--seq-len": "32", "--batch-size": "8", "--max-steps": "2", "--eval-tokens": "512",
+                        "--method": "adamw", "--lr": "1e-3"}),
     train_case("train-local-jsonl-tokenizer", "slimopt train --model 60m --data ./c4-shard.jsonl "
                "--tokenizer ./t5-base --dtype bf16-autocast --batch-size 512 --grad-accum 4 --tokens 1.1e9 "
                "--method frugal --device cuda", files=("c4-shard.jsonl", "t5-base"),
@@ -415,6 +420,8 @@ CASES = [
     compare_case("compare-bbc", "slimopt compare --data bbc", add=("--methods", "adamw,galore"), slow=True),
     compare_case("compare-methods-tokens", "slimopt compare --methods adamw,galore,frugal,torch-adamw,galore-torch "
                  "--tokens 4e6", replace={"--tokens": "512"}, slow=True),
+    compare_case("compare-vocab-steps", "slimopt compare --vocab-size 512 --max-steps 512",
+                 replace={"--max-steps": "2"}, add=("--methods", "adamw,galore"), slow=True),
     compare_case("compare-tune-seeds", "slimopt compare --methods adamw,galore,frugal --tune-lr --seeds 3",
                  replace={"--seeds": "2"}, slow=True),
     compare_case("compare-tune-grid", "slimopt compare --tune-lr --lr-grid 1/3,1,3 --tune-fraction 0.5 --no-control",
