@@ -45,6 +45,18 @@ def test_a_command_that_loads_transformers_prints_no_chatter():
             assert fragment not in res.stderr and fragment not in res.stdout
 
 
+@pytest.mark.slow
+def test_the_compare_forkserver_preload_prints_no_chatter():
+    """`slimopt compare` runs each method in a process forked from a server that first imports _PRELOAD."""
+    from slimopt.train.compare import _PRELOAD
+
+    res = _python("import importlib; " + "; ".join(f"importlib.import_module({m!r})" for m in _PRELOAD))
+    assert res.returncode == 0, res.stderr
+    for fragments in peer_logs.CHATTER.values():
+        for fragment in fragments:
+            assert fragment not in res.stderr
+
+
 def test_the_filter_drops_only_the_chatter(caplog):
     peer_logs.hush()
     peer_logs.hush()  # idempotent: one filter per logger

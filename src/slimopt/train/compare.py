@@ -306,7 +306,7 @@ def _child_train(cfg: TrainConfig) -> dict:
     return train(cfg)
 
 
-_PRELOAD = ["slimopt", "slimopt.train.loop", "slimopt.train.models", "slimopt.train.data", "slimopt.peers",
+_PRELOAD = ["slimopt.hushed", "slimopt", "slimopt.train.loop", "slimopt.train.models", "slimopt.train.data", "slimopt.peers",
             "transformers.models.llama.modeling_llama"]
 
 
