@@ -68,12 +68,13 @@ def test_adamw_equals_the_eager_step(dtype, settings):
         # bf16 weights: the fused kernel rounds the weight once per step, the eager step twice (after the decay
         # and after the update), so each step may leave an element one bf16 step (ulp) further apart, an ulp of
         # where the element was then (it moved by at most 2 lr a step): at most 5 such ulps after 5 steps. The
-        # moments round alike: bit for bit.
+        # moments are the same fp32 arithmetic rounded to bf16 (bit for bit here); a processor whose kernels
+        # contract multiply-adds differently may round one the other way, so one bf16 step is allowed.
         reach = 2 * sum(LRS)
         for pa, pb in zip(a, b):
             ulp = torch.finfo(torch.bfloat16).eps * (torch.maximum(pa.float().abs(), pb.float().abs()) + reach)
             assert bool(((pa.float() - pb.float()).abs() <= 5 * ulp).all())
-        _assert_state_equal(fused, eager, a, b, rtol=0, atol=0)
+        _assert_state_equal(fused, eager, a, b, rtol=2 ** -7, atol=1e-30)
 
 
 @pytest.mark.parametrize("free_rule,free_scale", [("sign", 1.0), ("sign", 0.5), ("sgd", 1.0)])
@@ -133,8 +134,8 @@ def test_which_parameters_take_the_kernels():
                                       dict(rule="lion"), dict(compile=True)], ids=lambda s: next(iter(s.items()))[1])
 def test_other_settings_stay_on_their_own_paths(settings):
     p = torch.nn.Parameter(torch.randn(64, 80))
-    group = {**slimopt.SlimOptimizer([p], **settings).param_groups[0]}
     opt = slimopt.SlimOptimizer([p], **settings)
+    group = opt.param_groups[0]
     codecs = opt._moment_codecs(group, p.shape, p.dtype)
     assert not multi_tensor.adamw_applies(group, p, torch.zeros_like(p), codecs)
 

@@ -262,9 +262,8 @@ def _slim_param(opt, p: torch.Tensor, group: dict) -> tuple[str, int, int, int]:
         kind = "state_free" if never else "taco" if taco.owns(group, p.shape) else _codec_family(opt, p, group,
                                                                                                   p.shape)
         scratch = _scratch_bytes(kind, p)
-        if kind not in ("state_free", "taco") and group["rule"] in ("adamw", "taco") and \
-                multi_tensor.adamw_kernel_applies(group, p.dtype, p.device.type,
-                                                  opt._moment_codecs(group, p.shape, p.dtype)):
+        if kind not in ("state_free", "taco") and multi_tensor.adamw_kernel_applies(
+                group, p.dtype, p.device.type, opt._moment_codecs(group, p.shape, p.dtype)):
             scratch = 0  # torch's fused AdamW updates in place
         if layout == "block" and multi_tensor.residual_kernel_applies(group, p.dtype, p.device.type):
             # an inactive block's sign() temporary; the active step's own scratch when it has one

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from .codecs import Bf16Codec, Fp32Codec
+from .rules import decay_factor
 
 __all__ = ["adamw_applies", "residual_applies", "adamw_kernel_applies", "residual_kernel_applies",
            "residual_scratch_bytes", "Batch"]
@@ -44,7 +45,8 @@ def adamw_kernel_applies(group: dict[str, Any], dtype: torch.dtype, device_type:
     """Whether a full-space state-full update of a `dtype` weight on `device_type` with these moment codecs is
     torch's fused AdamW: rule adamw (or TACO's AdamW fallback), torch's eps placement, both moments stored plainly
     in the weight's dtype. (The planner asks this for weights it only describes.)"""
-    if not group["fused"] or group["compile"] or group["eps_placement"] != "torch":
+    if not group["fused"] or group["compile"] or group["eps_placement"] != "torch" or \
+            group["rule"] not in ("adamw", "taco"):
         return False
     if device_type not in _DEVICES or dtype not in _DTYPES:
         return False
@@ -91,9 +93,6 @@ class Batch:
         self._resid: dict[tuple[int, torch.dtype], tuple[list[Tensor], list[Tensor]]] = defaultdict(lambda: ([], []))
         self._groups: dict[int, dict[str, Any]] = {}
 
-    def __bool__(self) -> bool:
-        return bool(self._adamw or self._resid)
-
     def adamw(self, group: dict[str, Any], p: Tensor, grad: Tensor, state: dict[str, Tensor]) -> None:
         """Queue p for a fused AdamW step; its ``moment_step`` is already counted for this step."""
         self._groups[id(group)] = group
@@ -121,11 +120,11 @@ class Batch:
             group = self._groups[gid]
             lr, wd = float(group["lr"]), float(group["weight_decay"])
             if wd != 0.0:
-                torch._foreach_mul_(params, 1.0 - lr * wd)
+                torch._foreach_mul_(params, decay_factor(group))
             sign = group["free_rule"] == "sign"
             for p, g in zip(params, grads):  # one temporary at a time, not one per queued tensor
                 # in fp32, as the eager step: a bf16 operand would round lr * free_scale * sign(g) to bf16 first
-                d = g.sign().float() if sign and g.dtype != torch.float32 else g.sign() if sign else g.float()
+                d = (g.sign() if sign else g).float()
                 p.add_(d, alpha=-lr * float(group["free_scale"]))
         self._adamw.clear()
         self._resid.clear()

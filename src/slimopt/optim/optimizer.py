@@ -252,6 +252,12 @@ class SlimOptimizer(torch.optim.Optimizer):
             state.update(codec.init(key, shape, device))
         state["moment_step"] = torch.zeros((), dtype=torch.float32)
 
+    def _count_moment_step(self, state: dict[str, Tensor], codecs, shape: torch.Size, device) -> None:
+        """Before a state-full update: zero moments where there are none yet, and count this update in their age."""
+        if codecs[0][0] not in state:
+            self._init_moments(state, codecs, shape, device)
+        state["moment_step"] += 1
+
     def _layout(self, p: Tensor, group: dict[str, Any]) -> str:
         projector = group["projector"]
         if projector in ("none", "block") or p.dim() == 2:
@@ -340,14 +346,12 @@ class SlimOptimizer(torch.optim.Optimizer):
 
     def _queue_adamw(self, p: Tensor, group: dict[str, Any], state: dict[str, Tensor], grad: Tensor) -> bool:
         """Queue p's full-space update for torch's fused AdamW (multi_tensor.py) where that is its arithmetic."""
-        if group["rule"] not in ("adamw", "taco") or taco.owns(group, p.shape):
+        if taco.owns(group, p.shape):
             return False
         codecs = self._moment_codecs(group, grad.shape, p.dtype)
         if not multi_tensor.adamw_applies(group, p, grad, codecs):
             return False
-        if codecs[0][0] not in state:
-            self._init_moments(state, codecs, grad.shape, p.device)
-        state["moment_step"] += 1
+        self._count_moment_step(state, codecs, grad.shape, p.device)
         self._batch.adamw(group, p, grad, state)
         return True
 
@@ -358,9 +362,7 @@ class SlimOptimizer(torch.optim.Optimizer):
         codecs = self._moment_codecs(group, g.shape, p.dtype)
         if not compiled.supported(codecs):
             return False
-        if codecs[0][0] not in state:
-            self._init_moments(state, codecs, g.shape, p.device)
-        state["moment_step"] += 1
+        self._count_moment_step(state, codecs, g.shape, p.device)
         compiled.adamw_step(p, g, state, codecs, group, int(state["moment_step"].item()))
         return True
 
@@ -370,9 +372,7 @@ class SlimOptimizer(torch.optim.Optimizer):
         if taco.owns(group, g.shape):  # TACO keeps its own compact per-column state (taco.py)
             return taco.update(state, g, group, p.shape if p.dim() == 2 else g.shape)
         codecs = self._moment_codecs(group, g.shape, p.dtype)
-        if codecs[0][0] not in state:
-            self._init_moments(state, codecs, g.shape, p.device)
-        state["moment_step"] += 1
+        self._count_moment_step(state, codecs, g.shape, p.device)
         age = int(state["moment_step"].item())
         mom = {key: codec.decode(key, state, g.shape) for key, codec in codecs}
         d, c = direction(group["rule"], g, mom, age, group)

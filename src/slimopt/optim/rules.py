@@ -76,6 +76,17 @@ def free_direction(free_rule: str, r: Tensor) -> Tensor | None:
     return None
 
 
+def decay_factor(group: Mapping[str, Any]) -> float:
+    """1 - lr * weight_decay: decoupled weight decay multiplies the weight by this before the update."""
+    return 1.0 - float(group["lr"]) * float(group["weight_decay"])
+
+
+def decay(p: Tensor, group: Mapping[str, Any]) -> None:
+    """Decoupled weight decay of p (or its shard) in place; nothing at weight_decay 0."""
+    if float(group["weight_decay"]) != 0.0:
+        p.mul_(decay_factor(group))
+
+
 def apply_update(p: Tensor, full: Tensor | None, coef: float, resid: Tensor | None,
                  group: Mapping[str, Any]) -> None:
     """p *= 1 - lr * weight_decay;  p -= lr * (coef * full + free_scale * free_direction(resid)), in place.
@@ -88,9 +99,7 @@ def apply_update(p: Tensor, full: Tensor | None, coef: float, resid: Tensor | No
     if full is None and free is None:
         return
     lr = float(group["lr"])
-    wd = float(group["weight_decay"])
-    if wd != 0.0:
-        p.mul_(1.0 - lr * wd)
+    decay(p, group)
     if full is not None and free is not None:
         full = full.mul_(coef).add_(free, alpha=float(group["free_scale"]))
         p.add_(full, alpha=-lr)

@@ -70,6 +70,8 @@ from typing import Any, Mapping, MutableMapping
 import torch
 from torch import Tensor
 
+from .rules import decay
+
 __all__ = [
     "FORMATS",
     "SCALE_DTYPES",
@@ -305,9 +307,8 @@ def apply_sparse(p: Tensor, rows: Tensor, signs: Tensor, coef: float, group: Map
     p: (m, n); rows, signs: (1, n) as ``sparse_update`` returns them. The same arithmetic as the dense form on
     every entry: the decay multiplies all of p in place; the chosen entries get p + (-lr c) sign in fp32, rounded
     once to p's dtype (the dense add computes p + (-lr c) d in fp32 too, and adds exactly 0 elsewhere)."""
-    lr, wd = float(group["lr"]), float(group["weight_decay"])
-    if wd != 0.0:
-        p.mul_(1.0 - lr * wd)
+    decay(p, group)
+    lr = float(group["lr"])
     cols = torch.arange(p.shape[1], device=p.device)
     r = rows[0]
     p[r, cols] = p[r, cols].float().add_(signs[0], alpha=-lr * coef).to(p.dtype)
