@@ -12,7 +12,8 @@ from helpers import backward, batches, tiny_llama
 
 @pytest.mark.parametrize("method,setting,why", [
     ("adamw", {"rank": 4}, "the projector is 'none'"),
-    ("adamw", {"momentum": 0.5}, "only rule 'sgdm' reads it"),
+    ("adamw", {"momentum": 0.5}, "only rules 'sgdm' and 'muon' read it"),
+    ("adamw", {"ns_steps": 3}, "only rule 'muon' reads it"),
     ("adamw", {"taco_k": 2}, "only rule 'taco' reads it"),
     ("frugal", {"scale": 2.0}, "the projector is 'block'"),
     ("galore", {"oversample": 4}, "tunes the randomized_svd projector"),
@@ -33,6 +34,8 @@ def test_a_setting_no_group_reads_is_an_error(method, setting, why):
     ("taco", {"taco_k": 2}),
     ("frugal", {"rank": 2}),
     ("adamw", {"rule": "sgdm", "momentum": 0.5}),
+    ("muon", {"momentum": 0.9, "ns_steps": 3}),
+    ("frugal_muon", {"adjust_lr_fn": "original"}),
 ])
 def test_settings_that_are_read_are_accepted(method, setting):
     slimopt.build(tiny_llama(), method, **setting)

@@ -67,6 +67,12 @@ MIXED_B = {  # TACO: the bare direction, on a right and a left projection; Lion 
                                          on_refresh="project", **GAP),
     r"embed_tokens": dict(rule="lion", codec="int4"),
 }
+MIXED_MUON = {  # Muon in subspaces: a row-split right projection, a replicated left one, columns with int8 momentum
+    r"layers\.0\.q_proj": dict(projector="svd", rank=8, proj_side="right", **GAP),
+    r"layers\.0\.down_proj\.weight": dict(projector="random", rank=8, free_rule="sign", on_refresh="project", **GAP),
+    r"layers\.0\.odd\.weight": dict(projector="columns", density=0.25, free_rule="sign", codec="int8", **GAP),
+    r"layers\.1\.odd_out": dict(nesterov=False, adjust_lr_fn="original"),
+}
 CASES: dict[str, tuple[str, dict]] = {
     "adamw": ("adamw", {}),
     "adamw8bit": ("adamw8bit", {}),
@@ -84,6 +90,10 @@ CASES: dict[str, tuple[str, dict]] = {
     "taco": ("taco", {}),
     "mixed_a": ("adamw", dict(overrides=MIXED_A)),
     "mixed_b": ("taco", dict(overrides=MIXED_B)),
+    "muon": ("muon", {}),
+    "muon8bit": ("muon8bit", {}),
+    "frugal_muon": ("frugal_muon", GAP),
+    "mixed_muon": ("muon", dict(overrides=MIXED_MUON)),
 }
 
 

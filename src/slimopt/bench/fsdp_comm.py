@@ -126,6 +126,11 @@ def param_bytes(opt, p, group: dict[str, Any], world: int, step: int) -> tuple[i
             per_step += 8 * cols if k == 0 else 4 * k * cols + 8 * min(k, rows) * cols
         else:
             per_step += 4 * cols * sum(c.name == "factored" for _, c in _codecs(opt, group, space, p.dtype))
+        if group["rule"] == "muon":  # the rows to orthogonalize, all-gathered in the iteration's dtype
+            from slimopt.optim import muon
+            device = torch.device("cuda") if p.device.type == "meta" else p.device
+            size = torch.empty((), dtype=muon.iteration_dtype(group["ns_dtype"], device)).element_size()
+            per_step += size * world * max(1, -(-rows // world)) * cols
     refresh = 0
     if layout in ("none", "block") or not r or not P.refresh_due(step, group["update_gap"]):
         return per_step, refresh
@@ -211,6 +216,7 @@ DOC_METHODS: dict[str, dict[str, Any]] = {
     "galore rank 128, proj_side=right@galore": {"rank": 128, "proj_side": "right"},
     "galore_rsvd rank 128, proj_side=right@galore_rsvd": {"rank": 128, "proj_side": "right"},
     "taco": {}, "taco, taco_k=0@taco": {"taco_k": 0},
+    "muon": {}, "muon8bit": {}, "frugal_muon": {},
 }
 
 

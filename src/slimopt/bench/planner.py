@@ -248,6 +248,15 @@ def _scratch_bytes(kind: str, p: torch.Tensor) -> int:
     return max(0, c) * p.numel()
 
 
+def _muon_scratch(p: torch.Tensor, group: dict, codecs) -> int:
+    """Muon's step of a whole 2-D weight (``muon.scratch_bytes``): the iteration's dtype is the device's (a meta
+    model is planned as the GPU runs it: bf16 under ns_dtype="auto")."""
+    from slimopt.optim import muon
+
+    device = torch.device("cuda") if p.device.type == "meta" else p.device
+    return muon.scratch_bytes(p.shape, p.dtype, muon.iteration_dtype(group["ns_dtype"], device), codecs[0][1].name)
+
+
 def _slim_param(opt, p: torch.Tensor, group: dict) -> tuple[str, int, int, int]:
     """(layout, moment bytes when the parameter holds moments, projection bytes, update scratch), as ``_update``
     creates them."""
@@ -262,6 +271,8 @@ def _slim_param(opt, p: torch.Tensor, group: dict) -> tuple[str, int, int, int]:
         kind = "state_free" if never else "taco" if taco.owns(group, p.shape) else _codec_family(opt, p, group,
                                                                                                   p.shape)
         scratch = _scratch_bytes(kind, p)
+        if not never and group["rule"] == "muon":
+            scratch = _muon_scratch(p, group, opt._moment_codecs(group, p.shape, p.dtype))
         if kind not in ("state_free", "taco") and multi_tensor.adamw_kernel_applies(
                 group, p.dtype, p.device.type, opt._moment_codecs(group, p.shape, p.dtype)):
             scratch = 0  # torch's fused AdamW updates in place

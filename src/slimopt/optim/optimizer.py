@@ -32,6 +32,7 @@ from torch import Tensor
 
 from . import compiled
 from . import multi_tensor
+from . import muon
 from . import portable
 from . import projectors as P
 from . import sharded
@@ -51,7 +52,7 @@ DEFAULTS: dict[str, Any] = dict(
     eps=1e-8,
     eps_placement="torch",
     weight_decay=0.0,
-    momentum=0.9,  # sgdm only
+    momentum=0.9,  # sgdm and muon (the muon recipes set 0.95, torch.optim.Muon's default)
     rule="adamw",
     projector="none",
     rank=None,
@@ -71,6 +72,7 @@ DEFAULTS: dict[str, Any] = dict(
     v_codec=None,
     state_bits=None,
     **taco.DEFAULTS,  # taco_k, taco_decay, taco_format, taco_scale_dtype, taco_norm, taco_alpha
+    **muon.DEFAULTS,  # nesterov, ns_steps, ns_coefficients, ns_eps, ns_dtype, adjust_lr_fn
     compile=False,
     fused=True,
 )
@@ -120,6 +122,7 @@ def validate_group(group: dict[str, Any]) -> None:
             raise ValueError(f"{name} must be an integer >= 0, got {group[name]!r}")
     resolve_codecs(group["codec"], group["m_codec"], group["v_codec"], group["state_bits"])
     taco.validate(group)
+    muon.validate(group)
     for name in ("compile", "fused"):
         if not isinstance(group[name], bool):
             raise ValueError(f"{name} must be True or False, got {group[name]!r}")
@@ -131,12 +134,14 @@ class SlimOptimizer(torch.optim.Optimizer):
     Every keyword of ``DEFAULTS`` is a per-group setting:
 
     - ``lr``, ``betas``, ``eps``, ``weight_decay`` (decoupled, applied once in full space before the update),
-      ``momentum`` (for ``rule="sgdm"``).
+      ``momentum`` (for ``rule="sgdm"`` and ``"muon"``).
     - ``eps_placement``: ``torch`` (m_hat / (sqrt(v_hat) + eps), torch.optim.AdamW) | ``galore``
       (m_hat / ((sqrt(v) + eps) / sqrt(1 - beta2^t)), galore-torch's and transformers' old AdamW's arithmetic).
     - ``rule``: the state-full rule, ``adamw`` | ``lion`` | ``sgdm`` | ``taco`` (2-D tensors: the one-sparse
       ternary step with a compact per-column history, set by the ``taco_*`` settings, see
-      ``slimopt.optim.taco``; other tensors: AdamW with the group's codecs).
+      ``slimopt.optim.taco``; other tensors: AdamW with the group's codecs) | ``muon`` (2-D tensors only:
+      the momentum orthogonalized by Newton-Schulz iterations, torch.optim.Muon's step; ``nesterov``,
+      ``ns_steps``, ``ns_coefficients``, ``ns_eps``, ``ns_dtype``, ``adjust_lr_fn``, see ``slimopt.optim.muon``).
     - ``projector``: ``none`` | ``svd`` | ``randomized_svd`` | ``random`` | ``columns`` | ``rows`` | ``block``;
       ``rank`` or ``density`` sets the subspace size (for ``block``: how many tensors of the group are active);
       ``update_gap`` steps between refreshes; ``scale`` multiplies the state-full update (GaLore's alpha);
@@ -375,7 +380,7 @@ class SlimOptimizer(torch.optim.Optimizer):
         self._count_moment_step(state, codecs, g.shape, p.device)
         age = int(state["moment_step"].item())
         mom = {key: codec.decode(key, state, g.shape) for key, codec in codecs}
-        d, c = direction(group["rule"], g, mom, age, group)
+        d, c = direction(group["rule"], g, mom, age, group, shape=p.shape)
         _, _, index = self._where[p]
         for i, (key, codec) in enumerate(codecs):
             gen = P.generator(p.device, group["seed"], index, step, i) if codec.needs_generator else None

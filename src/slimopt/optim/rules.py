@@ -9,6 +9,8 @@ afterwards, so a rule never knows the storage format. State-free rules act on th
   m_hat / ((sqrt(v) + eps) / sqrt(1 - beta2^t)), the arithmetic of galore-torch and transformers' old AdamW.
 - ``lion``: sign of an interpolated momentum (Chen et al., arXiv 2302.06675).
 - ``sgdm``: heavy-ball momentum, as torch.optim.SGD with dampening 0.
+- ``muon``: Muon (Jordan et al. 2024; Moonlight, arXiv 2502.16982): the momentum of a 2-D weight orthogonalized
+  by Newton-Schulz iterations, as torch.optim.Muon; ``muon.py`` holds it.
 - ``taco``: TACO (arXiv 2610.02199). Its 2-D step and compact state live in ``taco.py`` (the optimizer dispatches
   there); what reaches ``direction`` under this name is its fallback for other tensors: AdamW, same moments.
 - state-free ``sign`` (signSGD, Bernstein et al., arXiv 1802.04434, as FRUGAL uses it), ``sgd`` and ``none``.
@@ -24,7 +26,9 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
-RULES = ("adamw", "lion", "sgdm", "taco")
+from . import muon
+
+RULES = ("adamw", "lion", "sgdm", "taco", "muon")
 FREE_RULES = ("sign", "sgd", "none")
 
 # state key and role ("m": signed first moment, "v": non-negative second moment) of each rule's moments
@@ -33,14 +37,16 @@ MOMENTS: dict[str, tuple[tuple[str, str], ...]] = {
     "lion": (("exp_avg", "m"),),
     "sgdm": (("momentum_buffer", "m"),),
     "taco": (("exp_avg", "m"), ("exp_avg_sq", "v")),  # the AdamW fallback for tensors that are not 2-D
+    "muon": (("momentum_buffer", "m"),),  # torch.optim.Muon's key
 }
 
 
-def direction(rule: str, g: Tensor, mom: Mapping[str, Tensor], step: int, group: Mapping[str, Any]
-              ) -> tuple[Tensor, float]:
+def direction(rule: str, g: Tensor, mom: Mapping[str, Tensor], step: int, group: Mapping[str, Any],
+              shape=None) -> tuple[Tensor, float]:
     """Update the fp32 moments in place and return (d, c): the step is lr * c * d before any projection back.
 
-    g: fp32 gradient (full or projected); mom: fp32 moments of g's shape, keyed as in MOMENTS[rule].
+    g: fp32 gradient (full or projected); mom: fp32 moments of g's shape, keyed as in MOMENTS[rule]; shape: the
+    parameter's (Muon's lr adjustment reads it; g's own when None).
     """
     if rule in ("adamw", "taco"):  # "taco" arrives here only for its AdamW fallback
         beta1, beta2 = group["betas"]
@@ -64,6 +70,8 @@ def direction(rule: str, g: Tensor, mom: Mapping[str, Tensor], step: int, group:
         buf = mom["momentum_buffer"]
         buf.mul_(group["momentum"]).add_(g)
         return buf.clone(), 1.0
+    if rule == "muon":
+        return muon.direction(g, mom["momentum_buffer"], group, shape)
     raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
 
 

@@ -20,6 +20,9 @@ volume of every choice; in short:
   (m x k), and the small QRs and SVDs run on every rank on identical data; ``random``, ``columns``, ``rows`` and
   ``block`` draw the same seeded choice on every rank and need no communication (``rows``: every rank keeps the
   chosen rows it holds).
+- Muon orthogonalizes whole matrices: the momentum is updated on the local rows, the rows to orthogonalize are
+  all-gathered in the iteration's dtype (bf16: 2 bytes a value), and every rank iterates on the whole matrix and
+  keeps its rows (``muon.direction``): the same step as one process, bit for bit.
 - TACO (arXiv 2610.02199) picks, per column, the largest entry over all rows: a max-loc all-reduce of one
   packed 64-bit key per column (|value|, row, sign) for the bare direction; with a history, the stored entries'
   gradients are all-reduced (k x n) and every rank's k best candidates merged by k max-loc all-reduces, and
@@ -46,6 +49,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import compiled
+from . import muon
 from . import projectors as P
 from . import taco
 from .codecs import FactoredCodec, resolve_codecs
@@ -242,7 +246,10 @@ def _stateful(opt, p, group, state, g: Tensor, step: int, space: Space) -> tuple
     state["moment_step"] += 1
     age = int(state["moment_step"].item())
     mom = {key: codec.decode(key, state, g.shape) for key, codec in codecs}
-    d, c = direction(group["rule"], g, mom, age, group)
+    if group["rule"] == "muon" and space.split:  # the iteration needs the whole matrix: all-gather its rows
+        d, c = muon.direction(g, mom["momentum_buffer"], group, p.shape, rows=space.rows)
+    else:
+        d, c = direction(group["rule"], g, mom, age, group, shape=p.shape)
     index = opt._where[p][2]
     for i, (key, codec) in enumerate(codecs):
         gen = _generator(g.device, group, space, index, step, i) if codec.needs_generator else None

@@ -5,7 +5,14 @@ Torch-free, so that listing the methods (``slimopt methods``, ``slimopt.catalog`
 ``recipes.py`` turns a method into parameter groups. Papers: GaLore (arXiv 2403.03507: lr 0.01, scale 0.25, rank
 128 at 60M, update gap 200), FRUGAL (arXiv 2411.07837: lr 1e-3, density 0.25, blockwise, signSGD residual, state
 reset at every refresh, update gap 200), BAdam (arXiv 2404.02827), 8-bit Adam (arXiv 2110.02861), 4-bit Adam
-(arXiv 2309.01507), TACO (arXiv 2610.02199).
+(arXiv 2309.01507), TACO (arXiv 2610.02199), Muon (Jordan et al. 2024; Moonlight, arXiv 2502.16982).
+
+Muon's learning rate. torch.optim.Muon's default is 1e-3 with Jordan's adjustment (lr * sqrt(max(1, A / B)));
+Jordan's own runs use about 0.02 for the hidden matrices with a separate, smaller AdamW lr for the rest. A recipe
+here has one lr for all its groups, so the Muon recipes take Moonlight's adjustment (``adjust_lr_fn=
+"match_rms_adamw"``: the update scaled to RMS 0.2, AdamW's typical update RMS, arXiv 2502.16982 section 2.2, which
+is how Moonlight reuses AdamW's lr and weight decay) and AdamW's lr of the other recipes, 1e-3 (the GaLore paper's
+LLaMA lr, also torch's Muon default); momentum 0.95 (torch's and Jordan's), Nesterov, 5 Newton-Schulz steps.
 """
 
 from __future__ import annotations
@@ -13,11 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Method", "METHODS", "TACO_LR", "STATE_FREE", "GALORE_DEFAULTS", "FRUGAL_DEFAULTS", "TACO_DEFAULTS"]
+__all__ = ["Method", "METHODS", "TACO_LR", "STATE_FREE", "GALORE_DEFAULTS", "FRUGAL_DEFAULTS", "TACO_DEFAULTS",
+           "MUON_DEFAULTS"]
 
 STATE_FREE = {"projector": "block", "density": 0.0, "free_rule": "sign"}
 GALORE_DEFAULTS = {"projector": "svd", "rank": 128, "update_gap": 200, "scale": 0.25, "on_refresh": "keep"}
 FRUGAL_DEFAULTS = {"projector": "block", "density": 0.25, "update_gap": 200, "free_rule": "sign", "on_refresh": "reset"}
+MUON_DEFAULTS = {"rule": "muon", "adjust_lr_fn": "match_rms_adamw"}
+MUON_SHARED = {"momentum": 0.95}  # shared, so a momentum given to build() replaces it (AdamW groups ignore it)
 TACO_DEFAULTS = {"rule": "taco"}  # taco_* settings: slimopt.optim.taco.DEFAULTS
 
 TACO_LR = 3e-4  # a fine-tuning learning rate (the AdamW fallback's); TACO's matrices step lr * taco_alpha * m / n
@@ -61,4 +71,12 @@ METHODS: dict[str, Method] = {
                    projectable=dict(TACO_DEFAULTS)),
     "signsgd": Method("signSGD on every parameter: no optimizer state", 3e-4, projectable=dict(STATE_FREE),
                       rest=dict(STATE_FREE)),
+    "muon": Method("Muon: the momentum of each Linear weight orthogonalized by 5 Newton-Schulz steps (torch.optim."
+                   "Muon's step, update RMS matched to AdamW's); AdamW on embeddings, norms, biases and head", 1e-3,
+                   projectable=dict(MUON_DEFAULTS), shared=dict(MUON_SHARED)),
+    "muon8bit": Method("Muon with an 8-bit momentum (about 1 byte per parameter), AdamW's moments 8-bit too", 1e-3,
+                       projectable=dict(MUON_DEFAULTS), shared={**MUON_SHARED, "state_bits": 8}),
+    "frugal_muon": Method("FRUGAL with Muon in the subspace: Muon on 25% of the Linear weights in turn, signSGD on "
+                          "the rest", 1e-3, projectable={**FRUGAL_DEFAULTS, **MUON_DEFAULTS},
+                          shared=dict(MUON_SHARED)),
 }

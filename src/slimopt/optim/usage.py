@@ -14,6 +14,7 @@ from . import projectors as P
 __all__ = ["unused_reason"]
 
 _SUBSPACE = ("rank", "density", "update_gap", "on_refresh", "free_rule")
+_MUON = ("nesterov", "ns_steps", "ns_coefficients", "ns_eps", "ns_dtype", "adjust_lr_fn")  # muon.DEFAULTS
 
 
 def unused_reason(key: str, group: Mapping[str, Any]) -> str | None:
@@ -31,12 +32,14 @@ def unused_reason(key: str, group: Mapping[str, Any]) -> str | None:
         return f"it orders the block projector's blocks; the projector is {projector!r}"
     if key == "free_scale" and (projector == "none" or group["free_rule"] == "none"):
         return "it scales the state-free residual, and there is none (projector 'none' or free_rule 'none')"
-    if key == "momentum" and rule != "sgdm":
-        return f"only rule 'sgdm' reads it; the rule is {rule!r}"
+    if key == "momentum" and rule not in ("sgdm", "muon"):
+        return f"only rules 'sgdm' and 'muon' read it; the rule is {rule!r}"
+    if key in _MUON and rule != "muon":
+        return f"only rule 'muon' reads it; the rule is {rule!r}"
     if key in ("eps", "eps_placement") and rule not in ("adamw", "taco"):
         return f"only the Adam rules read it; the rule is {rule!r}"
-    if key == "betas" and rule == "sgdm":
-        return "rule 'sgdm' uses momentum, not betas"
+    if key == "betas" and rule in ("sgdm", "muon"):
+        return f"rule {rule!r} uses momentum, not betas"
     if key.startswith("taco_") and rule != "taco":
         return f"only rule 'taco' reads it; the rule is {rule!r}"
     if key == "compile" and (rule != "adamw" or projector != "none"):

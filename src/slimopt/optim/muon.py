@@ -1,0 +1,213 @@
+"""Muon: momentum orthogonalized by a Newton-Schulz iteration, for 2-D weights.
+
+Muon (K. Jordan et al., 2024, "Muon: An optimizer for hidden layers in neural networks",
+https://kellerjordan.github.io/posts/muon/; at LLM scale: J. Liu et al., "Muon is Scalable for LLM Training"
+(Moonlight), arXiv 2502.16982) keeps one moment per weight, a momentum buffer B, and steps along an approximation
+of its orthogonal (polar) factor: for B = U S V^T, the update is about U V^T, every singular value set to ~1. It is
+steepest descent under the spectral norm of the layer. ``SlimOptimizer`` runs it as ``rule="muon"``: the buffer is
+a moment like any other (state key ``momentum_buffer``, role "m"), so it is stored through the group's m codec
+(fp32, bf16, int8, int4, ternary; 8-bit Muon holds about 1 byte per parameter).
+
+The step, as torch.optim.Muon (torch 2.13) computes it, per 2-D parameter of shape (A, B) with gradient G:
+
+    B  <- B + (1 - mu) (G - B)                     momentum as an EMA (torch: buf.lerp_(grad, 1 - momentum))
+    U  <- G + mu (B - G)  if nesterov, else B      (torch: grad.lerp(buf, momentum))
+    O  <- NS(U)                                    ``orthogonalize``: ns_steps quintic iterations
+    W  <- W (1 - lr wd) - lr s O                   decoupled decay with the plain lr, then the step
+    s  =  sqrt(max(1, A / B))          adjust_lr_fn "original" (Jordan's; torch's default, also None)
+          0.2 sqrt(max(A, B))          adjust_lr_fn "match_rms_adamw" (Moonlight, section 2.2: the update's RMS is
+                                       0.2, AdamW's typical RMS, so AdamW's lr and weight decay carry over)
+
+The decay order is torch's too: torch multiplies the weight by 1 - lr wd (the unadjusted lr) before adding the
+update, which is what ``rules.apply_update`` does with the coefficient s, so no bound is needed: with the same
+arithmetic in the iteration the two are bit-identical (tests/test_muon.py).
+
+The Newton-Schulz iteration (``orthogonalize``). X = U / max(||U||_F, eps) has spectral norm <= 1; working on the
+wide orientation (X transposed when A > B, so that X X^T is the smaller Gram matrix), each of ``ns_steps`` steps
+maps X -> a X + (b X X^T + c (X X^T)^2) X, i.e. every singular value x -> a x + b x^3 + c x^5. torch's
+coefficients (a, b, c) = (3.4445, -4.7750, 2.0315) give this polynomial the largest slope at 0 that still keeps
+the iterates in about [0.7, 1.2] after 5 steps: the result is U S' V^T with S' near 1, not exactly U V^T, which
+Jordan reports does not hurt training. (A singular value far below the largest grows by at most a^5 ~ 490 in 5
+steps and can stay below the band: a square Gaussian matrix keeps one near 0.5.) ``ns_coefficients=(1.875, -1.25, 0.375)`` is the classical quintic that
+converges to exactly 1 (slowly from small singular values). ``ns_eps`` (1e-7) guards the division for a zero U.
+
+Where the iteration computes (``ns_dtype``): torch runs it in bfloat16 (its matmuls then use a GPU's bf16 units).
+"bf16" does the same, bit for bit; "fp32" runs the same iteration in float32; "auto" (the default) is bf16 on
+CUDA and fp32 elsewhere, because a CPU without bf16 matrix instructions runs bf16 matmuls far slower than fp32
+ones (a 1024 x 1024 product: 2.2 s against 27 ms on one core of the 2-core AMD EPYC, no AVX-512, that the CPU
+benchmark runs on; docs/benchmarks.md). The output enters the update in fp32 either way.
+
+Cost. Per step and matrix (A x B, k = min(A, B), l = max(A, B)), 5 iterations of three matmuls: k^2 l (X X^T),
+k^3 (the square of the Gram matrix) and k^2 l (times X), ~2 k^2 (2 l + k) multiply-adds each, so ~10 k^2 (2 l + k)
+flops a step: about 15 matmuls of the weight's size for a square one, growing as the cube of the width. The state
+is one moment: 4 bytes per parameter in fp32, 2 in bf16, ~1 in int8.
+
+Under a projector (GaLore's ``svd`` / ``randomized_svd`` / ``random`` bases, FRUGAL's ``columns`` / ``rows``
+coordinates, ``block``). The rule sees the projected gradient L = Q^T G (r x B, left) or G Q (A x r, right), keeps
+the momentum of L (the subspace momentum, r x B or A x r) and orthogonalizes that small matrix: O = U_L V_L^T for
+M_L = U_L S_L V_L^T. The update lifted back, Q O = (Q U_L) V_L^T (or U_L (Q V_L)^T), is again an orthogonal
+factor: Q has orthonormal columns, so Q U_L does too, and Q O is exactly the polar factor of Q M_L, the momentum
+seen in the subspace, written in full space (polar(Q M) = Q polar(M) for any Q with orthonormal columns). Its r
+singular values are those of O (~1) with singular vectors inside span(Q), and it is zero on the orthogonal
+complement, where FRUGAL's state-free rule (``free_rule="sign"``) steps on the residual G - Q Q^T G instead. A
+coordinate subset (``columns``, ``rows``) is such a Q too (columns of the identity): Muon on the chosen columns or
+rows as one matrix. At full rank it is Muon itself (polar(Q M) for a square orthogonal Q). The lr adjustment s
+uses the parameter's shape (A, B), not the subspace's: the step is Muon's restricted to a subspace, so its RMS is
+that of full Muon times sqrt(r / k) (and then GaLore's ``scale``). ``block`` steps whole tensors: plain Muon on the
+active ones.
+
+Under FSDP2 (``sharded.py``) a parameter's rows are spread over ranks, and the iteration needs the whole matrix:
+each rank updates the momentum of its own rows (elementwise, local), the rows of U are all-gathered in the
+iteration's dtype (2 bytes a value for bf16; 4 for fp32), every rank runs the iteration on the whole matrix and
+keeps its rows. The bytes are those of the all-gather, A x B x 2 (bf16) per matrix and step; every rank repeats
+the iteration. docs/distributed.md weighs it against orthogonalizing each matrix on one owner rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+__all__ = ["DEFAULTS", "NS_COEFFICIENTS", "ADJUST_LR_FNS", "NS_DTYPES", "validate", "orthogonalize", "lr_ratio",
+           "momentum_update", "direction", "iteration_dtype", "scratch_bytes"]
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Jordan's quintic, torch.optim.Muon's default
+ADJUST_LR_FNS = ("original", "match_rms_adamw")  # None means "original", as in torch
+NS_DTYPES = ("auto", "bf16", "fp32")
+
+DEFAULTS: dict[str, Any] = dict(
+    nesterov=True,
+    ns_steps=5,
+    ns_coefficients=NS_COEFFICIENTS,
+    ns_eps=1e-7,
+    ns_dtype="auto",
+    adjust_lr_fn="original",
+)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x))
+
+
+def validate(group: Mapping[str, Any]) -> None:
+    """Raise ValueError naming the first invalid Muon setting of a parameter group and what is allowed; under
+    ``rule="muon"``, also a parameter that is not 2-D (Muon orthogonalizes matrices)."""
+    if not isinstance(group["nesterov"], bool):
+        raise ValueError(f"nesterov must be True or False, got {group['nesterov']!r}")
+    steps = group["ns_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 100:
+        raise ValueError(f"ns_steps (Newton-Schulz iterations) must be an integer in [0, 99], got {steps!r}")
+    coeffs = group["ns_coefficients"]
+    if not isinstance(coeffs, (tuple, list)) or len(coeffs) != 3 or not all(_is_number(c) for c in coeffs):
+        raise ValueError(f"ns_coefficients must be three finite numbers (a, b, c), got {coeffs!r}")
+    eps = group["ns_eps"]
+    if not _is_number(eps) or not float(eps) > 0:
+        raise ValueError(f"ns_eps must be a finite number > 0, got {eps!r}")
+    if group["ns_dtype"] not in NS_DTYPES:
+        raise ValueError(f"ns_dtype must be one of {', '.join(NS_DTYPES)}; got {group['ns_dtype']!r}")
+    if group["adjust_lr_fn"] is not None and group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise ValueError(f"adjust_lr_fn must be one of {', '.join(ADJUST_LR_FNS)} (or None: original); "
+                         f"got {group['adjust_lr_fn']!r}")
+    if group.get("rule") == "muon":
+        for p in group.get("params", ()):
+            if p.dim() != 2:
+                raise ValueError(f"rule 'muon' orthogonalizes 2-D weights; a parameter of shape {tuple(p.shape)} "
+                                 "is in its group: give it another rule (slimopt.build(model, 'muon') puts "
+                                 "embeddings, norms, biases and the head in AdamW)")
+
+
+def iteration_dtype(setting: str, device: torch.device) -> torch.dtype:
+    """The dtype the Newton-Schulz iteration runs in for ``ns_dtype=setting`` on `device`."""
+    if setting == "bf16" or (setting == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def orthogonalize(u: Tensor, coefficients=NS_COEFFICIENTS, steps: int = 5, eps: float = 1e-7,
+                  dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """~U V^T for u = U S V^T (2-D), by `steps` quintic Newton-Schulz iterations in `dtype`; u is not modified.
+
+    Returns a tensor of u's shape in `dtype` (possibly a transposed view).
+    """
+    if u.dim() != 2:
+        raise ValueError(f"Muon orthogonalizes 2-D matrices, got shape {tuple(u.shape)}")
+    a, b, c = coefficients
+    x = u.to(dtype)
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T  # iterate on the wide orientation: the Gram matrix x x^T is the smaller side
+    # scale so that every singular value is <= 1 (the Frobenius norm bounds the spectral one); a new tensor,
+    # so u (or a bf16 u, which to() returns as it is) stays untouched
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T  # (k, k)
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G^2
+        x = torch.addmm(x, poly, x, beta=a)  # a X + (b G + c G^2) X: singular values s -> a s + b s^3 + c s^5
+    return x.T if tall else x
+
+
+def lr_ratio(adjust_lr_fn: str | None, shape) -> float:
+    """The factor s of the step lr * s * O for a parameter of `shape` (A, B) (torch.optim.Muon's adjustment)."""
+    rows, cols = shape[0], shape[1]
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1, rows / cols))
+
+
+# What the step of one A x B weight allocates on top of its weight, gradient and state, from its two phases
+# (k = min(A, B)), measured with torch's MemTracker on CPU (256 x 256, 256 x 512, 512 x 256, 128 x 512; fp32 and bf16
+# weights, every m codec, both iteration dtypes; tests/test_muon.py checks the planner's peak against it):
+# - the iteration: the look-ahead U (fp32), the iterate before and after a step and the two k x k products:
+#   8 A B + 8 k^2 bytes in fp32, max(6 A B, 4 A B + 4 k^2) in bf16; plus 4 A B for a decoded momentum that is not
+#   the stored tensor itself (every codec but fp32 of an fp32 weight) and 6 A B for a bf16 weight (the gradient's
+#   fp32 copy, the write);
+# - storing the momentum through a quantizing codec: bytes per element below (+6 for a bf16 weight), the codes'
+#   temporaries: the same as an AdamW step's in windowed.py minus 12, the second moment's share.
+_ENCODE_PER_ELEMENT = {"int8": 22, "int4": 22, "ternary_sr": 50, "ternary_ef": 66}
+
+
+def scratch_bytes(shape, weight_dtype: torch.dtype, ns_dtype: torch.dtype, m_codec: str) -> int:
+    """Bytes the Muon step of a (A, B) weight allocates while it runs (the planner's estimate; see above).
+    m_codec: the momentum codec's name (``fp32``, ``bf16``, ``int8``, ...)."""
+    rows, cols = shape[0], shape[1]
+    area, k2 = rows * cols, min(rows, cols) ** 2
+    narrow = weight_dtype not in (torch.float32, torch.float64)
+    iterate = 8 * area + 8 * k2 if ns_dtype == torch.float32 else max(6 * area, 4 * area + 4 * k2)
+    iterate += (4 * area if narrow or m_codec not in ("fp32", "fp64") else 0) + (6 * area if narrow else 0)
+    encode = (_ENCODE_PER_ELEMENT[m_codec] + (6 if narrow else 0)) * area if m_codec in _ENCODE_PER_ELEMENT else 0
+    return max(iterate, encode)
+
+
+def momentum_update(g: Tensor, buf: Tensor, group: Mapping[str, Any]) -> Tensor:
+    """Update the fp32 momentum buffer in place and return the matrix to orthogonalize (Nesterov's look-ahead
+    G + mu (B - G), or B itself)."""
+    mu = float(group["momentum"])
+    buf.lerp_(g, 1 - mu)
+    return g.lerp(buf, mu) if group["nesterov"] else buf
+
+
+def direction(g: Tensor, buf: Tensor, group: Mapping[str, Any], shape=None, rows=None) -> tuple[Tensor, float]:
+    """(d, c) of ``rules.direction`` for rule "muon": d = NS(momentum) in fp32, c = ``lr_ratio`` of `shape` (the
+    parameter's; g's own shape when None).
+
+    rows: a ``shardcomm.Rows`` when g holds only this rank's rows of the matrix (FSDP2): the rows to orthogonalize
+    are all-gathered, the whole matrix iterated on every rank, and this rank's rows of the result returned.
+    """
+    dtype = iteration_dtype(group["ns_dtype"], g.device)
+    u = momentum_update(g, buf, group)
+    if rows is not None and rows.distributed:
+        from .shardcomm import gather_rows
+
+        if not rows.chunked:
+            raise ValueError("rule 'muon' under FSDP2 orthogonalizes all-gathered rows, which needs torch.chunk's "
+                             "row split; the 'rows' projector splits its chosen rows unevenly: use 'columns', "
+                             "'block' or an orthonormal projector with rule 'muon'")
+        whole = gather_rows(u.to(dtype).contiguous(), rows)
+        o = orthogonalize(whole, group["ns_coefficients"], group["ns_steps"], float(group["ns_eps"]), dtype)
+        o = o[rows.start: rows.stop]
+    else:
+        o = orthogonalize(u, group["ns_coefficients"], group["ns_steps"], float(group["ns_eps"]), dtype)
+    return o.float(), lr_ratio(group["adjust_lr_fn"], g.shape if shape is None else shape)
