@@ -36,9 +36,12 @@ G all gradients, and X the update's scratch (below), the peak is the largest of 
 
 The backward pass frees a layer's activations as it creates that layer's gradients, so in between the sum stays
 below its two ends when a layer's activations outweigh its gradients (the usual case at training batch sizes).
-X is what the update allocates: slimopt and galore-torch update one parameter at a time in fp32, so X is a
-per-element cost of the largest parameter that depends on the codec (20 bytes per element for plain moments, 33
-for 8-bit, measured on CPU with torch's MemTracker; ``_SCRATCH``); fused kernels (torch fused AdamW,
+X is what the update allocates: slimopt and galore-torch update one parameter at a time in fp32, at a
+per-element cost that depends on the codec (20 bytes per element for plain moments, 33 for 8-bit, measured on CPU
+with torch's MemTracker; ``windowed.SCRATCH_PER_ELEMENT``). slimopt's element-wise updates (AdamW, Lion, SGDM in
+full space or on a block, every state-free update) walk the tensor in windows of at most 64 MiB of that scratch
+(``windowed.py``), so X is at most 64 MiB for them; projected updates and TACO's pay it on the largest tensor;
+galore-torch on the largest parameter. Fused kernels (torch fused AdamW,
 bitsandbytes, and slimopt's multi-tensor path where it applies: ``multi_tensor.py``, CPU weights) allocate
 nothing, but for one sign() of an inactive block's gradient; torch's foreach AdamW one state-sized temporary for
 all parameters at once. A model on the meta device (a config only) is planned as the GPU runs it.
@@ -222,30 +225,15 @@ def _slim_moments(opt, p: torch.Tensor, group: dict, shape: torch.Size) -> int:
     return sum(codec.nbytes(shape) for _, codec in opt._moment_codecs(group, shape, p.dtype)) + _COUNTER
 
 
-# Bytes per element of a parameter that the update allocates on top of the weights, gradient and state while it
-# runs (fp32 gradient copy, decoded moments, direction, quantization buffers), for bf16 weights; fp32 weights skip
-# the gradient's fp32 copy (4 fewer) and, with plain moments, also the fp32 copies of the update (12 fewer in all:
-# _FP32_SAVING). Measured with torch's MemTracker on CPU (a 1024 x 512 weight and a LLaMA step, bf16 and fp32);
-# an estimate of what any device allocates, since kernels differ.
-_SCRATCH = {"plain": 20, "8bit": 33, "ternary_sr": 61, "ternary_ef": 77, "taco": 12, "state_free": 10,
-            "projected": 11, "projected_8bit": 17, "coordinates": 18}
+def _scratch_bytes(step_kind: str, p: torch.Tensor, group: dict, align: int | None = None) -> int:
+    """What one parameter's update allocates (``windowed.SCRATCH_PER_ELEMENT``): per element of a window for the
+    windowed kinds (align: the codecs' alignment), per element of the tensor for the others."""
+    from slimopt.optim import windowed
+    from slimopt.optim.rules import rounding_of
 
-
-def _codec_family(opt, p: torch.Tensor, group: dict, shape) -> str:
-    names = {codec.name for _, codec in opt._moment_codecs(group, shape, p.dtype)}
-    if "ternary_ef" in names:
-        return "ternary_ef"
-    if "ternary_sr" in names:
-        return "ternary_sr"
-    return "8bit" if names & {"int8", "int4"} else "plain"
-
-
-_FP32_SAVING = {"plain": 12}  # every other kind: 4
-
-
-def _scratch_bytes(kind: str, p: torch.Tensor) -> int:
-    c = _SCRATCH[kind] - (_FP32_SAVING.get(kind, 4) if p.dtype in (torch.float32, torch.float64) else 0)
-    return max(0, c) * p.numel()
+    per = windowed.scratch_per_element(step_kind, p.dtype, rounding_of(group, p))
+    n = p.numel() if align is None else windowed.window_elems(p.numel(), align, per)
+    return per * n
 
 
 def _muon_scratch(p: torch.Tensor, group: dict, codecs) -> int:
@@ -257,44 +245,59 @@ def _muon_scratch(p: torch.Tensor, group: dict, codecs) -> int:
     return muon.scratch_bytes(p.shape, p.dtype, muon.iteration_dtype(group["ns_dtype"], device), codecs[0][1].name)
 
 
+def _align(codecs, shape) -> int:
+    return math.lcm(1, *(codec.align(shape) for _, codec in codecs))
+
+
 def _slim_param(opt, p: torch.Tensor, group: dict) -> tuple[str, int, int, int]:
     """(layout, moment bytes when the parameter holds moments, projection bytes, update scratch), as ``_update``
     creates them."""
     from slimopt.optim import multi_tensor
     from slimopt.optim import projectors as P
     from slimopt.optim import taco
+    from slimopt.optim import windowed
     from slimopt.optim.optimizer import state_shape
+    from slimopt.optim.rules import ELEMENTWISE_RULES
 
     layout = opt._layout(p, group)
     if layout in ("none", "block"):
         never = layout == "block" and (group["rank"] == 0 or (group["rank"] is None and group["density"] == 0))
-        kind = "state_free" if never else "taco" if taco.owns(group, p.shape) else _codec_family(opt, p, group,
-                                                                                                  p.shape)
-        scratch = _scratch_bytes(kind, p)
-        if not never and group["rule"] == "muon":
-            scratch = _muon_scratch(p, group, opt._moment_codecs(group, p.shape, p.dtype))
-        if kind not in ("state_free", "taco") and multi_tensor.adamw_kernel_applies(
-                group, p.dtype, p.device.type, opt._moment_codecs(group, p.shape, p.dtype)):
+        codecs = opt._moment_codecs(group, p.shape, p.dtype)
+        if never:
+            scratch = _scratch_bytes("state_free", p, group, 1)
+        elif taco.owns(group, p.shape):
+            scratch = _scratch_bytes("taco", p, group)
+        elif group["rule"] in ELEMENTWISE_RULES or group["rule"] == "taco":  # windowed.py
+            scratch = _scratch_bytes(windowed.kind(codecs, group["rule"]), p, group, _align(codecs, p.shape))
+        elif group["rule"] == "muon":
+            scratch = _muon_scratch(p, group, codecs)
+        else:
+            scratch = _scratch_bytes("plain", p, group)
+        if not never and not taco.owns(group, p.shape) and multi_tensor.adamw_kernel_applies(
+                group, p.dtype, p.device.type, codecs):
             scratch = 0  # torch's fused AdamW updates in place
         if layout == "block" and multi_tensor.residual_kernel_applies(group, p.dtype, p.device.type):
             # an inactive block's sign() temporary; the active step's own scratch when it has one
             scratch = max(0 if never else scratch, multi_tensor.residual_scratch_bytes(group, p))
+        elif layout == "block" and not never:
+            scratch = max(scratch, _scratch_bytes("state_free", p, group, 1))  # its turns without moments
         return layout, _slim_moments(opt, p, group, p.shape), 0, scratch
     side = P.side_for(p.shape, group["proj_side"]) if layout in P.ORTHO_PROJECTORS else None
     r = P.subspace_rank(p.shape, layout, side, group["rank"], group["density"])
     if r == 0:  # density 0: everything state-free, nothing stored but the step counter
-        return layout, 0, 0, _scratch_bytes("state_free", p)
+        return layout, 0, 0, _scratch_bytes("state_free", p, group, 1)
     shape = state_shape(layout, side, p.shape, r)
     if layout in P.ORTHO_PROJECTORS:
         dim = p.shape[0] if side == "left" else p.shape[1]
         # the basis is computed in fp32 (fp64 for fp64 weights) and stored in the weights' dtype when narrower
         dtype = p.dtype if p.dtype in (torch.bfloat16, torch.float16, torch.float64) else torch.float32
         proj = dim * r * torch.empty((), dtype=dtype, device="meta").element_size()
-        kind = "projected" if _codec_family(opt, p, group, shape) == "plain" else "projected_8bit"
+        narrow = windowed.kind(opt._moment_codecs(group, shape, p.dtype)) in ("8bit", "ternary_sr", "ternary_ef")
+        kind = "projected_8bit" if narrow else "projected"
     else:
         proj = r * 8  # int64 coordinates
         kind = "coordinates"
-    return layout, _slim_moments(opt, p, group, shape), proj, _scratch_bytes(kind, p)
+    return layout, _slim_moments(opt, p, group, shape), proj, _scratch_bytes(kind, p, group)
 
 
 def _block_steps(opt, group: dict) -> list[int]:
@@ -306,6 +309,14 @@ def _block_steps(opt, group: dict) -> list[int]:
         return [1]
     period = n // math.gcd(n, active0)
     return [idx * gap + 1 for idx in range(period)]
+
+
+def _compensation(p: torch.Tensor, group: dict) -> int:
+    """Bytes of the weight's Kahan compensation (``param_rounding="kahan"``, bf16 weights): p's size in bf16. Counted
+    for every weight, as after a step that wrote each (a frozen BAdam block gets its own at its first turn)."""
+    from slimopt.optim.rules import rounding_of
+
+    return p.numel() * p.element_size() if rounding_of(group, p) == "kahan" else 0
 
 
 def _slim_state(model: nn.Module, method: str, step: int | None, hparams: dict[str, Any]) -> list[ParamState]:
@@ -321,7 +332,8 @@ def _slim_state(model: nn.Module, method: str, step: int | None, hparams: dict[s
     def states(active) -> list[ParamState]:
         """active(p, group) -> bool: whether a block-layout parameter holds its moments."""
         return [ParamState(names[id(p)], group.get("name", ""), tuple(p.shape), layout,
-                           _COUNTER + (mom if layout != "block" or active(p, group) else 0), proj, scratch)
+                           _COUNTER + _compensation(p, group) + (mom if layout != "block" or active(p, group) else 0),
+                           proj, scratch)
                 for p, group, layout, mom, proj, scratch in base]
 
     if step == 0:
@@ -525,7 +537,7 @@ def _assemble(prep: Prepared, batch: int, seq: int, layerwise: bool, checkpointi
 
 def _scratch(method: str, states: list[ParamState]) -> int:
     """The optimizer step's temporaries: the largest one parameter's update allocates, or all parameters' at once
-    for torch's foreach AdamW (estimates; see ``_SCRATCH`` and ``peer_state.SCRATCH_PER_ELEMENT``)."""
+    for torch's foreach AdamW (estimates; see ``windowed.SCRATCH_PER_ELEMENT`` and ``peer_state.SCRATCH_PER_ELEMENT``)."""
     from slimopt.bench.peer_state import ALL_AT_ONCE
 
     if method in ALL_AT_ONCE:

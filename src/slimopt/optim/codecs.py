@@ -94,6 +94,7 @@ __all__ = [
     "BlockCodec",
     "TernaryCodec",
     "FactoredCodec",
+    "Window",
     "make_codec",
     "resolve_codecs",
 ]
@@ -175,8 +176,48 @@ class Codec:
         """Exact bytes of the tensors ``init`` creates for `shape`, padding included."""
         raise NotImplementedError
 
+    def align(self, shape: torch.Size) -> int:
+        """Element ranges of a moment of `shape` can be read and written on their own (``open``) when they start at
+        a multiple of this: 1 for plain storage, the block size for blockwise codes."""
+        return 1
+
+    def part(self, key: str, state: Mapping[str, Tensor], start: int, stop: int) -> dict[str, Tensor]:
+        """Views of the state tensors that store elements [start, stop) of the flattened moment, under the same
+        keys; ``decode`` / ``encode`` on them read and write only that range. start: a multiple of ``align``."""
+        raise NotImplementedError
+
+    def open(self, key: str, state: MutableMapping[str, Tensor], shape: torch.Size) -> "Window":
+        """The moment `key` of `shape`, to be read and written one aligned element range at a time."""
+        return Window(self, key, state)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
+
+
+class Window:
+    """One moment read and written one element range at a time (``slimopt.optim.windowed``): decode a range, update
+    it, encode it back, next range. Ranges start at a multiple of the codec's ``align``, in increasing order, and
+    are each encoded at most once; ``close`` ends the pass."""
+
+    def __init__(self, codec: Codec, key: str, state: MutableMapping[str, Tensor]) -> None:
+        self.codec, self.key, self.state = codec, key, state
+
+    def decode(self, start: int, stop: int) -> Tensor:
+        """Elements [start, stop) of the flattened moment, fp32, shape (stop - start,)."""
+        part = self.codec.part(self.key, self.state, start, stop)
+        return self.codec.decode(self.key, part, torch.Size((stop - start,)))
+
+    def encode(self, start: int, stop: int, x: Tensor, generator: torch.Generator | None = None) -> None:
+        """Store x (fp32, stop - start elements) as elements [start, stop)."""
+        part = self.codec.part(self.key, self.state, start, stop)
+        self.codec.encode(self.key, x.reshape(-1), part, generator=generator)
+
+    def close(self) -> None:
+        """Finish the pass (a codec whose stored form spans ranges writes what it gathered)."""
+
+
+def _flat_part(key: str, state: Mapping[str, Tensor], start: int, stop: int) -> dict[str, Tensor]:
+    return {key: state[key].view(-1)[start:stop]}
 
 
 class Fp32Codec(Codec):
@@ -205,6 +246,9 @@ class Fp32Codec(Codec):
     def nbytes(self, shape):
         return torch.tensor([], dtype=self.dtype).element_size() * _numel(shape)
 
+    def part(self, key, state, start, stop):
+        return _flat_part(key, state, start, stop)
+
 
 class Bf16Codec(Codec):
     """bf16 (2 bytes per value), round-to-nearest-even or stochastic rounding (unbiased)."""
@@ -228,6 +272,9 @@ class Bf16Codec(Codec):
 
     def nbytes(self, shape):
         return 2 * _numel(shape)
+
+    def part(self, key, state, start, stop):
+        return _flat_part(key, state, start, stop)
 
 
 class BlockCodec(Codec):
@@ -274,6 +321,14 @@ class BlockCodec(Codec):
     def nbytes(self, shape):
         nb = self._nblocks(shape)
         return nb * self.block_size * self.bits // 8 + 4 * nb
+
+    def align(self, shape):
+        return self.block_size
+
+    def part(self, key, state, start, stop):
+        b0, b1 = start // self.block_size, -(-stop // self.block_size)  # whole blocks; the last one padded
+        per_block = self.block_size * self.bits // 8
+        return {key: state[key][b0 * per_block:b1 * per_block], key + "_scale": state[key + "_scale"][b0:b1]}
 
 
 _ZERO_TRITS = 121  # a byte of five base-3 digits 1 (1 + 3 + 9 + 27 + 81): five zero trits
@@ -374,6 +429,18 @@ class TernaryCodec(Codec):
         n_pad = nb * self.block_size
         return Q.base3_nbytes(n_pad) * (2 if self.feedback else 1) + 4 * nb
 
+    def align(self, shape):
+        return math.lcm(self.block_size, 5)  # whole blocks that start at a whole byte of five trits
+
+    def part(self, key, state, start, stop):
+        b0, b1 = start // self.block_size, -(-stop // self.block_size)
+        byte0 = start // 5
+        byte1 = byte0 + Q.base3_nbytes((b1 - b0) * self.block_size)
+        out = {key: state[key][byte0:byte1], key + "_scale": state[key + "_scale"][b0:b1]}
+        if self.feedback:
+            out[key + "_err"] = state[key + "_err"][byte0:byte1]
+        return out
+
 
 class FactoredCodec(Codec):
     """Adafactor-style second moment (arXiv 1804.04235) for 2-D (R, C) moments: key = fp32 row means (R,),
@@ -401,7 +468,8 @@ class FactoredCodec(Codec):
         if x.dim() != 2 or key + "_col" not in state:
             _copy_dense(key, x, state)
             return
-        row, col = x.mean(dim=1), x.mean(dim=0)
+        # column means as sum / rows: the arithmetic of a pass over row ranges (_FactoredRows) and of row shards
+        row, col = x.mean(dim=1), x.sum(dim=0).div_(x.shape[0])
         _check_into(key, row, state)
         _check_into(key + "_col", col, state)
         state[key].copy_(row)
@@ -411,6 +479,45 @@ class FactoredCodec(Codec):
         if len(shape) != 2:
             return 4 * _numel(shape)
         return 4 * (shape[0] + shape[1])
+
+    def align(self, shape):
+        return shape[1] if len(shape) == 2 else 1  # whole rows
+
+    def part(self, key, state, start, stop):  # a moment that is not 2-D: stored fp32, element by element
+        return _flat_part(key, state, start, stop)
+
+    def open(self, key, state, shape):
+        if len(shape) != 2 or key + "_col" not in state:
+            return Window(self, key, state)
+        return _FactoredRows(key, state, shape)
+
+
+class _FactoredRows(Window):
+    """A factored second moment read and written a range of whole rows at a time. A range decodes from the means
+    stored before the pass (the mean of all rows is taken once, at the start); its new row means are written at
+    once (no later range reads them), its column sums are added up and the column means written by ``close``,
+    as sum / rows, as the whole-tensor encode and the row-sharded form (which all-reduces the sums) compute them:
+    the partial sums come in another order, a few fp32 ulps apart."""
+
+    def __init__(self, key: str, state: MutableMapping[str, Tensor], shape: torch.Size) -> None:
+        super().__init__(FactoredCodec(), key, state)
+        self.rows, self.cols = shape
+        row = state[key]
+        self.denom = row.mean().clamp_min(torch.finfo(torch.float32).tiny)
+        self.col_sum = torch.zeros_like(state[key + "_col"])
+
+    def decode(self, start, stop):
+        r0, r1 = start // self.cols, stop // self.cols
+        return (torch.outer(self.state[self.key][r0:r1], self.state[self.key + "_col"]) / self.denom).view(-1)
+
+    def encode(self, start, stop, x, generator=None):
+        r0, r1 = start // self.cols, stop // self.cols
+        x = x.view(r1 - r0, self.cols)
+        self.state[self.key][r0:r1] = x.mean(dim=1)
+        self.col_sum += x.sum(dim=0)
+
+    def close(self):
+        self.state[self.key + "_col"].copy_(self.col_sum.div_(self.rows))
 
 
 @functools.lru_cache(maxsize=None)

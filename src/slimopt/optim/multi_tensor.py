@@ -48,7 +48,7 @@ def adamw_kernel_applies(group: dict[str, Any], dtype: torch.dtype, device_type:
     if not group["fused"] or group["compile"] or group["eps_placement"] != "torch" or \
             group["rule"] not in ("adamw", "taco"):
         return False
-    if device_type not in _DEVICES or dtype not in _DTYPES:
+    if device_type not in _DEVICES or dtype not in _DTYPES or not _rounds_nearest(group, dtype):
         return False
     if [k for k, _ in codecs] != ["exp_avg", "exp_avg_sq"]:
         return False
@@ -58,7 +58,13 @@ def adamw_kernel_applies(group: dict[str, Any], dtype: torch.dtype, device_type:
 
 def residual_kernel_applies(group: dict[str, Any], dtype: torch.dtype, device_type: str) -> bool:
     """Whether a whole-tensor state-free update (an inactive block) of a `dtype` weight is stepped here."""
-    return group["fused"] and group["free_rule"] in ("sign", "sgd") and device_type in _DEVICES and dtype in _DTYPES
+    return (group["fused"] and group["free_rule"] in ("sign", "sgd") and device_type in _DEVICES and dtype in _DTYPES
+            and _rounds_nearest(group, dtype))
+
+
+def _rounds_nearest(group: dict[str, Any], dtype: torch.dtype) -> bool:
+    """torch's kernels write a narrow weight with nearest rounding: other ``param_rounding`` takes the eager step."""
+    return dtype == torch.float32 or group["param_rounding"] == "nearest"
 
 
 def residual_scratch_bytes(group: dict[str, Any], p: Tensor) -> int:

@@ -37,8 +37,10 @@ from . import portable
 from . import projectors as P
 from . import sharded
 from . import taco
+from . import windowed
 from .codecs import make_codec, resolve_codecs
-from .rules import FREE_RULES, MOMENTS, RULES, apply_update, direction
+from .rules import (ELEMENTWISE_RULES, FREE_RULES, MOMENTS, PARAM_ROUNDINGS, PARAM_STREAM, RULES, apply_update,
+                    comp_of, direction, rounding_of)
 
 ON_REFRESH = ("keep", "reset", "project")
 # Where Adam's eps enters: "torch" adds it to the bias-corrected sqrt(v_hat) (torch.optim.AdamW); "galore" adds it
@@ -75,6 +77,7 @@ DEFAULTS: dict[str, Any] = dict(
     **muon.DEFAULTS,  # nesterov, ns_steps, ns_coefficients, ns_eps, ns_dtype, adjust_lr_fn
     compile=False,
     fused=True,
+    param_rounding="nearest",
 )
 
 
@@ -99,7 +102,7 @@ def validate_group(group: dict[str, Any]) -> None:
         raise ValueError(f"momentum must be in [0, 1], got {group['momentum']!r}")
     for name, allowed in (("rule", RULES), ("free_rule", FREE_RULES), ("projector", P.PROJECTORS),
                           ("on_refresh", ON_REFRESH), ("proj_side", P.PROJ_SIDES),
-                          ("eps_placement", EPS_PLACEMENTS),
+                          ("eps_placement", EPS_PLACEMENTS), ("param_rounding", PARAM_ROUNDINGS),
                           ("block_order", P.BLOCK_ORDERS)):
         if group[name] not in allowed:
             raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {group[name]!r}")
@@ -158,6 +161,12 @@ class SlimOptimizer(torch.optim.Optimizer):
     - ``fused`` (default True): step the parameters whose update is a standard kernel all at once
       (``multi_tensor.py``: torch's fused AdamW for plain moments, foreach kernels for an inactive block's
       residual); False runs every parameter through the eager per-tensor step, the reference.
+    - ``param_rounding``: how a bf16 weight is written, ``nearest`` | ``stochastic`` (unbiased, no memory) |
+      ``kahan`` (a bf16 compensation per weight, state ``kahan_comp``); see ``rules.py``. fp32 weights are written
+      exactly; fp16 weights take ``nearest`` only.
+
+    An element-wise update (AdamW, Lion, SGDM in full space or on a block, and every state-free update) runs in
+    windows of the flattened tensor (``windowed.py``): its temporaries stay under 64 MiB whatever the tensor.
 
     Parameters that are not 2-D take the rule on the full gradient under a subspace projector; ``block`` works for
     any shape.
@@ -190,6 +199,9 @@ class SlimOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         try:
             validate_group(group)
+            if group["param_rounding"] != "nearest" and any(p.dtype == torch.float16 for p in group["params"]):
+                raise ValueError(f"param_rounding={group['param_rounding']!r} rounds bf16 weights; this group holds "
+                                 "fp16 ones: use 'nearest', or bf16 weights")
         except ValueError:
             self.param_groups.pop()
             raise
@@ -324,8 +336,10 @@ class SlimOptimizer(torch.optim.Optimizer):
                 self._batch.residual(group, p, grad)
                 return
         if layout == "none" or (layout == "block" and active):
-            if self._queue_adamw(p, group, state, grad):
+            if self._queue_adamw(p, group, state, grad) or self._windowed(p, group, state, grad, step, layout, True):
                 return
+        elif self._windowed(p, group, state, grad, step, layout, False):
+            return
         g = grad if grad.dtype in (torch.float32, torch.float64) else grad.float()  # compute in fp32 (or fp64)
 
         full = None  # the state-full update in full space, before lr
@@ -336,7 +350,9 @@ class SlimOptimizer(torch.optim.Optimizer):
                 return
             if group["fused"] and taco.owns(group, p.shape):  # one entry a column to write, not a dense pass
                 rows, signs, c = taco.sparse_update(state, g, group, p.shape)
-                taco.apply_sparse(p, rows, signs, c, group)
+                rounding = rounding_of(group, p)
+                taco.apply_sparse(p, rows, signs, c, group, comp_of(state, p, rounding),
+                                  self._param_stream(p, group, step, rounding))
                 return
             full, coef = self._stateful(p, group, state, g, step)
         elif layout == "block":
@@ -347,7 +363,15 @@ class SlimOptimizer(torch.optim.Optimizer):
         else:
             full, coef, resid = self._projected(p, group, state, g, step, layout)
 
-        apply_update(p, full, coef, resid, group)
+        rounding = rounding_of(group, p)
+        apply_update(p, full, coef, resid, group, comp_of(state, p, rounding),
+                     self._param_stream(p, group, step, rounding))
+
+    def _param_stream(self, p: Tensor, group: dict[str, Any], step: int, rounding: str) -> torch.Generator | None:
+        """The random stream of p's stochastic rounding at `step` (None unless it rounds stochastically)."""
+        if rounding != "stochastic":
+            return None
+        return P.generator(p.device, group["seed"], self._where[p][2], step, PARAM_STREAM)
 
     def _queue_adamw(self, p: Tensor, group: dict[str, Any], state: dict[str, Tensor], grad: Tensor) -> bool:
         """Queue p's full-space update for torch's fused AdamW (multi_tensor.py) where that is its arithmetic."""
@@ -360,9 +384,40 @@ class SlimOptimizer(torch.optim.Optimizer):
         self._batch.adamw(group, p, grad, state)
         return True
 
+    def _windowed(self, p: Tensor, group: dict[str, Any], state: dict[str, Tensor], grad: Tensor, step: int,
+                  layout: str, stateful: bool) -> bool:
+        """The element-wise update in windows (windowed.py) where it applies: an element-wise rule in full space or
+        on an active block (stateful), or the state-free update of an inactive block or of a subspace of rank 0."""
+        if not (p.is_contiguous() and grad.is_contiguous() and grad.shape == p.shape):
+            return False
+        if stateful:
+            if group["rule"] not in ELEMENTWISE_RULES and not (group["rule"] == "taco" and not taco.owns(group,
+                                                                                                           p.shape)):
+                return False
+            if layout == "none" and group["compile"] and group["rule"] == "adamw":
+                return False  # the compiled step (_fused), where it applies
+            codecs = self._moment_codecs(group, p.shape, p.dtype)
+            self._count_moment_step(state, codecs, p.shape, p.device)
+            age = int(state["moment_step"].item())
+        else:
+            if layout != "block":  # a subspace projector: state-free only at rank 0
+                side = P.side_for(p.shape, group["proj_side"]) if layout in P.ORTHO_PROJECTORS else None
+                if P.subspace_rank(p.shape, layout, side, group["rank"], group["density"]) != 0:
+                    return False
+            if group["free_rule"] == "none":
+                return True  # nothing moves (an inactive BAdam block)
+            codecs, age = [], 0
+        _, _, index = self._where[p]
+
+        def stream(i: int, start: int) -> torch.Generator:
+            return P.generator(p.device, group["seed"], index, step, i, *((start,) if start else ()))
+
+        windowed.step(p, grad, state, group, codecs, age, stream)
+        return True
+
     def _fused(self, p: Tensor, group: dict[str, Any], state: dict[str, Tensor], g: Tensor) -> bool:
         """The torch.compile'd full-space AdamW step (compiled.py), where the group asks for it and it applies."""
-        if not group["compile"] or group["rule"] != "adamw":
+        if not group["compile"] or group["rule"] != "adamw" or rounding_of(group, p) != "nearest":
             return False
         codecs = self._moment_codecs(group, g.shape, p.dtype)
         if not compiled.supported(codecs):

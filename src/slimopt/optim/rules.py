@@ -15,8 +15,18 @@ afterwards, so a rule never knows the storage format. State-free rules act on th
   there); what reaches ``direction`` under this name is its fallback for other tensors: AdamW, same moments.
 - state-free ``sign`` (signSGD, Bernstein et al., arXiv 1802.04434, as FRUGAL uses it), ``sgd`` and ``none``.
 
-``apply_update`` combines the two parts and moves the parameter; the whole-tensor step (``optimizer.py``) and the
-FSDP2 step on a local shard (``sharded.py``) both end with it, so the two apply the same arithmetic in the same order.
+``apply_update`` combines the two parts and moves the parameter; the whole-tensor step (``optimizer.py``), its
+windows (``windowed.py``) and the FSDP2 step on a local shard (``sharded.py``) all end with it, so they apply the
+same arithmetic in the same order.
+
+Writing a bf16 weight (``param_rounding``). Without an fp32 master copy, an update smaller than half a bf16 step
+(2^-9 of the weight) rounds away and is lost every step: late in training, at small learning rates, most of them.
+``nearest`` is that plain write; ``stochastic`` rounds the new fp32 value up or down with probabilities that make
+it unbiased (E[written] = value; Gupta et al., arXiv 1502.02551; for bf16 training Zamirai et al., arXiv
+2010.06192), at no memory; ``kahan`` keeps what the rounding lost in a bf16 compensation tensor of the weight's
+shape (state ``kahan_comp``, 2 bytes per parameter) and adds it back before the next update (Kahan's compensated
+summation, as Zamirai et al. apply it to weight updates), so the weight plus its compensation follows the fp32
+trajectory to about 2^-16 of the weight. fp32 weights are written exactly whatever the setting.
 """
 
 from __future__ import annotations
@@ -27,9 +37,14 @@ import torch
 from torch import Tensor
 
 from . import muon
+from . import quant as Q
 
 RULES = ("adamw", "lion", "sgdm", "taco", "muon")
+ELEMENTWISE_RULES = ("adamw", "lion", "sgdm")  # each element's update reads only that element (windowed.py)
 FREE_RULES = ("sign", "sgd", "none")
+PARAM_ROUNDINGS = ("nearest", "stochastic", "kahan")
+PARAM_STREAM = 1000  # the random stream of a weight's stochastic rounding (a rule's moments use 0, 1, ...)
+COMP_KEY = "kahan_comp"
 
 # state key and role ("m": signed first moment, "v": non-negative second moment) of each rule's moments
 MOMENTS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -95,18 +110,76 @@ def decay(p: Tensor, group: Mapping[str, Any]) -> None:
         p.mul_(decay_factor(group))
 
 
+def rounding_of(group: Mapping[str, Any], p: Tensor) -> str:
+    """How p is written: the group's ``param_rounding`` for a bf16 weight, ``nearest`` for any other (an fp32
+    weight holds the fp32 value exactly; fp16 weights are refused at construction)."""
+    return group["param_rounding"] if p.dtype == torch.bfloat16 else "nearest"
+
+
+def comp_of(state: dict[str, Tensor], p: Tensor, rounding: str) -> Tensor | None:
+    """p's Kahan compensation under ``kahan`` (zero at first use, p's shape and dtype), else None."""
+    if rounding != "kahan":
+        return None
+    comp = state.get(COMP_KEY)
+    if comp is None:
+        comp = state[COMP_KEY] = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+    return comp
+
+
+def rounded(y: Tensor, dtype: torch.dtype, rounding: str, generator: torch.Generator | None = None
+            ) -> tuple[Tensor, Tensor | None]:
+    """The fp32 value y as a `dtype` weight, and under ``kahan`` what that loses (y - weight, in `dtype`)."""
+    if rounding == "stochastic":
+        return Q.to_bf16(y, stochastic=True, generator=generator), None
+    new = y.to(dtype)
+    if rounding == "kahan":
+        return new, y.sub_(new.float()).to(dtype)  # y - new is exact in fp32: new is y rounded
+    return new, None
+
+
+def write(p: Tensor, y: Tensor, rounding: str, comp: Tensor | None, generator: torch.Generator | None) -> None:
+    """p <- y (fp32, p's shape) rounded as `rounding` says; under ``kahan`` comp (p's shape) <- what is lost."""
+    new, lost = rounded(y, p.dtype, rounding, generator)
+    p.copy_(new)
+    if lost is not None:
+        comp.copy_(lost)
+
+
+def value_of(p: Tensor, comp: Tensor | None) -> Tensor:
+    """The fp32 value the weight p stands for: p, plus its Kahan compensation when it has one (a new tensor)."""
+    y = p.float() if p.dtype != torch.float32 else p.clone()
+    return y.add_(comp) if comp is not None else y
+
+
 def apply_update(p: Tensor, full: Tensor | None, coef: float, resid: Tensor | None,
-                 group: Mapping[str, Any]) -> None:
+                 group: Mapping[str, Any], comp: Tensor | None = None,
+                 generator: torch.Generator | None = None) -> None:
     """p *= 1 - lr * weight_decay;  p -= lr * (coef * full + free_scale * free_direction(resid)), in place.
 
-    p: the parameter, or its local shard; full: the state-full direction in p's shape before `coef` (overwritten),
-    or None; resid: the residual for the state-free rule, or None. A parameter with neither this step (an inactive
-    BAdam block) is left as it is, weight decay included.
+    p: the parameter, or its local shard, or a window of either; full: the state-full direction in p's shape
+    before `coef` (overwritten), or None; resid: the residual for the state-free rule, or None. A parameter with
+    neither this step (an inactive BAdam block) is left as it is, weight decay included. A bf16 weight under
+    ``param_rounding`` ``stochastic`` or ``kahan`` is updated in fp32 and written once (``write``): comp is its
+    compensation (``comp_of``, the same window), generator the stream of its stochastic rounding.
     """
     free = free_direction(group["free_rule"], resid) if resid is not None else None
     if full is None and free is None:
         return
     lr = float(group["lr"])
+    rounding = rounding_of(group, p)
+    if rounding != "nearest":
+        if rounding == "kahan" and comp is None:
+            raise ValueError("param_rounding='kahan' needs the weight's compensation (rules.comp_of)")
+        y = value_of(p, comp)
+        decay(y, group)
+        if full is not None and free is not None:
+            y.add_(full.mul_(coef).add_(free, alpha=float(group["free_scale"])), alpha=-lr)
+        elif full is not None:
+            y.add_(full, alpha=-lr * coef)
+        else:
+            y.add_(free, alpha=-lr * float(group["free_scale"]))
+        write(p, y, rounding, comp, generator)
+        return
     decay(p, group)
     if full is not None and free is not None:
         full = full.mul_(coef).add_(free, alpha=float(group["free_scale"]))

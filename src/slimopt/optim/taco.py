@@ -70,7 +70,8 @@ from typing import Any, Mapping, MutableMapping
 import torch
 from torch import Tensor
 
-from .rules import decay
+from .rules import decay, rounded, rounding_of, value_of, write
+from .windowed import ROUNDING_SCRATCH, window_elems
 
 __all__ = [
     "FORMATS",
@@ -301,14 +302,35 @@ def sparse_update(state: MutableMapping[str, Tensor], g: Tensor, group: Mapping[
     return rows, signs, c
 
 
-def apply_sparse(p: Tensor, rows: Tensor, signs: Tensor, coef: float, group: Mapping[str, Any]) -> None:
+def apply_sparse(p: Tensor, rows: Tensor, signs: Tensor, coef: float, group: Mapping[str, Any],
+                 comp: Tensor | None = None, generator: torch.Generator | None = None) -> None:
     """``rules.apply_update(p, d, coef, None, group)`` for TACO's one-entry-a-column d, touching n entries.
 
     p: (m, n); rows, signs: (1, n) as ``sparse_update`` returns them. The same arithmetic as the dense form on
     every entry: the decay multiplies all of p in place; the chosen entries get p + (-lr c) sign in fp32, rounded
-    once to p's dtype (the dense add computes p + (-lr c) d in fp32 too, and adds exactly 0 elsewhere)."""
-    decay(p, group)
+    once to p's dtype (the dense add computes p + (-lr c) d in fp32 too, and adds exactly 0 elsewhere). Under
+    ``param_rounding`` ``stochastic`` or ``kahan`` (comp: p's compensation; generator: the rounding's stream) the
+    decay, when there is one, is a pass over p in row windows, and the chosen entries are written as
+    ``rules.write`` writes."""
     lr = float(group["lr"])
     cols = torch.arange(p.shape[1], device=p.device)
     r = rows[0]
-    p[r, cols] = p[r, cols].float().add_(signs[0], alpha=-lr * coef).to(p.dtype)
+    rounding = rounding_of(group, p)
+    if rounding == "nearest":
+        decay(p, group)
+        p[r, cols] = p[r, cols].float().add_(signs[0], alpha=-lr * coef).to(p.dtype)
+        return
+    if float(group["weight_decay"]) != 0.0:
+        step_rows = max(1, window_elems(p.numel(), p.shape[1], ROUNDING_SCRATCH[rounding]) // p.shape[1])
+        for a in range(0, p.shape[0], step_rows):
+            part = comp[a:a + step_rows] if comp is not None else None
+            y = value_of(p[a:a + step_rows], part)
+            decay(y, group)
+            write(p[a:a + step_rows], y, rounding, part, generator)
+    y = p[r, cols].float()
+    if comp is not None:
+        y.add_(comp[r, cols])
+    new, lost = rounded(y.add_(signs[0], alpha=-lr * coef), p.dtype, rounding, generator)
+    p[r, cols] = new
+    if lost is not None:
+        comp[r, cols] = lost

@@ -1,0 +1,139 @@
+"""The element-wise update in windows (slimopt/optim/windowed.py): the same result as the whole-tensor step, and
+temporaries bounded by the window whatever the tensor's size (torch's MemTracker on CPU, against the planner)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slimopt import SlimOptimizer, state_nbytes
+from slimopt.optim import windowed
+
+SHAPE = (96, 1280)  # 122,880 elements: several windows at the small window size below, whole blocks for every codec
+
+
+def _steps(settings, dtype=torch.float32, steps=3, shape=SHAPE, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.nn.Parameter(torch.randn(shape, generator=gen).to(dtype))
+    opt = SlimOptimizer([w], lr=1e-2, weight_decay=0.1, fused=False, **settings)
+    for _ in range(steps):
+        w.grad = torch.randn(shape, generator=gen).to(dtype)
+        opt.step()
+    return w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items()}
+
+
+DETERMINISTIC = [
+    {"codec": "fp32"}, {"codec": "bf16"}, {"codec": "int8"}, {"codec": "int4"},
+    {"m_codec": "int4", "v_codec": "factored"}, {"m_codec": "fp32", "v_codec": "factored"},
+    {"rule": "lion", "codec": "int8", "betas": (0.9, 0.99)}, {"rule": "sgdm", "codec": "bf16"},
+    {"projector": "block", "density": 0.0, "free_rule": "sign"},
+    {"projector": "svd", "density": 0.0, "free_rule": "sgd"},
+]
+
+
+@pytest.mark.parametrize("settings", DETERMINISTIC, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_windows_equal_the_whole_tensor_step(settings, dtype, monkeypatch):
+    whole_w, whole_state = _steps(settings, dtype)
+    monkeypatch.setattr(windowed, "WINDOW_BYTES", 1 << 16)  # a few windows of this tensor
+    per = windowed.scratch_per_element(windowed.kind([]), dtype)
+    assert windowed.window_elems(SHAPE[0] * SHAPE[1], 1280, per) < SHAPE[0] * SHAPE[1] // 2
+    win_w, win_state = _steps(settings, dtype)
+    assert whole_state.keys() == win_state.keys()
+    if settings.get("v_codec") == "factored":  # column sums added window by window: the same sums in another order
+        torch.testing.assert_close(win_w, whole_w, rtol=1e-5, atol=1e-7)
+        for k in whole_state:
+            torch.testing.assert_close(win_state[k].float(), whole_state[k].float(), rtol=1e-5, atol=0)
+        return
+    assert torch.equal(win_w, whole_w)
+    for k in whole_state:
+        assert torch.equal(win_state[k], whole_state[k]), k
+
+
+@pytest.mark.parametrize("codec", ["ternary_sr", "ternary_ef", "bf16_sr"])
+def test_stochastic_codecs_in_windows(codec, monkeypatch):
+    # each window draws its own stream: the first window equals the whole-tensor step, the rest are as close to the
+    # exact moment as the whole-tensor step's draws are
+    settings = {"m_codec": codec}
+    # the weights see a rounding's draws two steps later (error feedback carries them one encode further)
+    whole_w, whole_state = _steps(settings, steps=3)
+    monkeypatch.setattr(windowed, "WINDOW_BYTES", 1 << 18)
+    win_w, win_state = _steps(settings, steps=3)
+    exact_w, exact_state = _steps({"codec": "fp32"}, steps=3)
+    n = windowed.window_elems(SHAPE[0] * SHAPE[1], 1280, windowed.scratch_per_element(
+        codec if codec.startswith("ternary") else "plain", torch.float32))
+    assert torch.equal(win_w.view(-1)[:n], whole_w.view(-1)[:n])
+    assert not torch.equal(win_w, whole_w)
+    err_whole = (whole_w - exact_w).abs().mean()
+    err_win = (win_w - exact_w).abs().mean()
+    assert err_win == pytest.approx(err_whole, rel=0.1)
+
+
+def _step_scratch(w, opt):
+    """Bytes opt.step() allocates beyond the weights, gradients and state (torch's MemTracker on CPU)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    opt.step()  # the state exists from here on
+    held = w.numel() * w.element_size() * 2 + state_nbytes(opt)
+    tracker = MemTracker()
+    tracker.track_external(w, opt)
+    with tracker:
+        opt.step()
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - held
+
+
+CASES = {"adamw": {}, "adamw8bit": {"state_bits": 8}, "adamw4bit": {"state_bits": 4},
+         "ternary_ef": {"codec": "ternary_ef"}, "ternary_sr": {"codec": "ternary_sr"},
+         "factored": {"v_codec": "factored"}, "lion": {"rule": "lion"}, "sgdm": {"rule": "sgdm"},
+         "state_free": {"projector": "block", "density": 0.0, "free_rule": "sign"},
+         "stochastic": {"param_rounding": "stochastic"}, "kahan": {"param_rounding": "kahan"}}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_step_temporaries_stay_within_the_window(case, monkeypatch):
+    # a 4M-element bf16 weight (8 MB; a whole-tensor AdamW step allocates 80 MB) with 2 MiB windows: the step
+    # allocates at most max(4 bytes per element, the window), and what the planner says within 5%
+    from slimopt.bench import planner
+
+    monkeypatch.setattr(windowed, "WINDOW_BYTES", 2 << 20)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2048, 2048, bias=False).to(torch.bfloat16)
+    w = model.weight
+    w.grad = torch.randn_like(w)
+    opt = SlimOptimizer([w], fused=False, **CASES[case])
+    measured = _step_scratch(w, opt)
+    assert measured <= max(4 * w.numel(), windowed.WINDOW_BYTES)
+    _, _, _, planned = planner._slim_param(opt, w, opt.param_groups[0])
+    assert measured == pytest.approx(planned, rel=0.05, abs=64 << 10)
+
+
+def test_stochastic_rounding_is_unbiased_and_kahan_keeps_what_rounding_loses():
+    # 100 updates of 2^-10 each onto bf16 ones (a bf16 step there is 2^-7: every update is under half of one)
+    exact = 1.0 + 100 * 2.0 ** -10
+    results = {}
+    for rounding in ("nearest", "stochastic", "kahan"):
+        w = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+        opt = SlimOptimizer([w], lr=2.0 ** -10, rule="sgdm", momentum=0.0, param_rounding=rounding, fused=False)
+        for _ in range(100):
+            w.grad = -torch.ones_like(w)
+            opt.step()
+        results[rounding] = (w.detach().float(), opt.state[w])
+    assert torch.equal(results["nearest"][0], torch.ones(4096))  # every update lost
+    sr = results["stochastic"][0]
+    assert sr.mean().item() == pytest.approx(exact, abs=3 * sr.std().item() / 4096 ** 0.5 + 1e-4)
+    kahan, state = results["kahan"]
+    assert torch.equal(kahan + state["kahan_comp"].float(), torch.full((4096,), exact))
+    assert state["kahan_comp"].dtype == torch.bfloat16
+
+
+def test_param_rounding_settings():
+    with pytest.raises(ValueError, match="param_rounding must be one of nearest, stochastic, kahan"):
+        SlimOptimizer([torch.nn.Parameter(torch.zeros(3))], param_rounding="sr")
+    with pytest.raises(ValueError, match="param_rounding='kahan' rounds bf16 weights; this group holds fp16"):
+        SlimOptimizer([torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))], param_rounding="kahan")
+    # fp32 weights are written exactly: any setting gives the nearest write, and no compensation
+    w = torch.nn.Parameter(torch.ones(8))
+    opt = SlimOptimizer([w], param_rounding="kahan")
+    w.grad = torch.ones(8)
+    opt.step()
+    assert "kahan_comp" not in opt.state[w]
