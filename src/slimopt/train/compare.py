@@ -42,12 +42,13 @@ from pathlib import Path
 from slimopt.train.compare_analysis import (CONTROL, MIN_CONTROL_MARGIN, aggregate_seeds, baseline_full_rank_weights,
                                             budget_warning, choose_lr, control_margin, control_verdicts,
                                             full_rank_weights, inside_noise, noise_pairs, ranking_text)
+from slimopt.options import split_variant
 from slimopt.train.loop import TrainConfig, known_methods, method_kind, resolve_lr, train
 from slimopt.train.results import write_csv, write_csv_and_markdown, write_json
 
 __all__ = ["DEFAULT_METHODS", "DEFAULT_LR_GRID", "DEFAULT_TUNE_FRACTION", "CONTROL", "CompareConfig",
            "default_methods", "run_compare", "write_results", "read_results", "CSV_COLUMNS", "SEED_CSV_COLUMNS",
-           "SWEEP_COLUMNS", "scaled_schedule_opts"]
+           "SWEEP_COLUMNS", "scaled_schedule_opts", "split_method"]
 
 # In the order the table lists them: full Adam, low-bit Adam, subspace methods, block methods, state-free
 # extremes, then the low-rank baselines the GaLore paper shows failing at pretraining.
@@ -192,16 +193,23 @@ def _base_lr(cfg: CompareConfig, method: str) -> tuple[float, str]:
         return float(lr), "--set"
     if method == CONTROL:
         return resolve_lr("adamw"), "AdamW's"
-    return resolve_lr(method), "paper"
+    return resolve_lr(split_method(method)[0]), "paper"
+
+
+def split_method(entry: str) -> tuple[str, dict]:
+    """A compared entry as (method, settings): a method name, or a variant ``NAME+KEY=VALUE[+KEY=VALUE...]``
+    (e.g. ``adamw+param_rounding=kahan``), which runs NAME with those settings under its own row."""
+    return split_variant(entry) if "+" in entry else (entry, {})
 
 
 def _method_config(cfg: CompareConfig, method: str, lr: float | None = None, seed: int | None = None,
                    out: Path | None = None) -> TrainConfig:
-    extra = {**scaled_schedule_opts(method, _full_steps(cfg)), **cfg.method_opts.get(method, {})}
+    name, variant = split_method(method)
+    extra = {**scaled_schedule_opts(name, _full_steps(cfg)), **variant, **cfg.method_opts.get(method, {})}
     extra.pop("lr", None)
     if lr is None:
         lr = _base_lr(cfg, method)[0]
-    return replace(cfg.base, method=method, opt={**cfg.base.opt, **extra}, lr=lr,
+    return replace(cfg.base, method=name, opt={**cfg.base.opt, **extra}, lr=lr,
                    seed=cfg.base.seed if seed is None else seed,
                    out=str(out if out is not None else Path(cfg.out) / "runs" / method), overwrite=True,
                    resume=False, save_every=0, save_model=False, tensorboard=False)
@@ -247,8 +255,9 @@ def _validate(cfg: CompareConfig, methods: list[str]) -> None:
                              f"got {cfg.tune_fraction!r}")
     peers = available_peers()
     for m in methods:
-        if method_kind(m) == "peer" and peers[m] is not None:
-            raise ImportError(f"peer {m!r} cannot run here: {peers[m]}")
+        name = split_method(m)[0]
+        if method_kind(name) == "peer" and peers[name] is not None:
+            raise ImportError(f"peer {name!r} cannot run here: {peers[name]}")
     unknown = sorted(set(cfg.method_opts) - set(methods))
     if unknown:
         raise ValueError(f"per-method options given for methods not compared: {', '.join(unknown)}")
@@ -319,14 +328,15 @@ def _run_isolated(cfg: TrainConfig) -> dict:
         return ex.submit(_child_train, cfg).result()
 
 
-def _run_one(cfg: CompareConfig, tc: TrainConfig) -> dict:
-    """One training run as a row; a failure becomes the row's status (with error.txt in its folder)."""
+def _run_one(cfg: CompareConfig, tc: TrainConfig, entry: str) -> dict:
+    """One training run of the compared `entry` as a row; a failure becomes the row's status (with error.txt in
+    its folder)."""
     try:
         res = _run_isolated(tc) if cfg.isolate else train(tc)
-        row = _row(res, tc.method)
+        row = _row(res, entry)
     except Exception as e:  # one run failing must not lose the others' results
         tb = traceback.format_exc(limit=3)
-        row = {"method": tc.method, "kind": method_kind(tc.method), "status": f"failed: {type(e).__name__}: {e}",
+        row = {"method": entry, "kind": method_kind(tc.method), "status": f"failed: {type(e).__name__}: {e}",
                "lr": tc.lr, "history": {"train": [], "eval": []}}
         Path(tc.out).mkdir(parents=True, exist_ok=True)
         (Path(tc.out) / "error.txt").write_text(tb)
@@ -347,7 +357,7 @@ def _sweep(cfg: CompareConfig, method: str, sweeps: dict, log) -> None:
         lr = base_lr * mult
         tc = replace(_method_config(cfg, method, lr=lr, out=_tune_dir(cfg, method, mult)), max_steps=steps,
                      tokens=None, eval_every=0, progress=False)
-        r = _run_one(cfg, tc)
+        r = _run_one(cfg, tc, method)
         entry["points"].append({"method": method, "multiplier": float(mult), "lr": lr, "base_lr": base_lr,
                                 "steps": steps, "seed": tc.seed, "status": r["status"],
                                 "val_loss": r.get("val_loss"), "val_ppl": r.get("val_ppl"), "chosen": False})
@@ -418,7 +428,7 @@ def run_compare(cfg: CompareConfig, log=print) -> list[dict]:
         runs = []
         for seed in seeds:
             tc = replace(_method_config(cfg, m, lr=lr, seed=seed, out=_run_dir(cfg, m, seed)), progress=cfg.progress)
-            run = _run_one(cfg, tc)
+            run = _run_one(cfg, tc, m)
             run["role"] = "control" if m == CONTROL else "method"
             runs.append(run)
             tag = f"[{i}/{len(methods)}]" + (f" seed {seed}" if len(seeds) > 1 else "")
@@ -539,7 +549,7 @@ def _settings(tc: TrainConfig) -> str:
 def _row(res: dict, method: str) -> dict:
     ok = math.isfinite(res["val_loss"])
     return {
-        "method": method, "kind": method_kind(method), "status": "ok" if ok else "diverged",
+        "method": method, "kind": method_kind(split_method(method)[0]), "status": "ok" if ok else "diverged",
         "val_loss": res["val_loss"], "val_ppl": res["val_ppl"], "val_tokens": res["val_tokens"],
         "state_mib": res["state_bytes"] / 2**20, "state_bytes_per_param": res["state_bytes_per_param"],
         "peak_mem_mib": res["peak_mem_bytes"] / 2**20, "peak_mem_kind": res["peak_mem_kind"],
@@ -729,7 +739,9 @@ def _markdown(rows: list[dict], cfg: CompareConfig, elapsed: float | None, sweep
         lines += ["", *_sweep_table(sweeps, cfg), "", "![lr sweep](lr_sweep.png)"]
     lines += ["", "![loss curves](loss_curves.png)", "", "![memory](memory.png)", "",
               "Reproduce one row: `slimopt train " + _cli_args(b) + " --method METHOD --lr LR` (LR: column lr"
-              + (", and --seed for each seed" if multi else "") + ").", ""]
+              + (", and --seed for each seed" if multi else "")
+              + (("; a row NAME+KEY=VALUE is --method NAME --opt KEY=VALUE")
+                 if any("+" in r["method"] for r in rows) else "") + ").", ""]
     return "\n".join(lines)
 
 
