@@ -86,7 +86,9 @@ CASES = {"adamw": {}, "adamw8bit": {"state_bits": 8}, "adamw4bit": {"state_bits"
          "ternary_ef": {"codec": "ternary_ef"}, "ternary_sr": {"codec": "ternary_sr"},
          "factored": {"v_codec": "factored"}, "lion": {"rule": "lion"}, "sgdm": {"rule": "sgdm"},
          "state_free": {"projector": "block", "density": 0.0, "free_rule": "sign"},
-         "stochastic": {"param_rounding": "stochastic"}, "kahan": {"param_rounding": "kahan"}}
+         "stochastic": {"param_rounding": "stochastic"}, "kahan": {"param_rounding": "kahan"},
+         "taco": {"rule": "taco"}, "taco_k4": {"rule": "taco", "taco_k": 4},
+         "taco_kahan_decay": {"rule": "taco", "param_rounding": "kahan", "weight_decay": 0.1}}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -100,7 +102,7 @@ def test_step_temporaries_stay_within_the_window(case, monkeypatch):
     model = torch.nn.Linear(2048, 2048, bias=False).to(torch.bfloat16)
     w = model.weight
     w.grad = torch.randn_like(w)
-    opt = SlimOptimizer([w], fused=False, **CASES[case])
+    opt = SlimOptimizer([w], fused=case.startswith("taco"), **CASES[case])  # TACO's fused step is the windowed one
     measured = _step_scratch(w, opt)
     assert measured <= max(4 * w.numel(), windowed.WINDOW_BYTES)
     _, _, _, planned = planner._slim_param(opt, w, opt.param_groups[0])
@@ -137,3 +139,30 @@ def test_param_rounding_settings():
     w.grad = torch.ones(8)
     opt.step()
     assert "kahan_comp" not in opt.state[w]
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_taco_candidates_in_row_windows_equal_the_whole_search(k, dtype, monkeypatch):
+    # gradients with many equal magnitudes: ties across windows must go to the smaller row, as in one search
+    from slimopt.optim import taco
+
+    group = {**taco.DEFAULTS, "taco_k": k}
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randint(-6, 7, (300, 40), generator=gen).to(dtype) for _ in range(4)]
+
+    def run():
+        state, out = {}, []
+        for g in grads:
+            rows, signs, _ = taco.sparse_update(state, g, group, g.shape)
+            out.append((rows, signs))
+        return out, state
+
+    whole, whole_state = run()
+    monkeypatch.setattr(windowed, "WINDOW_BYTES", 40 * 4 * 16)  # 16 rows a window (at least 2k + 1)
+    win, win_state = run()
+    for (r1, s1), (r2, s2) in zip(whole, win):
+        assert torch.equal(r1, r2) and torch.equal(s1, s2)
+    assert whole_state.keys() == win_state.keys()
+    for key in whole_state:
+        assert torch.equal(whole_state[key], win_state[key]), key

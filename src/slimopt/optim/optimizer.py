@@ -340,6 +340,13 @@ class SlimOptimizer(torch.optim.Optimizer):
                 return
         elif self._windowed(p, group, state, grad, step, layout, False):
             return
+        if layout == "none" and group["fused"] and taco.owns(group, p.shape) and grad.shape == p.shape:
+            # one entry a column to write, not a dense pass; the gradient read in row windows
+            rows, signs, c = taco.sparse_update(state, grad, group, p.shape)
+            rounding = rounding_of(group, p)
+            taco.apply_sparse(p, rows, signs, c, group, comp_of(state, p, rounding),
+                              self._param_stream(p, group, step, rounding))
+            return
         g = grad if grad.dtype in (torch.float32, torch.float64) else grad.float()  # compute in fp32 (or fp64)
 
         full = None  # the state-full update in full space, before lr
@@ -347,12 +354,6 @@ class SlimOptimizer(torch.optim.Optimizer):
         resid = None  # the residual for the state-free rule
         if layout == "none":
             if self._fused(p, group, state, g):
-                return
-            if group["fused"] and taco.owns(group, p.shape):  # one entry a column to write, not a dense pass
-                rows, signs, c = taco.sparse_update(state, g, group, p.shape)
-                rounding = rounding_of(group, p)
-                taco.apply_sparse(p, rows, signs, c, group, comp_of(state, p, rounding),
-                                  self._param_stream(p, group, step, rounding))
                 return
             full, coef = self._stateful(p, group, state, g, step)
         elif layout == "block":

@@ -265,15 +265,21 @@ def sparse_update(state: MutableMapping[str, Tensor], g: Tensor, group: Mapping[
                   shape: torch.Size | tuple[int, ...] | None = None) -> tuple[Tensor, Tensor, float]:
     """``update`` with the direction as its one entry a column: (rows, signs, c), rows (1, n) int64 and signs
     (1, n) fp32 in {-1, 0, +1}; d = zeros (m, n) with d[rows[0, j], j] = signs[0, j]. Applying it costs O(n)
-    instead of a pass over the weight (``apply_sparse``)."""
+    instead of a pass over the weight (``apply_sparse``).
+
+    g may be narrower than fp32 (a bf16 gradient): it is read in windows of rows, each taken to fp32 on its own,
+    and the candidates of step 3 are the best of each window's best (``_window_candidates``), so what the step
+    allocates stays under ``windowed.WINDOW_BYTES`` whatever the weight's size; the result is the whole-tensor
+    search's."""
     if g.dim() != 2:
         raise ValueError(f"TACO's update needs a 2-D gradient, got shape {tuple(g.shape)}")
     c = float(group["taco_alpha"]) * dimension_factor(shape if shape is not None else g.shape, group["taco_norm"])
     k = group["taco_k"]
-    if k == 0:
-        rows = g.abs().argmax(dim=0, keepdim=True)  # (1, n); argmax returns the first maximum
-        return rows, g.gather(0, rows).sign(), c
     m, n = g.shape
+    if k == 0:
+        no_rows = torch.zeros((0, n), dtype=torch.long, device=g.device)
+        rows, _ = _window_candidates(g, no_rows, no_rows.bool(), 1)  # (1, n); the first maximum
+        return rows, g.gather(0, rows).float().sign(), c
     if "taco_rows" not in state or state["taco_rows"].shape != (k, n):
         state.update(init_state(g.shape, k, group["taco_format"], group["taco_scale_dtype"], g.device))
     beta = float(group["taco_decay"])
@@ -281,15 +287,11 @@ def sparse_update(state: MutableMapping[str, Tensor], g: Tensor, group: Mapping[
     rows, values = decode(state)  # (k, n), (k, n)
     live = values != 0
     # 2. stored components follow the EMA of their own entry; empty slots stay empty
-    values = torch.where(live, values.mul_(beta).add_(g.gather(0, rows), alpha=1.0 - beta), 0.0)
-    # 3. candidates among the rows not stored (amin is order-independent, so duplicate rows of empty slots are
-    # harmless)
-    a = g.abs()
-    hide = torch.where(live, -1.0, math.inf)
-    a.scatter_reduce_(0, rows, hide, reduce="amin")
+    values = torch.where(live, values.mul_(beta).add_(g.gather(0, rows).float(), alpha=1.0 - beta), 0.0)
+    # 3. candidates among the rows not stored
     kc = min(k, m)
-    cand_rows, valid = _candidates(a, kc)
-    cand_values = g.gather(0, cand_rows).mul_(1.0 - beta).masked_fill_(~valid, 0.0)
+    cand_rows, valid = _window_candidates(g, rows, live, kc)
+    cand_values = g.gather(0, cand_rows).float().mul_(1.0 - beta).masked_fill_(~valid, 0.0)
     # 4. keep the k largest |value| of stored + candidates (stable: stored first, earlier slots first)
     all_rows = torch.cat([rows, cand_rows])  # (k + kc, n)
     all_values = torch.cat([values, cand_values])
@@ -300,6 +302,71 @@ def sparse_update(state: MutableMapping[str, Tensor], g: Tensor, group: Mapping[
     # 6. store
     _encode(state, kept_rows, kept_values)
     return rows, signs, c
+
+
+# Bytes per element of a window of rows in the candidate search (the window's |g| in fp32), and per column and
+# stored component (the candidates, their merge with the best so far and the k-slot selection of step 4). Measured
+# with torch's MemTracker on CPU (tests/test_windowed.py): a 2048 x 2048 step allocates 4.02 bytes per element
+# whole and 2 MiB plus 100 bytes a column (k = 1; 376 at k = 4) in 2 MiB windows.
+_CANDIDATE_SCRATCH = 4
+_COLUMN_SCRATCH = 96
+
+
+def scratch_bytes(shape: torch.Size | tuple[int, ...], group: Mapping[str, Any], dtype: torch.dtype) -> int:
+    """What one fused TACO step (``sparse_update`` then ``apply_sparse``) of a `shape` weight allocates at most: a
+    window of the candidate search and its per-column bookkeeping, or, for a bf16 weight written with stochastic
+    rounding or Kahan compensation under weight decay, the decay pass's window if that is larger."""
+    m, n = shape
+    rows = max(2 * max(1, min(group["taco_k"], m)) + 1,
+               window_elems(m * n, n, _CANDIDATE_SCRATCH) // n)
+    search = _CANDIDATE_SCRATCH * min(m, rows) * n + (_COLUMN_SCRATCH * max(1, group["taco_k"]) + 8) * n
+    rounding = rounding_of(group, torch.empty(0, dtype=dtype, device="meta"))
+    if rounding == "nearest" or float(group["weight_decay"]) == 0.0:
+        return search
+    per = ROUNDING_SCRATCH[rounding]
+    return max(search, per * window_elems(m * n, n, per))
+
+
+def _window_candidates(g: Tensor, rows: Tensor, live: Tensor, kc: int) -> tuple[Tensor, Tensor]:
+    """Step 3 over row windows: the kc rows of largest |g| in each column among the rows not stored (rows (k, n)
+    where live), largest first, the smaller row first on ties; returns rows (kc, n) int64 and valid (kc, n) bool.
+
+    Each window's own kc best (``_candidates`` on its |g|, stored rows hidden) are merged with the best so far by
+    a stable sort on |g|: the order of the whole-tensor search (value descending, then row ascending), since
+    earlier windows hold smaller rows. Every window but a lone whole one holds at least 2 kc + 1 rows, so at least
+    kc + 1 rows of it are not stored (k <= kc of them can be) and its candidates are all valid, as the
+    whole-tensor search's are for such a tensor."""
+    m, n = g.shape
+    size = max(2 * kc + 1, window_elems(m * n, n, _CANDIDATE_SCRATCH) // n)
+    starts = list(range(0, m, size))
+    if len(starts) > 1 and m - starts[-1] < 2 * kc + 1:
+        starts.pop()  # the short last window joins the one before it
+    bounds = list(zip(starts, starts[1:] + [m]))
+    best_rows = best_abs = None
+    for r0, r1 in bounds:
+        cand, cand_abs = _window_best(g, r0, r1, rows, live, kc)
+        if best_rows is None:
+            best_rows, best_abs = cand, cand_abs
+            continue
+        both_rows, both_abs = torch.cat([best_rows, cand]), torch.cat([best_abs, cand_abs])
+        order = both_abs.sort(dim=0, descending=True, stable=True).indices[:kc]
+        best_rows, best_abs = both_rows.gather(0, order), both_abs.gather(0, order)
+    return best_rows, best_abs >= 0
+
+
+def _window_best(g: Tensor, r0: int, r1: int, rows: Tensor, live: Tensor, kc: int) -> tuple[Tensor, Tensor]:
+    """The candidates of rows [r0, r1) of g: (rows (kc', n) int64, |g| there (kc', n) fp32, -1 where not valid).
+    A function of its own so that the window's |g| is freed before the next window allocates its own."""
+    a = g[r0:r1].float() if g.dtype != torch.float32 else g[r0:r1].clone()
+    a.abs_()
+    mine = live & (rows >= r0) & (rows < r1)  # stored rows inside this window: hidden
+    # amin is order-independent, so duplicate rows of empty slots are harmless; rows outside the window scatter
+    # +inf onto row 0, which changes nothing
+    a.scatter_reduce_(0, torch.where(mine, rows - r0, 0), torch.where(mine, -1.0, math.inf), reduce="amin")
+    cand, valid = _candidates(a, min(kc, r1 - r0))
+    del a
+    cand_abs = g[r0:r1].gather(0, cand).float().abs_().masked_fill_(~valid, -1.0)
+    return cand + r0, cand_abs
 
 
 def apply_sparse(p: Tensor, rows: Tensor, signs: Tensor, coef: float, group: Mapping[str, Any],

@@ -37,7 +37,8 @@ WINDOW_BYTES = 64 << 20
 # Measured with torch's MemTracker on CPU, torch 2.13 (a 2048 x 2048 weight stepped whole; tests/test_windowed.py
 # checks the windowed kinds, tests/test_planner.py a LLaMA step); an estimate of what any device allocates, since
 # kernels differ. The windowed kinds (plain, factored, momentum, 8bit, ternary_*, state_free) allocate this per
-# element of a window; the others (projected steps, TACO) per element of the tensor.
+# element of a window; the others per element of the tensor: projected steps, and TACO's dense reference step
+# (fused=False; its fused step searches row windows: taco.scratch_bytes).
 SCRATCH_PER_ELEMENT = {"plain": (20, 8), "factored": (20, 12), "momentum": (14, 4), "8bit": (33, 29),
                        "ternary_sr": (61, 57), "ternary_ef": (77, 73), "state_free": (8, 4), "taco": (12, 8),
                        "projected": (11, 7), "projected_8bit": (17, 13), "coordinates": (18, 14)}
