@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU benchmark in one call: LLaMA-1B, bf16 weights, every slimopt method and every peer on one H200, plus the
-# memory planner against torch.cuda.max_memory_allocated for a real training step at batch 8 x 512. Fits one
-# 8-minute run (each stage has its own time limit; methods left when the budget is spent get a "skipped" row).
+# memory planner against torch.cuda.max_memory_allocated for a real training step at batch 8 x 512, then LLaMA-7B
+# steps under a 16 GB cap. Fits one 9-minute run (each stage has its own time limit; methods left when the budget is spent get a "skipped" row).
 #
 # Prepare once, where PyPI is reachable (the GPU machine has no network):
 #     bash benchmarks/fetch_wheels.sh            # -> .whl/ (git-ignored): bitsandbytes, torchao, galore-torch, apollo
 # Run on the GPU machine, from the repository root (with the device tool: carry [".whl"], timeout_s 590):
 #     bash benchmarks/gpu_bench.sh
 # Results land in $OUT (default ./gpu-bench): bench.md (tables, goals), bench.json, bench.png, memory-1b.md,
-# env.txt, log.txt. Copy them into docs/benchmarks.md with the date and device they name.
+# llama7b.md and llama7b.json (LLaMA-7B under a 16 GB cap: benchmarks/llama7b_16gb.py), env.txt, log.txt. Copy
+# them into docs/benchmarks.md with the date and device they name.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-bench}"
@@ -41,12 +42,16 @@ METHODS=torch-adamw-fused,torch-adamw,adamw8bit,bnb-adamw8bit,frugal,frugal_rho0
 METHODS=$METHODS,adamw8bit+compile=true,adamw+compile=true,adamw4bit,ternary_adamw,frugal8bit,frugal_ternary
 METHODS=$METHODS,badam,signsgd,apollo,apollo-mini,torchao-adamw8bit,torchao-adamw4bit,galore,galore8bit
 METHODS=$METHODS,galore-torch,galore-torch-8bit
-timeout 420 python3 -m slimopt bench --model 1b --device cuda --dtype bf16 --methods "$METHODS" \
-    --steps 20 --warmup 3 --max-minutes 4 --check-planner --batch 8 --seq 512 --out "$OUT" 2>&1 | tee "$OUT/log.txt"
+timeout 380 python3 -m slimopt bench --model 1b --device cuda --dtype bf16 --methods "$METHODS" \
+    --steps 20 --warmup 3 --max-minutes 3.5 --check-planner --batch 8 --seq 512 --out "$OUT" 2>&1 | tee "$OUT/log.txt"
 status=${PIPESTATUS[0]}
 
 # 3. the planner's table for the same model and batch (seconds, no GPU work), next to the measurements
 timeout 60 python3 -m slimopt memory --model 1b --method all --gpu-memory 139GiB --batch 8 --seq 512 \
     > "$OUT/memory-1b.md" 2>> "$OUT/log.txt"
-echo "gpu_bench: slimopt bench exited with $status; results in $OUT"
+# 4. LLaMA-7B under a 16 GB cap with the frugal_head recipe: measured peak against the plan, step time
+timeout 120 python3 benchmarks/llama7b_16gb.py --out "$OUT" 2>&1 | tee -a "$OUT/log.txt"
+status7b=${PIPESTATUS[0]}
+echo "gpu_bench: slimopt bench exited with $status, the 7B run with $status7b; results in $OUT"
+[ "$status" -eq 0 ] && exit "$status7b"
 exit "$status"

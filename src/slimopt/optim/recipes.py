@@ -25,7 +25,7 @@ from .usage import unused_reason
 
 # Settings build() accepts; those in _SHARED go to every group, the rest to the projectable group.
 _SHARED = ("lr", "betas", "eps", "eps_placement", "weight_decay", "momentum", "rule", "seed", "codec", "m_codec",
-           "v_codec", "state_bits", "compile", "fused")
+           "v_codec", "state_bits", "compile", "fused", "param_rounding")
 
 
 def methods() -> dict[str, str]:
@@ -45,10 +45,11 @@ def _method(name: str) -> Method:
 
 
 def param_groups(model: nn.Module, method: str, *, target_modules: str | Iterable[str] | None = None,
-                 state_full: str = "all", overrides: dict[str, dict[str, Any]] | None = None,
+                 state_full: str | None = None, overrides: dict[str, dict[str, Any]] | None = None,
                  **hparams: Any) -> list[dict[str, Any]]:
     """The parameter groups ``build`` gives the optimizer (see ``build``)."""
     spec = _method(method)
+    state_full = spec.state_full if state_full is None else state_full
     unknown = sorted(set(hparams) - set(DEFAULTS))
     if unknown:
         raise ValueError(f"unknown hyperparameter(s) {unknown} for method {method!r}; allowed: {', '.join(DEFAULTS)}")
@@ -122,19 +123,20 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def build(model: nn.Module, method: str = "adamw", *, target_modules: str | Iterable[str] | None = None,
-          state_full: str = "all", overrides: dict[str, dict[str, Any]] | None = None,
+          state_full: str | None = None, overrides: dict[str, dict[str, Any]] | None = None,
           **hparams: Any) -> SlimOptimizer:
     """Partition `model`'s trainable parameters and return the optimizer for `method`.
 
     - hparams: any SlimOptimizer setting. lr, betas, eps, eps_placement, weight_decay, momentum, rule, seed,
-      compile and the codec settings apply to every group; the others (rank, density, update_gap, scale,
-      projector, ...) to the projectable weights. lr defaults to ``default_lr(method)``. A setting that no group
+      compile, fused, param_rounding and the codec settings apply to every group; the others (rank, density,
+      update_gap, scale, projector, ...) to the projectable weights. lr defaults to ``default_lr(method)``. A setting that no group
       receiving it reads (``rank`` for plain AdamW, ``momentum`` for Adam) is a ValueError naming it, not a silent
       no-op.
     - target_modules: which Linear modules are projectable (Hugging Face ``optim_target_modules`` convention);
       default all Linear weights outside the output layer.
     - state_full: ``"all"`` keeps embeddings, norms and the head in AdamW; ``"head"`` keeps only the output layer
       state-full and moves embeddings and norms to signSGD (FRUGAL's finding that only the head needs Adam).
+      Default: the method's own (``"head"`` for ``frugal_head``, else ``"all"``).
     - overrides: ``{regex: settings}``; a parameter whose name matches (``re.search``, first match wins) gets its
       kind's settings updated with these, in a group of its own.
 

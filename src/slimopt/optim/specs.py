@@ -42,6 +42,7 @@ class Method:
     projectable: dict[str, Any] = field(default_factory=dict)
     rest: dict[str, Any] = field(default_factory=dict)
     shared: dict[str, Any] = field(default_factory=dict)  # settings for every group (codecs)
+    state_full: str = "all"  # build()'s default: "head" keeps Adam state on the output layer only
 
 
 METHODS: dict[str, Method] = {
@@ -71,6 +72,10 @@ METHODS: dict[str, Method] = {
                    projectable=dict(TACO_DEFAULTS)),
     "signsgd": Method("signSGD on every parameter: no optimizer state", 3e-4, projectable=dict(STATE_FREE),
                       rest=dict(STATE_FREE)),
+    "frugal_head": Method("FRUGAL at density 0 with Adam state on the output layer only (8-bit); signSGD on every "
+                          "other parameter; bf16 weights written with stochastic rounding: the 7B-under-16GB recipe",
+                          1e-3, projectable={**FRUGAL_DEFAULTS, "density": 0.0}, rest={"codec": "int8"},
+                          shared={"param_rounding": "stochastic"}, state_full="head"),
     "muon": Method("Muon: the momentum of each Linear weight orthogonalized by 5 Newton-Schulz steps (torch.optim."
                    "Muon's step, update RMS matched to AdamW's); AdamW on embeddings, norms, biases and head", 1e-3,
                    projectable=dict(MUON_DEFAULTS), shared=dict(MUON_SHARED)),
