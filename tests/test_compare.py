@@ -155,3 +155,24 @@ def test_in_process_mode_says_memory_is_not_per_method(data, tmp_path):
     assert rows[0]["status"] == "ok" and "in-process" in rows[0]["peak_mem_kind"]
     assert "in-process" in (tmp_path / "o" / "results.md").read_text()
     assert np.isfinite(rows[0]["val_ppl"])
+
+
+def test_runs_at_a_time_and_variants(data, tmp_path):
+    # two runs at a time give the numbers one at a time gives; a variant NAME+KEY=VALUE runs NAME with that setting
+    # in a row of its own
+    corpus, cache = data
+    results = {}
+    for jobs in (1, 2):
+        cfg = CompareConfig(base=fast_config(corpus, cache, max_steps=3, threads=1),
+                            methods=["adamw", "adamw+eps=0.1"], out=str(tmp_path / f"j{jobs}"), isolate=True,
+                            progress=False, control=False, jobs=jobs)
+        rows = run_compare(cfg, log=lambda *_: None)
+        assert [r["method"] for r in rows] == ["adamw", "adamw+eps=0.1"]
+        assert all(r["status"] == "ok" for r in rows)
+        results[jobs] = [r["val_loss"] for r in rows]
+        assert ("2 runs at a time" in (tmp_path / f"j{jobs}" / "results.md").read_text()) == (jobs == 2)
+    assert results[1] == results[2]
+    assert results[1][0] != results[1][1]  # eps 0.1 changes Adam's steps
+    with pytest.raises(ValueError, match="--jobs must be an integer >= 1"):
+        run_compare(CompareConfig(base=fast_config(corpus, cache, max_steps=3), methods=["adamw"],
+                                  out=str(tmp_path / "bad"), jobs=0), log=lambda *_: None)

@@ -66,6 +66,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--in-process", action="store_true",
                    help="run methods in this process (faster start, but peak memory is not per method)")
     p.add_argument("--no-progress", action="store_true", help="no per-method progress bars")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="runs at a time, each a process of its own (default: on a CPU one per core that --threads "
+                        "leaves free, so 2 on a 2-core machine at the default 1 thread; on a GPU 1); per-method "
+                        "progress bars show only with 1")
     h = p.add_argument_group("honest comparisons")
     h.add_argument("--no-control", action="store_true",
                    help="leave out the control row (frozen: AdamW on embeddings, norms and head with every attention "
@@ -119,7 +123,7 @@ def run(args) -> int:
         tuning["tune_fraction"] = args.tune_fraction
     cfg = CompareConfig(base=base, methods=methods, method_opts=parse_method_opts(args.set_opts), out=args.out,
                         isolate=not args.in_process, progress=not args.no_progress, control=not args.no_control,
-                        tune_lr=args.tune_lr, seeds=args.seeds, **tuning)
+                        tune_lr=args.tune_lr, seeds=args.seeds, jobs=args.jobs, **tuning)
     rows = run_compare(cfg)
     failed = [r["method"] for r in rows if r["status"].startswith("failed")]
     return 1 if failed else 0

@@ -34,7 +34,7 @@ import platform
 import sys
 import time
 import traceback
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -158,6 +158,7 @@ class CompareConfig:
     control_lr_grid: tuple[float, ...] = DEFAULT_CONTROL_LR_GRID
     tune_fraction: float = DEFAULT_TUNE_FRACTION
     seeds: int = 1
+    jobs: int | None = None  # runs at a time; None: one per core a run's threads leave free on a CPU, one on a GPU
 
 
 def _entries(cfg: CompareConfig) -> list[str]:
@@ -232,6 +233,8 @@ def _validate(cfg: CompareConfig, methods: list[str]) -> None:
     dup = sorted({m for m in methods if methods.count(m) > 1})
     if dup:
         raise ValueError(f"methods listed twice: {', '.join(dup)}")
+    if cfg.jobs is not None and (not isinstance(cfg.jobs, int) or isinstance(cfg.jobs, bool) or cfg.jobs < 1):
+        raise ValueError(f"--jobs must be an integer >= 1 (runs at a time), got {cfg.jobs!r}")
     if not isinstance(cfg.seeds, int) or isinstance(cfg.seeds, bool) or cfg.seeds < 1:
         raise ValueError(f"--seeds must be an integer >= 1 (the number of seeds each method runs with), "
                          f"got {cfg.seeds!r}")
@@ -347,17 +350,40 @@ def _run_one(cfg: CompareConfig, tc: TrainConfig, entry: str) -> dict:
     return row
 
 
-def _sweep(cfg: CompareConfig, method: str, sweeps: dict, log) -> None:
-    """The learning-rate grid of one method on short runs; fills sweeps[method] point by point."""
+def jobs_for(cfg: CompareConfig) -> int:
+    """How many runs go at a time: cfg.jobs, or one per core that a run's threads leave free (CPU; one on a GPU,
+    and one in-process)."""
+    if not cfg.isolate:
+        return 1
+    if cfg.jobs is not None:
+        return cfg.jobs
+    if not str(cfg.base.device or "cpu").startswith("cpu"):
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // (cfg.base.threads or cores))
+
+
+def _sweep_submit(cfg: CompareConfig, method: str, pool: ThreadPoolExecutor) -> list[tuple[float, float, Future]]:
+    """Start the learning-rate grid of one method on short runs: [(multiplier, lr, run)]."""
+    base_lr, _ = _base_lr(cfg, method)
+    steps = _tune_steps(cfg)
+    pending = []
+    for mult in _grid_for(cfg, method):
+        lr = base_lr * mult
+        tc = replace(_method_config(cfg, method, lr=lr, out=_tune_dir(cfg, method, mult)), max_steps=steps,
+                     tokens=None, eval_every=0, progress=False)
+        pending.append((mult, lr, tc, pool.submit(_run_one, cfg, tc, method)))
+    return pending
+
+
+def _sweep(cfg: CompareConfig, method: str, pending: list, sweeps: dict, log) -> None:
+    """Collect one method's grid runs in grid order; fills sweeps[method] point by point."""
     base_lr, source = _base_lr(cfg, method)
     steps = _tune_steps(cfg)
     entry = sweeps[method] = {"base_lr": base_lr, "base_lr_source": source, "points": [], "chosen": None}
     entry["grid"] = list(_grid_for(cfg, method))
-    for mult in entry["grid"]:
-        lr = base_lr * mult
-        tc = replace(_method_config(cfg, method, lr=lr, out=_tune_dir(cfg, method, mult)), max_steps=steps,
-                     tokens=None, eval_every=0, progress=False)
-        r = _run_one(cfg, tc, method)
+    for mult, lr, tc, run in pending:
+        r = run.result()
         entry["points"].append({"method": method, "multiplier": float(mult), "lr": lr, "base_lr": base_lr,
                                 "steps": steps, "seed": tc.seed, "status": r["status"],
                                 "val_loss": r.get("val_loss"), "val_ppl": r.get("val_ppl"), "chosen": False})
@@ -394,11 +420,13 @@ def run_compare(cfg: CompareConfig, log=print) -> list[dict]:
     full_rank = {m: _dry_build(_method_config(cfg, m), packed.vocab_size) for m in methods}
     b = cfg.base
     seeds = _seed_list(cfg)
+    jobs = jobs_for(cfg)
     log(f"slimopt compare: {len(methods)} methods x {steps} steps of {b.batch_size}x{b.seq_len} "
         f"tokens ({steps * b.batch_size * b.seq_len:,} tokens), model {b.model}, "
         f"data {b.data} ({packed.train.shape[0]:,} train blocks), "
         + (f"seed {b.seed}" if len(seeds) == 1 else f"seeds {seeds[0]}-{seeds[-1]}")
-        + (f"; control: {CONTROL}" if CONTROL in methods else "; no control row"))
+        + (f"; control: {CONTROL}" if CONTROL in methods else "; no control row")
+        + (f"; {jobs} runs at a time" if jobs > 1 else ""))
     for m in methods:
         if full_rank[m]:
             log(f"warning: {_full_rank_note(full_rank[m], m)}")
@@ -417,18 +445,43 @@ def run_compare(cfg: CompareConfig, log=print) -> list[dict]:
                          f"x{', x'.join(f'{g:g}' for g in cfg.lr_grid)} of each one's default")
         log(f"tuning learning rates on runs of {_tune_steps(cfg)} of {steps} steps, seed {b.seed}: "
             + "; ".join(parts))
-        for m in tuned:
-            _sweep(cfg, m, sweeps, log)
-            best = sweeps[m]["chosen"]
-            log(f"  {m}: lr {best['lr']:.3g} (x{best['multiplier']:g})" if best else
-                f"  {m}: no grid point finished; the full runs use lr {sweeps[m]['base_lr']:.3g}")
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            pending = {m: _sweep_submit(cfg, m, pool) for m in tuned}
+            for m in tuned:
+                _sweep(cfg, m, pending[m], sweeps, log)
+                best = sweeps[m]["chosen"]
+                log(f"  {m}: lr {best['lr']:.3g} (x{best['multiplier']:g})" if best else
+                    f"  {m}: no grid point finished; the full runs use lr {sweeps[m]['base_lr']:.3g}")
     rows: list[dict] = []
+    pool = ThreadPoolExecutor(max_workers=jobs)  # each run is a process of its own: the threads only wait
+    try:
+        _full_runs(cfg, methods, seeds, sweeps, full_rank, pool, jobs, rows, out, t0, log)
+    finally:
+        pool.shutdown(cancel_futures=True)
+    _annotate(rows)
+    write_results(rows, cfg, out, elapsed=time.perf_counter() - t0, sweeps=sweeps)
+    for line in _conclusions(rows, cfg):
+        log(line)
+    log(f"results: {out / 'results.md'} ({time.perf_counter() - t0:.0f} s in all)")
+    return rows
+
+
+def _full_runs(cfg: CompareConfig, methods: list[str], seeds: list[int], sweeps: dict, full_rank: dict,
+               pool: ThreadPoolExecutor, jobs: int, rows: list[dict], out: Path, t0: float, log) -> None:
+    """Start every method's full runs (all seeds; `jobs` at a time), then gather them in table order into `rows`,
+    writing the results after each method so that partial results survive."""
+    pending = {}
+    for m in methods:
+        lr = _chosen_lr(cfg, m, sweeps)[0]
+        pending[m] = [pool.submit(_run_one, cfg, replace(_method_config(cfg, m, lr=lr, seed=seed,
+                                                                         out=_run_dir(cfg, m, seed)),
+                                                         progress=cfg.progress and jobs == 1), m)
+                      for seed in seeds]
     for i, m in enumerate(methods, 1):
         lr, source, mult = _chosen_lr(cfg, m, sweeps)
         runs = []
-        for seed in seeds:
-            tc = replace(_method_config(cfg, m, lr=lr, seed=seed, out=_run_dir(cfg, m, seed)), progress=cfg.progress)
-            run = _run_one(cfg, tc, m)
+        for seed, future in zip(seeds, pending[m]):
+            run = future.result()
             run["role"] = "control" if m == CONTROL else "method"
             runs.append(run)
             tag = f"[{i}/{len(methods)}]" + (f" seed {seed}" if len(seeds) > 1 else "")
@@ -439,12 +492,6 @@ def run_compare(cfg: CompareConfig, log=print) -> list[dict]:
         rows.append(row)
         _annotate(rows)
         write_results(rows, cfg, out, elapsed=time.perf_counter() - t0, sweeps=sweeps)  # partial results survive
-    _annotate(rows)
-    write_results(rows, cfg, out, elapsed=time.perf_counter() - t0, sweeps=sweeps)
-    for line in _conclusions(rows, cfg):
-        log(line)
-    log(f"results: {out / 'results.md'} ({time.perf_counter() - t0:.0f} s in all)")
-    return rows
 
 
 def _seed_list(cfg: CompareConfig) -> list[int]:
@@ -701,8 +748,11 @@ def _markdown(rows: list[dict], cfg: CompareConfig, elapsed: float | None, sweep
                  f"allocated. Tokens/s: training steps only; wall s: the whole run (model build, evaluations); "
                  f"CPU s: processor time of the run over all its threads, which other work on the machine does not "
                  f"inflate.")
+    jobs = jobs_for(cfg)
     if elapsed is not None:
-        lines.append(f"- Wall time of the whole comparison: {elapsed:.0f} s.")
+        lines.append(f"- Wall time of the whole comparison: {elapsed:.0f} s"
+                     + (f", {jobs} runs at a time (each run's tokens/s and wall s include sharing the machine "
+                        "with the others; CPU s does not)." if jobs > 1 else "."))
     lines.append(f"- Step-counting settings (subspace refresh / block switch / restart intervals) are scaled to the "
                  f"run when it is shorter than {_MIN_REFRESHES} of the papers' intervals: column settings.")
     warns = _warnings(rows, cfg)
