@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import slimopt
-from helpers import backward, batches, save_and_load, tiny_llama, twins
+from helpers import assert_continues_identically, backward, batches, save_and_load, tiny_llama, twins
 from slimopt.optim import multi_tensor
 from slimopt.optim import muon
 from slimopt.optim.partition import classify
@@ -265,13 +265,7 @@ def test_state_dict_round_trip_continues_bit_identically(method):
     for pa, pb in zip(a.parameters(), b.parameters()):
         for key, t in opt_a.state[pa].items():
             assert opt_b.state[pb][key].dtype == t.dtype and torch.equal(opt_b.state[pb][key], t), key
-    for ids in data[3:]:
-        backward(a, ids)
-        opt_a.step()
-        backward(b, ids)
-        opt_b.step()
-    for pa, pb in zip(a.parameters(), b.parameters()):
-        assert torch.equal(pa, pb)
+    assert_continues_identically(a, opt_a, b, opt_b, data[3:])
 
 
 # ----------------------------------------------------------------------------------------------------------------
