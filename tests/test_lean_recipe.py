@@ -57,3 +57,14 @@ def test_llama7b_script_runs_its_steps_on_cpu(tmp_path):
     record = json.loads((tmp_path / "llama7b.json").read_text())
     assert record["status"] == "ok" and record["steps"] == 2 and record["plan"]["peak"] > 0
     assert "status: ok" in (tmp_path / "llama7b.md").read_text()
+
+
+def test_settings_given_to_build_beat_the_methods_own():
+    model = build_model("tiny", 512, 32)
+    groups = {g["name"]: g for g in slimopt.build(model, "frugal_head", codec="fp32").param_groups}
+    assert groups["head"]["codec"] == "fp32"  # the recipe's int8 head gives way
+    groups = {g["name"]: g for g in slimopt.build(model, "frugal_head", codec="fp32",
+                                                  overrides={"lm_head": {"codec": "int4"}}).param_groups}
+    assert groups["head:lm_head"]["codec"] == "int4"  # an override beats both
+    groups = {g["name"]: g for g in slimopt.build(model, "taco", rule="adamw").param_groups}
+    assert groups["projectable"]["rule"] == "adamw"

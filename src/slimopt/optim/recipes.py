@@ -64,11 +64,14 @@ def param_groups(model: nn.Module, method: str, *, target_modules: str | Iterabl
     if "density" in proj_hp and proj_hp["density"] is not None:
         proj_hp.setdefault("rank", None)
 
+    # what the caller gives for every group beats what the method sets on a kind of parameter (frugal_head's 8-bit
+    # head takes codec="fp32"); an override beats both
+    given = {k: v for k, v in hparams.items() if k in _SHARED}
     base = {
-        "projectable": {**spec.projectable, **proj_hp},
-        "head": dict(spec.rest),
-        "embedding": dict(spec.rest) if state_full == "all" else dict(STATE_FREE),
-        "other": dict(spec.rest) if state_full == "all" else dict(STATE_FREE),
+        "projectable": {**spec.projectable, **proj_hp, **given},
+        "head": {**spec.rest, **given},
+        "embedding": {**(spec.rest if state_full == "all" else STATE_FREE), **given},
+        "other": {**(spec.rest if state_full == "all" else STATE_FREE), **given},
     }
     compiled = [(re.compile(pattern), settings) for pattern, settings in (overrides or {}).items()]
     groups: dict[tuple, dict[str, Any]] = {}
