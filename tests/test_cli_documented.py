@@ -377,6 +377,8 @@ CASES = [
     Case("memory-local-config-budget", "slimopt memory --model ./my-model --method galore,frugal "
          "--set galore.rank=256 --gpu-memory 80GB --seq 2048", files=("my-model",), check=check_memory),
     Case("memory-1b-all", "slimopt memory --model 1b --method all --batch 8 --seq 512", check=check_memory),
+    Case("memory-7b-16gb", "slimopt memory --model 7b --method frugal_head,frugal_rho0,taco,signsgd,galore8bit,"
+         "galore-torch-8bit --layerwise --checkpointing --batch 1 --seq 1024 --gpu-memory 16GB", check=check_memory),
     Case("memory-undocumented-options", "slimopt memory --model tiny --method frugal,badam --dtype fp32 "
          "--checkpointing --step 1 --vocab-size 1000 --batch 2 --seq 64", check=check_memory),
     # --- methods
