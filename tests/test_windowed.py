@@ -166,3 +166,36 @@ def test_taco_candidates_in_row_windows_equal_the_whole_search(k, dtype, monkeyp
     assert whole_state.keys() == win_state.keys()
     for key in whole_state:
         assert torch.equal(whole_state[key], win_state[key]), key
+
+
+@pytest.mark.parametrize("settings", [{}, {"projector": "svd", "rank": 4, "free_rule": "sign"}])
+def test_kahan_compensation_round_trips_in_both_checkpoint_forms(settings):
+    # the compensation is state like a moment: torch's form and the world-size-free form (FSDP2 / DCP) both keep it
+    from helpers import save_and_load
+    from slimopt.optim.portable import portable_state
+
+    def make():
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(64, 96).to(torch.bfloat16))
+        return w, SlimOptimizer([w], lr=1e-3, param_rounding="kahan", **settings)
+
+    w, opt = make()
+    for _ in range(3):
+        w.grad = torch.randn_like(w)
+        opt.step()
+    assert opt.state[w]["kahan_comp"].abs().max() > 0
+    before = w.detach().clone()
+    with portable_state(opt):
+        portable = save_and_load(opt.state_dict())
+    plain = save_and_load(opt.state_dict())
+    g = torch.randn_like(w)
+    w.grad = g
+    opt.step()  # the run as it goes on
+    for saved in (plain, portable):
+        w2, opt2 = make()
+        w2.data.copy_(before)
+        opt2.load_state_dict(saved)
+        w2.grad = g.clone()
+        opt2.step()
+        assert torch.equal(w2, w)
+        assert torch.equal(opt2.state[w2]["kahan_comp"], opt.state[w]["kahan_comp"])

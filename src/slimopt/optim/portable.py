@@ -21,6 +21,7 @@ int8 / int4 / ternary     ``key``: one uint8 code per element (unpacked), the mo
                           multiple of the block B (blocks never cross rows), else one scale
                           per element (the moment's shape)
 ternary_ef residual       ``key_err``: one uint8 trit per element                             rows
+Kahan compensation        ``kahan_comp`` as is (the weight's shape and dtype)                 rows
 factored (2-D)            ``key``: row means (rows,); ``key_col``: column means (n,)          rows; repl.
 ``rows`` projector        the (r, n) moments written at their rows of an (m, n) tensor        rows
 left projection           moments (r, n) as is; ``proj`` (m, r)                               repl.; rows
@@ -52,6 +53,7 @@ from . import quant as Q
 from . import sharded as S
 from . import taco
 from .codecs import BlockCodec, TernaryCodec
+from .rules import COMP_KEY
 
 __all__ = ["LAYOUT", "portable_state", "wanted", "is_portable", "to_portable", "load_portable", "layout_of"]
 
@@ -93,6 +95,8 @@ def layout_of(opt, p: Tensor, group: dict[str, Any], key: str) -> str:
     """``"rows"`` (dim 0 is the parameter's rows: saved sharded like it) or ``"replicated"`` for a portable key."""
     if key in _REPLICATED_KEYS or key.startswith("taco_") or key.endswith("_col"):
         return "replicated"
+    if key == COMP_KEY:  # the weight's Kahan compensation: the weight's shape
+        return "rows"
     layout = opt._layout(p, group)
     if layout in ("none", "block"):
         return "rows"
@@ -290,7 +294,7 @@ def export_param(opt, p: Tensor, group: dict[str, Any], state: dict[str, Tensor]
             t = full
         out[key] = _param_rows_tensor(t, p, rows)
 
-    for key in ("step", "moment_step", "proj", "proj_index"):
+    for key in ("step", "moment_step", "proj", "proj_index", COMP_KEY):
         if key in state:
             put(key, state[key])
     for key in taco.KEYS:
@@ -316,7 +320,7 @@ def import_param(opt, p: Tensor, group: dict[str, Any], saved: dict[str, Tensor]
     for key in ("step", "moment_step"):
         if key in saved:
             state[key] = _replicated(saved[key]).detach().to("cpu", torch.float32).clone()
-    for key in ("proj", "proj_index") + taco.KEYS:
+    for key in ("proj", "proj_index", COMP_KEY) + taco.KEYS:
         if key not in saved:
             continue
         if layout_of(opt, p, group, key) == "rows":

@@ -53,7 +53,7 @@ from . import muon
 from . import projectors as P
 from . import taco
 from .codecs import FactoredCodec, resolve_codecs
-from .rules import MOMENTS, apply_update, direction
+from .rules import MOMENTS, PARAM_STREAM, apply_update, comp_of, direction, rounding_of
 from .shardcomm import (Rows, all_reduce, chosen_per_rank, chunk_bounds, gather_var_rows, is_sharded,  # noqa: F401
                         rows_of)
 from .sharded_bases import randomized_basis, rows_of_basis, svd_basis
@@ -216,12 +216,15 @@ def update(opt, p: Tensor, group: dict[str, Any]) -> None:
     else:
         full, coef, resid = _projected(opt, p, group, state, g, step, layout, rows)
 
-    apply_update(p_loc, full, coef, resid, group)
+    rounding = rounding_of(group, p_loc)  # the shard's own compensation, and the shard's rounding stream
+    gen = _generator(p_loc.device, group, space, opt._where[p][2], step, PARAM_STREAM) if rounding == "stochastic" \
+        else None
+    apply_update(p_loc, full, coef, resid, group, comp_of(state, p_loc, rounding), gen)
 
 
 def _fused(opt, p, p_loc, group, state, g, space: Space) -> bool:
     """The compiled full-space AdamW step on the local shard, where it applies (no collective inside)."""
-    if not group["compile"] or group["rule"] != "adamw":
+    if not group["compile"] or group["rule"] != "adamw" or rounding_of(group, p_loc) != "nearest":
         return False
     codecs = moment_codecs(opt, group, space, p.dtype)
     if not compiled.supported(codecs) or any(isinstance(c, RowShardedFactored) for _, c in codecs):
