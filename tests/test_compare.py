@@ -176,3 +176,19 @@ def test_runs_at_a_time_and_variants(data, tmp_path):
     with pytest.raises(ValueError, match="--jobs must be an integer >= 1"):
         run_compare(CompareConfig(base=fast_config(corpus, cache, max_steps=3), methods=["adamw"],
                                   out=str(tmp_path / "bad"), jobs=0), log=lambda *_: None)
+
+
+def test_default_runs_at_a_time():
+    import os
+
+    import torch
+
+    from slimopt.train.compare import jobs_for
+    cores = len(os.sched_getaffinity(0))
+    base = CompareConfig().base
+    assert base.device in (None, "auto") and base.threads == 1
+    expected = 1 if torch.cuda.is_available() else cores  # "auto" is the GPU when there is one
+    assert jobs_for(CompareConfig()) == expected
+    assert jobs_for(CompareConfig(base=replace(base, device="cpu", threads=cores))) == 1
+    assert jobs_for(CompareConfig(base=replace(base, device="cpu"), isolate=False)) == 1
+    assert jobs_for(CompareConfig(base=replace(base, device="cpu"), jobs=3)) == 3

@@ -357,7 +357,11 @@ def jobs_for(cfg: CompareConfig) -> int:
         return 1
     if cfg.jobs is not None:
         return cfg.jobs
-    if not str(cfg.base.device or "cpu").startswith("cpu"):
+    device = str(cfg.base.device or "auto")
+    if device == "auto":
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not device.startswith("cpu"):
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // (cfg.base.threads or cores))
