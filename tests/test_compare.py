@@ -192,3 +192,19 @@ def test_default_runs_at_a_time():
     assert jobs_for(CompareConfig(base=replace(base, device="cpu", threads=cores))) == 1
     assert jobs_for(CompareConfig(base=replace(base, device="cpu"), isolate=False)) == 1
     assert jobs_for(CompareConfig(base=replace(base, device="cpu"), jobs=3)) == 3
+
+
+def test_the_default_setting_runs_at_its_tuned_learning_rates():
+    from slimopt.train.compare import DEFAULT_SETTING_LR, _base_lr, at_default_setting
+    cfg = CompareConfig()
+    assert at_default_setting(cfg)
+    assert set(default_methods()) <= set(DEFAULT_SETTING_LR)
+    assert _base_lr(cfg, "galore") == (DEFAULT_SETTING_LR["galore"], "tuned at this setting")
+    assert _base_lr(cfg, "adamw+eps=0.1")[1] == "paper"  # a variant may want another lr
+    assert _base_lr(CompareConfig(method_opts={"adamw": {"lr": 1e-3}}), "adamw") == (1e-3, "--set")
+    for change in ({"vocab_size": 2048}, {"max_steps": 128, "tokens": None}, {"model": "small"},
+                   {"dtype": "bf16"}):
+        other = CompareConfig(base=replace(cfg.base, **change))
+        assert not at_default_setting(other)
+        assert _base_lr(other, "galore") == (1e-2, "paper")
+    assert at_default_setting(CompareConfig(base=replace(cfg.base, seed=3, threads=2), seeds=3))
