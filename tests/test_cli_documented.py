@@ -432,6 +432,8 @@ CASES = [
     compare_case("compare-vocab-tune-seeds", "slimopt compare --vocab-size 512 --max-steps 512 --methods "
                  "adamw,frugal_rho0,frugal_head --tune-lr --seeds 3",
                  replace={"--max-steps": "4", "--seeds": "2", "--methods": "frugal_head"}, slow=True),
+    compare_case("compare-default-tuned", "slimopt compare --vocab-size 512 --max-steps 512 --tune-lr --seeds 3",
+                 replace={"--max-steps": "4", "--seeds": "2"}, add=("--methods", "adamw"), slow=True),
     compare_case("compare-tune-grid", "slimopt compare --tune-lr --lr-grid 1/3,1,3 --tune-fraction 0.5 --no-control",
                  add=("--methods", "adamw,galore"), slow=True),
     compare_case("compare-local-data", "slimopt compare --model 60m --data ./c4.jsonl --tokenizer ./t5-base "
