@@ -64,8 +64,8 @@ def test_stochastic_codecs_in_windows(codec, monkeypatch):
         codec if codec.startswith("ternary") else "plain", torch.float32))
     assert torch.equal(win_w.view(-1)[:n], whole_w.view(-1)[:n])
     assert not torch.equal(win_w, whole_w)
-    err_whole = (whole_w - exact_w).abs().mean()
-    err_win = (win_w - exact_w).abs().mean()
+    err_whole = (whole_w - exact_w).abs().mean().item()
+    err_win = (win_w - exact_w).abs().mean().item()
     assert err_win == pytest.approx(err_whole, rel=0.1)
 
 
