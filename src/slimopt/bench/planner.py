@@ -40,8 +40,12 @@ X is what the update allocates: slimopt and galore-torch update one parameter at
 per-element cost that depends on the codec (20 bytes per element for plain moments, 33 for 8-bit, measured on CPU
 with torch's MemTracker; ``windowed.SCRATCH_PER_ELEMENT``). slimopt's element-wise updates (AdamW, Lion, SGDM in
 full space or on a block, every state-free update) walk the tensor in windows of at most 64 MiB of that scratch
-(``windowed.py``), so X is at most 64 MiB for them; projected updates and TACO's pay it on the largest tensor;
-galore-torch on the largest parameter. Fused kernels (torch fused AdamW,
+(``windowed.py``), so X is at most 64 MiB for them. Projected updates (GaLore, FRUGAL's subspaces) walk it in
+windows of rows or columns between refreshes: they hold the subspace gradient and direction (8 r / d bytes per
+element of a weight whose side d keeps r directions, 4 r / d without a residual) and the basis's fp32 copy, plus a
+window (``windowed.projected_scratch``); a refresh step's decomposition (the whole gradient in fp32 and the SVD's
+workspace) is not in X. TACO's fused step searches row windows (``taco.scratch_bytes``), its dense reference step
+pays per element of the tensor; galore-torch pays it on the largest parameter. Fused kernels (torch fused AdamW,
 bitsandbytes, and slimopt's multi-tensor path where it applies: ``multi_tensor.py``, CPU weights) allocate
 nothing, but for one sign() of an inactive block's gradient; torch's foreach AdamW one state-sized temporary for
 all parameters at once. A model on the meta device (a config only) is planned as the GPU runs it.
@@ -287,17 +291,44 @@ def _slim_param(opt, p: torch.Tensor, group: dict) -> tuple[str, int, int, int]:
     if r == 0:  # density 0: everything state-free, nothing stored but the step counter
         return layout, 0, 0, _scratch_bytes("state_free", p, group, 1)
     shape = state_shape(layout, side, p.shape, r)
+    copy = 0  # a basis stored narrower than the step's work dtype is used through a copy in it
     if layout in P.ORTHO_PROJECTORS:
         dim = p.shape[0] if side == "left" else p.shape[1]
         # the basis is computed in fp32 (fp64 for fp64 weights) and stored in the weights' dtype when narrower
         dtype = p.dtype if p.dtype in (torch.bfloat16, torch.float16, torch.float64) else torch.float32
         proj = dim * r * torch.empty((), dtype=dtype, device="meta").element_size()
-        narrow = windowed.kind(opt._moment_codecs(group, shape, p.dtype)) in ("8bit", "ternary_sr", "ternary_ef")
-        kind = "projected_8bit" if narrow else "projected"
+        copy = dim * r * 4 if dtype in (torch.bfloat16, torch.float16) else 0
     else:
         proj = r * 8  # int64 coordinates
-        kind = "coordinates"
-    return layout, _slim_moments(opt, p, group, shape), proj, _scratch_bytes(kind, p, group)
+    return layout, _slim_moments(opt, p, group, shape), proj, _projected_scratch(opt, p, group, layout, side, r,
+                                                                                 shape, copy)
+
+
+def _projected_scratch(opt, p: torch.Tensor, group: dict, layout: str, side: str | None, r: int,
+                       shape: torch.Size, copy: int) -> int:
+    """A projected step between refreshes (``windowed.projected_scratch``): the subspace gradient, the direction
+    and the basis's work copy held, plus the larger of the rule's window and the lifting's window; a rule that
+    needs the whole subspace matrix (Muon, TACO) on all of it. A refresh step's decomposition is not in it."""
+    from slimopt.optim import muon
+    from slimopt.optim import projectors as P
+    from slimopt.optim import taco
+    from slimopt.optim import windowed
+    from slimopt.optim.rules import ELEMENTWISE_RULES, rounding_of
+
+    whole = r == (p.shape[0] if side == "left" or layout == "rows" else p.shape[1])
+    free = "none" if whole else group["free_rule"]
+    low = math.prod(shape)
+    codecs = opt._moment_codecs(group, shape, p.dtype)
+    if group["rule"] in ELEMENTWISE_RULES:
+        rule: tuple[str, int] | int = (windowed.kind(codecs, group["rule"]), _align(codecs, shape))
+    elif taco.owns(group, shape):  # the dense TACO step on the subspace gradient
+        rule = windowed.scratch_per_element("taco", p.dtype) * low
+    else:  # muon: the iteration on the (fp32) subspace gradient, and the direction it returns
+        device = torch.device("cuda") if p.device.type == "meta" else p.device
+        rule = muon.scratch_bytes(shape, torch.float32, muon.iteration_dtype(group["ns_dtype"], device),
+                                  codecs[0][1].name) + 4 * low
+    return windowed.projected_scratch(tuple(p.shape), p.dtype, low, P.window_axis(layout, side), copy, free,
+                                      rounding_of(group, p), rule)
 
 
 def _block_steps(opt, group: dict) -> list[int]:

@@ -166,7 +166,9 @@ class SlimOptimizer(torch.optim.Optimizer):
       exactly; fp16 weights take ``nearest`` only.
 
     An element-wise update (AdamW, Lion, SGDM in full space or on a block, and every state-free update) runs in
-    windows of the flattened tensor (``windowed.py``): its temporaries stay under 64 MiB whatever the tensor.
+    windows of the flattened tensor (``windowed.py``): its temporaries stay under 64 MiB whatever the tensor. A
+    subspace projector's step runs in windows of rows or columns between refreshes (``windowed.projected``): it
+    holds the subspace gradient and direction, and a window.
 
     Parameters that are not 2-D take the rule on the full gradient under a subspace projector; ``block`` works for
     any shape.
@@ -338,7 +340,8 @@ class SlimOptimizer(torch.optim.Optimizer):
         if layout == "none" or (layout == "block" and active):
             if self._queue_adamw(p, group, state, grad) or self._windowed(p, group, state, grad, step, layout, True):
                 return
-        elif self._windowed(p, group, state, grad, step, layout, False):
+        elif self._windowed(p, group, state, grad, step, layout, False) or (
+                layout != "block" and self._projected(p, group, state, grad, step, layout)):
             return
         if layout == "none" and group["fused"] and taco.owns(group, p.shape) and grad.shape == p.shape:
             # one entry a column to write, not a dense pass; the gradient read in row windows
@@ -361,8 +364,8 @@ class SlimOptimizer(torch.optim.Optimizer):
                 full, coef = self._stateful(p, group, state, g, step)
             else:
                 resid = g
-        else:
-            full, coef, resid = self._projected(p, group, state, g, step, layout)
+        else:  # a subspace of rank 0 whose tensors the windows do not take (not contiguous): all state-free
+            resid = g
 
         rounding = rounding_of(group, p)
         apply_update(p, full, coef, resid, group, comp_of(state, p, rounding),
@@ -443,24 +446,46 @@ class SlimOptimizer(torch.optim.Optimizer):
             codec.encode(key, mom[key], state, generator=gen)
         return d, c
 
-    def _projected(self, p: Tensor, group: dict[str, Any], state: dict[str, Tensor], g: Tensor, step: int,
-                   projector: str) -> tuple[Tensor | None, float, Tensor | None]:
-        side = P.side_for(g.shape, group["proj_side"]) if projector in P.ORTHO_PROJECTORS else None
-        r = P.subspace_rank(g.shape, projector, side, group["rank"], group["density"])
+    def _projected(self, p: Tensor, group: dict[str, Any], state: dict[str, Tensor], grad: Tensor, step: int,
+                   projector: str) -> bool:
+        """The step of a subspace projector on the 2-D weight p (False: a subspace of rank 0, left to the caller).
+
+        Between refreshes it runs in windows of slices of the weight (``windowed.projected``), so that it
+        allocates the subspace's size and a window, not the tensor's. A refresh is the exception: the decomposition
+        (or the random draw's QR) needs the whole gradient in fp32, and allocates its own workspace on top; the
+        step that follows it is windowed again."""
+        side = P.side_for(grad.shape, group["proj_side"]) if projector in P.ORTHO_PROJECTORS else None
+        r = P.subspace_rank(grad.shape, projector, side, group["rank"], group["density"])
         if r == 0:  # density 0: everything is state-free
-            return None, 0.0, g
+            return False
         key = "proj" if projector in P.ORTHO_PROJECTORS else "proj_index"
         if key not in state or P.refresh_due(step, group["update_gap"]):
+            g = grad if grad.dtype in (torch.float32, torch.float64) else grad.float()
             self._refresh(p, group, state, g, step, projector, side, r, key)
+            del g
         basis = state[key]
-        low = P.down(projector, side, g, basis)
-        d, c = self._stateful(p, group, state, low, step)
-        full = P.up(projector, side, d, basis, g.shape)
         # A subspace that spans the whole side leaves an exactly zero residual: computing it would leave
         # rounding noise, which sign() would blow up to a full step.
-        whole = r == (g.shape[0] if side == "left" or projector == "rows" else g.shape[1])
-        resid = None if group["free_rule"] == "none" or whole else P.residual(projector, side, g, low, basis)
-        return full, c * float(group["scale"]), resid
+        rank = basis.shape[1] if projector in P.ORTHO_PROJECTORS else basis.numel()
+        whole = rank == (grad.shape[0] if side == "left" or projector == "rows" else grad.shape[1])
+        residual = group["free_rule"] != "none" and not whole
+        _, _, index = self._where[p]
+
+        def stream(i: int, start: int) -> torch.Generator:
+            return P.generator(p.device, group["seed"], index, step, i, *((start,) if start else ()))
+
+        shape = state_shape(projector, side, grad.shape, rank)
+        codecs, age, whole_rule = [], 0, None
+        if group["rule"] in ELEMENTWISE_RULES:
+            codecs = self._moment_codecs(group, shape, p.dtype)
+            self._count_moment_step(state, codecs, shape, p.device)
+            age = int(state["moment_step"].item())
+        else:  # Muon's iteration and TACO's column search need the whole subspace matrix (small)
+            def whole_rule(low: Tensor) -> tuple[Tensor, float]:
+                return self._stateful(p, group, state, low, step)
+        windowed.projected(p, grad, basis, projector, side, residual, state, group, codecs, age, stream,
+                           float(group["scale"]), whole_rule)
+        return True
 
     def _refresh(self, p: Tensor, group: dict[str, Any], state: dict[str, Tensor], g: Tensor, step: int,
                  projector: str, side: str | None, r: int, key: str) -> None:

@@ -151,9 +151,21 @@ def up(projector: str, side: str | None, low: Tensor, basis: Tensor, shape: torc
 def residual(projector: str, side: str | None, g: Tensor, low: Tensor, basis: Tensor) -> Tensor:
     """g minus its part inside the subspace."""
     if projector in ORTHO_PROJECTORS:
-        return g - up(projector, side, low, basis, g.shape)
+        # -up + g is g - up exactly (IEEE subtraction adds the negation), in up's own storage
+        return up(projector, side, low, basis, g.shape).neg_().add_(g)
     dim = 1 if projector == "columns" else 0
     return g.index_fill(dim, basis, 0.0)
+
+
+def window_axis(projector: str, side: str | None) -> int:
+    """The axis of a (m, n) gradient that `projector` does not mix: 0 (rows) for a right projection and for
+    ``columns``, 1 (columns) for a left projection and for ``rows``. A slice of the gradient along it projects on
+    its own, with the same basis: ``down`` of rows a:b of G are rows a:b of ``down(G)`` (columns a:b for axis 1),
+    and ``up`` and ``residual`` of those rows are rows a:b of the whole tensor's, so a step can walk the weight in
+    windows of such slices (``windowed.projected``)."""
+    if projector in ORTHO_PROJECTORS:
+        return 0 if side == "right" else 1
+    return 0 if projector == "columns" else 1
 
 
 def rotate(projector: str, side: str | None, old: Tensor, new: Tensor, moment: Tensor, squared: bool) -> Tensor:

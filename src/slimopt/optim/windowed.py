@@ -15,6 +15,17 @@ moment's column means are sums over rows divided by the row count, and windows a
 another order (a few fp32 ulps; the row-sharded form differs from one process the same way). Stochastic rounding draws each window from its own
 stream, the parameter's stream extended by the window's first element (as a row shard of an FSDP2 run extends it
 by its first row), so the first window, and any tensor that fits one, draws exactly the whole-tensor numbers.
+
+A subspace projector's step between refreshes (GaLore's and FRUGAL's ``svd``, ``randomized_svd``, ``random``,
+``columns``, ``rows``: ``projected``) walks the weight in windows of whole rows or columns: those along the axis
+that the projection does not mix (``projectors.window_axis``), each of which projects on its own. It holds the
+subspace gradient and the direction (m x r or r x n fp32) across its windows, and runs an element-wise rule on
+them in flat windows as above; so it allocates at most WINDOW_BYTES, or what it holds plus an eighth of that (or
+one row, if larger) when it holds more: for a subspace of r directions of a side of d, 8 r / d bytes per element of the weight (4 r / d without a
+residual) on top of the window. The refresh step is the exception: the decomposition needs the whole gradient in
+fp32 and its own workspace. A window's matrix products are not always bit for bit the slices of the whole
+product (BLAS blocks by operand size), so orthonormal projections in windows may differ from a one-window step's
+in the last bits of some entries (up to ~2e-6 of the largest, measured); coordinate projectors are exact.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from . import projectors as P
 from .rules import PARAM_STREAM, apply_update, comp_of, direction, rounding_of
 
 __all__ = ["WINDOW_BYTES", "SCRATCH_PER_ELEMENT", "ROUNDING_SCRATCH", "kind", "scratch_per_element",
@@ -37,16 +49,30 @@ WINDOW_BYTES = 64 << 20
 # Measured with torch's MemTracker on CPU, torch 2.13 (a 2048 x 2048 weight stepped whole; tests/test_windowed.py
 # checks the windowed kinds, tests/test_planner.py a LLaMA step); an estimate of what any device allocates, since
 # kernels differ. The windowed kinds (plain, factored, momentum, 8bit, ternary_*, state_free) allocate this per
-# element of a window; the others per element of the tensor: projected steps, and TACO's dense reference step
-# (fused=False; its fused step searches row windows: taco.scratch_bytes).
+# element of a window; TACO's dense reference step (fused=False) per element of the tensor (its fused step
+# searches row windows: taco.scratch_bytes). Projected steps have figures of their own (PROJECTED_*, below).
 SCRATCH_PER_ELEMENT = {"plain": (20, 8), "factored": (20, 12), "momentum": (14, 4), "8bit": (33, 29),
-                       "ternary_sr": (61, 57), "ternary_ef": (77, 73), "state_free": (8, 4), "taco": (12, 8),
-                       "projected": (11, 7), "projected_8bit": (17, 13), "coordinates": (18, 14)}
+                       "ternary_sr": (61, 57), "ternary_ef": (77, 73), "state_free": (8, 4), "taco": (12, 8)}
 # Writing a bf16 weight with stochastic rounding or Kahan compensation (rules.write) is a phase of its own, after
 # the moments are stored: the gradient and direction, the weight's fp32 value, and the random integers and rounded
 # bits, or the compensation's fp32 copy and residual. Its peak per element (measured as above); the step's is the
 # larger of the two phases.
 ROUNDING_SCRATCH = {"nearest": 0, "stochastic": 27, "kahan": 18}
+# A projected step between refreshes (``projected``), measured as above on a 1024 x 1024 weight stepped in one
+# window (what it allocates less what it holds, ``projected_held``, over the elements), in two phases, each in
+# windows:
+# - the element-wise rule on the subspace gradient, per element of that gradient (fp32 already, so no copy: the
+#   decoded moments, the direction and its temporaries), by scratch kind: (bf16 weights, fp32 weights);
+# - the lifting, per element of a weight window (the window's fp32 gradient, the residual, its state-free
+#   direction and the lifted update), by free rule ("none": no residual is formed), the same for orthonormal
+#   and coordinate projectors; and that phase's peak when a bf16 weight is written with stochastic rounding or
+#   Kahan compensation (the weight's fp32 value and the rounding's buffers on top).
+PROJECTED_RULE = {"plain": (16, 8), "factored": (16, 12), "momentum": (12, 8), "8bit": (29, 29),
+                  "ternary_sr": (57, 57), "ternary_ef": (73, 73)}
+PROJECTED_APPLY = {"none": (4, 4), "sgd": (8, 8), "sign": (12, 12)}
+PROJECTED_ROUNDING = {"none": {"nearest": 0, "stochastic": 23, "kahan": 14},
+                      "sgd": {"nearest": 0, "stochastic": 27, "kahan": 18},
+                      "sign": {"nearest": 0, "stochastic": 31, "kahan": 22}}
 
 
 def kind(codecs: list[tuple[str, Any]], rule: str = "adamw") -> str:
@@ -73,10 +99,18 @@ def scratch_per_element(step_kind: str, dtype: torch.dtype, rounding: str = "nea
     return max(narrow, ROUNDING_SCRATCH[rounding])
 
 
-def window_elems(numel: int, align: int, per_element: int) -> int:
-    """Elements of one window: as many as WINDOW_BYTES of scratch allow, a multiple of `align` (at least one
-    `align`), at most the whole tensor."""
-    size = (WINDOW_BYTES // max(1, per_element)) // align * align
+def _budget(held: int) -> int:
+    """Scratch bytes for one window of a step that keeps `held` bytes across its windows: what WINDOW_BYTES leaves,
+    but at least an eighth of it, so that a step holding more than the window still walks in windows worth their
+    overhead (it then allocates held + WINDOW_BYTES / 8)."""
+    return max(WINDOW_BYTES - held, WINDOW_BYTES // 8)
+
+
+def window_elems(numel: int, align: int, per_element: int, held: int = 0) -> int:
+    """Elements of one window: as many as WINDOW_BYTES of scratch allow (less `held`, what the step keeps
+    allocated across its windows: ``_budget``), a multiple of `align` (at least one `align`), at most the whole
+    tensor."""
+    size = (_budget(held) // max(1, per_element)) // align * align
     return min(numel, max(align, size))
 
 
@@ -120,3 +154,166 @@ def _window(p: Tensor, grad: Tensor, comp: Tensor | None, group: dict[str, Any],
         w.encode(start, stop, mom[key], stream(i, start) if codec.needs_generator else None)
     del mom
     apply_update(p, d, c, None, group, comp=comp, generator=gen)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# projected steps: GaLore's and FRUGAL's subspace projectors on a 2-D weight
+
+
+def window_lines(count: int, line: int, per_element: int, held: int = 0) -> int:
+    """Lines (rows or columns of `line` elements each, `count` of them) in one window: as many as WINDOW_BYTES less
+    `held` allow (``_budget``) at `per_element` bytes an element, at least one, at most all."""
+    return min(count, max(1, (_budget(held) // max(1, per_element)) // max(1, line)))
+
+
+def rule_scratch(step_kind: str, dtype: torch.dtype) -> int:
+    """Bytes per element that the element-wise rule allocates on an fp32 subspace gradient (no gradient copy to
+    make) whose moments a `dtype` weight's codecs store: the decoded moments, the direction, its temporaries."""
+    return PROJECTED_RULE[step_kind][0 if dtype not in (torch.float32, torch.float64) else 1]
+
+
+def apply_scratch(dtype: torch.dtype, free: str, rounding: str = "nearest") -> int:
+    """Bytes per element of a weight window that the lifting and the write of a projected step allocate (the
+    window's fp32 gradient, the lifted update, the residual and its state-free direction; ``free``: the free rule,
+    "none" when no residual is formed), or its rounded write's, if larger."""
+    narrow, wide = PROJECTED_APPLY[free]
+    if dtype in (torch.float32, torch.float64):
+        return wide
+    return max(narrow, PROJECTED_ROUNDING[free][rounding])
+
+
+def projected_held(low_numel: int, copy_bytes: int, residual: bool, work_bytes: int = 4) -> int:
+    """Bytes a projected step keeps across its windows: the subspace gradient (work dtype), the direction (in its
+    place when no residual needs the gradient afterwards) and the basis in the work dtype (copy_bytes: 0 when the
+    stored basis is already in it)."""
+    return copy_bytes + work_bytes * low_numel * (2 if residual else 1)
+
+
+def projected_scratch(shape: tuple[int, int], dtype: torch.dtype, low_numel: int, axis: int, copy_bytes: int,
+                      free: str, rounding: str, rule: tuple[str, int] | int) -> int:
+    """What one non-refresh projected step of a (m, n) `dtype` weight allocates at most (``projected``): what it
+    holds plus the larger of its rule's window and its lifting's window.
+
+    low_numel: the subspace gradient's size; axis: ``projectors.window_axis``; copy_bytes: the basis in the work
+    dtype when the stored one is narrower; free: the free rule, "none" when no residual is formed; rule: (scratch
+    kind, codecs' alignment) of an element-wise rule, or the bytes a rule that needs the whole subspace matrix
+    allocates, its direction included (Muon, TACO)."""
+    work = 8 if dtype == torch.float64 else 4
+    held = projected_held(low_numel, copy_bytes, free != "none", work)
+    count, line = (shape[0], shape[1]) if axis == 0 else (shape[1], shape[0])
+    per = apply_scratch(dtype, free, rounding)
+    lift = held + per * window_lines(count, line, per, held) * line
+    if isinstance(rule, tuple):
+        per_rule = rule_scratch(rule[0], dtype)
+        return max(lift, held + per_rule * window_elems(low_numel, rule[1], per_rule, held))
+    return max(lift, copy_bytes + work * low_numel + rule)
+
+
+def projected(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str | None, residual: bool,
+              state: dict[str, Tensor], group: dict[str, Any], codecs: list[tuple[str, Any]], age: int,
+              stream: Callable[[int, int], torch.Generator], coef_scale: float,
+              whole_rule: Callable[[Tensor], tuple[Tensor, float]] | None = None) -> None:
+    """One step of a subspace projector on the 2-D weight p between refreshes, in windows of slices along the axis
+    the projector does not mix (``projectors.window_axis``: rows for a right projection and ``columns``, columns
+    for a left one and ``rows``), with ``projectors.down`` / ``up`` / ``residual`` applied to each slice as they
+    are to the whole gradient:
+
+    1. the subspace gradient ``low``, slice by slice (each slice's fp32 gradient made, projected, dropped);
+    2. the rule on it: an element-wise rule (codecs: its (key, codec) list, ``moment_step`` counted as `age`) in
+       aligned flat windows of ``low``, as ``step`` walks a weight, writing the direction over ``low`` unless the
+       residual still needs it; another rule (Muon, TACO: ``whole_rule(low) -> (d, c)``) on the whole matrix;
+    3. per slice window: the residual of the slice's fp32 gradient (when `residual`), the lifted direction, and
+       ``rules.apply_update`` on the weight's slice (its Kahan compensation's slice, a stream of its own).
+
+    What it holds across windows is ``low`` and the direction (a subspace's size) and an fp32 copy of a bf16 basis;
+    the windows get what WINDOW_BYTES leaves (``projected_scratch``). Every element sees the whole-tensor step's
+    arithmetic, with one caveat: a matrix product of a slice is not always bit for bit the slice of the product
+    (BLAS picks its kernels and blocking by the operand sizes; on a 2-core AVX2 MKL, torch 2.13, some slice widths
+    differ in the last bits, up to ~2e-6 of the largest entry), so projections can differ from the whole-tensor
+    step's by that much. The coordinate projectors (``columns``, ``rows``) select and scatter: exact.
+    """
+    axis = P.window_axis(projector, side)
+    work = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    q = basis.to(work) if basis.is_floating_point() else basis  # a narrow basis in the work dtype, once
+    copy_bytes = q.numel() * q.element_size() if q is not basis else 0
+    m, n = p.shape
+    r = q.shape[1] if basis.is_floating_point() else basis.numel()
+    if projector in P.ORTHO_PROJECTORS:
+        low_shape = (m, r) if side == "right" else (r, n)
+    else:
+        low_shape = (m, r) if projector == "columns" else (r, n)
+    rounding = rounding_of(group, p)
+    held = projected_held(math.prod(low_shape), copy_bytes, residual, torch.empty((), dtype=work).element_size())
+    count, line = (m, n) if axis == 0 else (n, m)
+    per = apply_scratch(p.dtype, group["free_rule"] if residual else "none", rounding)
+    size = window_lines(count, line, per, held)
+    spans = [(a, min(count, a + size) - a) for a in range(0, count, size)]
+
+    low = torch.empty(low_shape, dtype=work, device=p.device)
+    for a, k in spans:
+        _down(low.narrow(axis, a, k), grad.narrow(axis, a, k), projector, side, q, work)
+    if whole_rule is None:
+        d = torch.empty_like(low) if residual else low
+        c = directions(low, d, state, group, codecs, age, stream, p.dtype, held)
+    else:
+        d, c = whole_rule(low)
+        if not residual:
+            low = None
+    comp = comp_of(state, p, rounding)
+    for a, k in spans:
+        gen = stream(PARAM_STREAM, a * n if axis == 0 else a) if rounding == "stochastic" else None
+        _lift(p.narrow(axis, a, k), grad.narrow(axis, a, k), comp.narrow(axis, a, k) if comp is not None else None,
+              d.narrow(axis, a, k), low.narrow(axis, a, k) if residual else None, projector, side, q, work,
+              c * coef_scale, group, gen)
+
+
+def _down(out: Tensor, grad: Tensor, projector: str, side: str | None, q: Tensor, work: torch.dtype) -> None:
+    """out <- down(grad), for one slice (a function of its own, so that its temporaries go before the next)."""
+    out.copy_(P.down(projector, side, grad.to(work), q))
+
+
+def _lift(p: Tensor, grad: Tensor, comp: Tensor | None, d: Tensor, low: Tensor | None, projector: str,
+          side: str | None, q: Tensor, work: torch.dtype, coef: float, group: dict[str, Any],
+          gen: torch.Generator | None) -> None:
+    """Step 3 of ``projected`` on one slice window: p, grad, comp, d, low are its slices."""
+    resid = None
+    if low is not None:
+        g = grad.to(work)
+        resid = P.residual(projector, side, g, low, q)
+        del g
+    full = P.up(projector, side, d, q, p.shape)
+    apply_update(p, full, coef, resid, group, comp=comp, generator=gen)
+
+
+def directions(low: Tensor, out: Tensor, state: dict[str, Tensor], group: dict[str, Any],
+               codecs: list[tuple[str, Any]], age: int, stream: Callable[[int, int], torch.Generator],
+               dtype: torch.dtype, held: int = 0) -> float:
+    """The element-wise rule on the fp32 subspace gradient `low` in aligned flat windows, against the moments of
+    `low`'s shape that `codecs` store (those of a `dtype` weight); the direction goes to `out` (low's shape; `low`
+    itself is fine: each window reads its gradient before it writes); `held`: what the caller keeps allocated.
+    Returns the rule's coefficient c (the same for every window)."""
+    n = low.numel()
+    per = rule_scratch(kind(codecs, group["rule"]), dtype)
+    align = math.lcm(1, *(codec.align(low.shape) for _, codec in codecs))
+    size = window_elems(n, align, per, held)
+    windows = [(i, key, codec, codec.open(key, state, low.shape)) for i, (key, codec) in enumerate(codecs)]
+    src, dst = low.view(-1), out.view(-1)
+    c = 1.0
+    for start in range(0, n, size):
+        stop = min(n, start + size)
+        c = _direction(src[start:stop], dst[start:stop], group, windows, start, age, stream)
+    for _, _, _, w in windows:
+        w.close()
+    return c
+
+
+def _direction(g: Tensor, out: Tensor, group: dict[str, Any], windows: list, start: int, age: int,
+               stream: Callable[[int, int], torch.Generator]) -> float:
+    stop = start + g.numel()
+    mom = {key: w.decode(start, stop) for _, key, _, w in windows}
+    d, c = direction(group["rule"], g, mom, age, group)
+    for i, key, codec, w in windows:
+        w.encode(start, stop, mom[key], stream(i, start) if codec.needs_generator else None)
+    del mom
+    out.copy_(d)
+    return c
