@@ -91,21 +91,27 @@ CASES = {"adamw": {}, "adamw8bit": {"state_bits": 8}, "adamw4bit": {"state_bits"
          "taco_kahan_decay": {"rule": "taco", "param_rounding": "kahan", "weight_decay": 0.1}}
 
 
+def _scratch_case(monkeypatch, settings: dict, size: int, window: int, fused: bool) -> tuple[int, int]:
+    """(measured, planned) scratch of the second step of a size x size bf16 weight with `window`-byte windows; the
+    measured one is at most max(4 bytes per element, the window)."""
+    from slimopt.bench import planner
+
+    monkeypatch.setattr(windowed, "WINDOW_BYTES", window)
+    torch.manual_seed(0)
+    w = torch.nn.Linear(size, size, bias=False).to(torch.bfloat16).weight
+    w.grad = torch.randn_like(w)
+    opt = SlimOptimizer([w], fused=fused, **settings)
+    measured = _step_scratch(w, opt)
+    assert measured <= max(4 * w.numel(), windowed.WINDOW_BYTES)
+    return measured, planner._slim_param(opt, w, opt.param_groups[0])[3]
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_step_temporaries_stay_within_the_window(case, monkeypatch):
     # a 1M-element bf16 weight (2 MB; a whole-tensor AdamW step allocates 20 MB) with 512 KiB windows: the step
     # allocates at most max(4 bytes per element, the window), and what the planner says within 5%
-    from slimopt.bench import planner
-
-    monkeypatch.setattr(windowed, "WINDOW_BYTES", 512 << 10)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(1024, 1024, bias=False).to(torch.bfloat16)
-    w = model.weight
-    w.grad = torch.randn_like(w)
-    opt = SlimOptimizer([w], fused=case.startswith("taco"), **CASES[case])  # TACO's fused step is the windowed one
-    measured = _step_scratch(w, opt)
-    assert measured <= max(4 * w.numel(), windowed.WINDOW_BYTES)
-    _, _, _, planned = planner._slim_param(opt, w, opt.param_groups[0])
+    measured, planned = _scratch_case(monkeypatch, CASES[case], 1024, 512 << 10,
+                                      fused=case.startswith("taco"))  # TACO's fused step is the windowed one
     assert measured == pytest.approx(planned, rel=0.05, abs=16 << 10)
 
 
@@ -309,16 +315,7 @@ PROJECTED_SCRATCH = {"galore": {"projector": "svd", "rank": 64, "free_rule": "si
 def test_projected_step_temporaries_stay_within_the_window(case, monkeypatch):
     # a non-refresh step of a projector on a 4M-element bf16 weight with 2 MiB windows: at most max(4 bytes per
     # element, the window) (what it holds, the subspace gradient and direction, is 8 r / d bytes per element), and
-    # what the planner says within 5%
-    from slimopt.bench import planner
-
-    monkeypatch.setattr(windowed, "WINDOW_BYTES", 2 << 20)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(2048, 2048, bias=False).to(torch.bfloat16)
-    w = model.weight
-    w.grad = torch.randn_like(w)
-    opt = SlimOptimizer([w], fused=False, update_gap=100, **PROJECTED_SCRATCH[case])
-    measured = _step_scratch(w, opt)  # its first step refreshes; the measured one does not
-    assert measured <= max(4 * w.numel(), windowed.WINDOW_BYTES)
-    _, _, _, planned = planner._slim_param(opt, w, opt.param_groups[0])
+    # what the planner says within 5%; its first step refreshes, the measured one does not
+    measured, planned = _scratch_case(monkeypatch, {**PROJECTED_SCRATCH[case], "update_gap": 100}, 2048, 2 << 20,
+                                      fused=False)
     assert measured == pytest.approx(planned, rel=0.05, abs=64 << 10)
