@@ -143,17 +143,24 @@ def _window(p: Tensor, grad: Tensor, comp: Tensor | None, group: dict[str, Any],
             stream: Callable[[int, int], torch.Generator], gen: torch.Generator | None) -> None:
     """One window [start, start + p.numel()): p, grad, comp are its flat views. A function of its own so that its
     temporaries are gone before the next window allocates."""
-    stop = start + p.numel()
     g = grad if grad.dtype in (torch.float32, torch.float64) else grad.float()
     if not windows:
         apply_update(p, None, 0.0, g, group, comp=comp, generator=gen)
         return
+    d, c = _rule(g, group, windows, start, age, stream)
+    apply_update(p, d, c, None, group, comp=comp, generator=gen)
+
+
+def _rule(g: Tensor, group: dict[str, Any], windows: list, start: int, age: int,
+          stream: Callable[[int, int], torch.Generator]) -> tuple[Tensor, float]:
+    """The rule on elements [start, start + g.numel()) of the moments: decode them, update them with the fp32
+    gradient g, encode them back; returns the rule's (direction, coefficient)."""
+    stop = start + g.numel()
     mom = {key: w.decode(start, stop) for _, key, _, w in windows}
     d, c = direction(group["rule"], g, mom, age, group)
     for i, key, codec, w in windows:
         w.encode(start, stop, mom[key], stream(i, start) if codec.needs_generator else None)
-    del mom
-    apply_update(p, d, c, None, group, comp=comp, generator=gen)
+    return d, c
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -309,11 +316,6 @@ def directions(low: Tensor, out: Tensor, state: dict[str, Tensor], group: dict[s
 
 def _direction(g: Tensor, out: Tensor, group: dict[str, Any], windows: list, start: int, age: int,
                stream: Callable[[int, int], torch.Generator]) -> float:
-    stop = start + g.numel()
-    mom = {key: w.decode(start, stop) for _, key, _, w in windows}
-    d, c = direction(group["rule"], g, mom, age, group)
-    for i, key, codec, w in windows:
-        w.encode(start, stop, mom[key], stream(i, start) if codec.needs_generator else None)
-    del mom
+    d, c = _rule(g, group, windows, start, age, stream)
     out.copy_(d)
     return c
