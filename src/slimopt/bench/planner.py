@@ -256,12 +256,12 @@ def _align(codecs, shape) -> int:
 def _slim_param(opt, p: torch.Tensor, group: dict) -> tuple[str, int, int, int]:
     """(layout, moment bytes when the parameter holds moments, projection bytes, update scratch), as ``_update``
     creates them."""
-    from slimopt.optim import multi_tensor
+    from slimopt.optim import multi_tensor, native
     from slimopt.optim import projectors as P
     from slimopt.optim import taco
     from slimopt.optim import windowed
     from slimopt.optim.optimizer import state_shape
-    from slimopt.optim.rules import ELEMENTWISE_RULES
+    from slimopt.optim.rules import ELEMENTWISE_RULES, rounding_of
 
     layout = opt._layout(p, group)
     if layout in ("none", "block"):
@@ -273,6 +273,10 @@ def _slim_param(opt, p: torch.Tensor, group: dict) -> tuple[str, int, int, int]:
             scratch = taco.scratch_bytes(p.shape, group, p.dtype) if group["fused"] else _scratch_bytes("taco", p, group)
         elif group["rule"] in ELEMENTWISE_RULES or group["rule"] == "taco":  # windowed.py
             scratch = _scratch_bytes(windowed.kind(codecs, group["rule"]), p, group, _align(codecs, p.shape))
+            one_pass = native.scratch_per_element(codecs)
+            if one_pass is not None and native.kernel_applies(group, p.dtype, p.device.type, codecs):
+                scratch = one_pass * scratch // max(1, windowed.scratch_per_element(
+                    windowed.kind(codecs, group["rule"]), p.dtype, rounding_of(group, p)))  # the same windows
         elif group["rule"] == "muon":
             scratch = _muon_scratch(p, group, codecs)
         else:

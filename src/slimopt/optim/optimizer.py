@@ -160,7 +160,9 @@ class SlimOptimizer(torch.optim.Optimizer):
       updates and encodes in one pass; hyperparameters enter as 0-D tensors, so schedules never recompile.
     - ``fused`` (default True): step the parameters whose update is a standard kernel all at once
       (``multi_tensor.py``: torch's fused AdamW for plain moments, foreach kernels for an inactive block's
-      residual); False runs every parameter through the eager per-tensor step, the reference.
+      residual) and run every other element-wise update of a CPU weight (codec-stored moments, Lion, SGDM) through
+      the one-pass C kernel (``native.py``); False runs every parameter through the eager per-tensor step, the
+      reference.
     - ``param_rounding``: how a bf16 weight is written, ``nearest`` | ``stochastic`` (unbiased, no memory) |
       ``kahan`` (a bf16 compensation per weight, state ``kahan_comp``); see ``rules.py``. fp32 weights are written
       exactly; fp16 weights take ``nearest`` only.

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from . import native
 from . import projectors as P
 from .rules import PARAM_STREAM, apply_update, comp_of, direction, rounding_of
 
@@ -127,11 +128,15 @@ def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any
     per = scratch_per_element(kind(codecs, group["rule"]), p.dtype, rounding)
     align = math.lcm(1, *(codec.align(p.shape) for _, codec in codecs))
     size = window_elems(n, align, per)
-    windows = [(i, key, codec, codec.open(key, state, p.shape)) for i, (key, codec) in enumerate(codecs)]
     weight, gradient = p.view(-1), grad.view(-1)
+    windows = [(i, key, codec, codec.open(key, state, p.shape)) for i, (key, codec) in enumerate(codecs)]
+    one_pass = bool(codecs) and native.applies(group, p, grad, codecs)  # the same windows, one pass each
     comp = comp_of(state, p, rounding)
     for start in range(0, n, size):
         stop = min(n, start + size)
+        if one_pass:
+            native.window_step(weight[start:stop], gradient[start:stop], state, group, windows, start, age, stream)
+            continue
         gen = stream(PARAM_STREAM, start) if rounding == "stochastic" else None
         _window(weight[start:stop], gradient[start:stop], comp.view(-1)[start:stop] if comp is not None else None,
                 group, windows, start, age, stream, gen)

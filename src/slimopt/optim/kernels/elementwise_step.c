@@ -1,0 +1,381 @@
+/* One element-wise optimizer step over a window of one parameter, in a single pass.
+ *
+ * The eager step (slimopt/optim/windowed.py) decodes each stored moment into a full fp32 tensor, runs the rule
+ * op by op (a dozen passes over memory), encodes the moments back and writes the weight. This kernel does the
+ * same arithmetic tile by tile: a tile of a few hundred elements (whole codec blocks) is decoded into stack
+ * buffers, updated in registers, encoded and written before the next tile, so the gradient, the weight and each
+ * coded moment are read once and written once.
+ *
+ * Rules (slimopt/optim/rules.py): AdamW (arXiv 1412.6980, 1711.05101; eps after the bias correction as
+ * torch.optim.AdamW, or before it as galore-torch), Lion (arXiv 2302.06675), heavy-ball SGD momentum.
+ * Codecs (slimopt/optim/codecs.py): fp32, bf16 (nearest), blockwise absmax int8 / int4 on a sorted map
+ * (arXiv 2110.02861, 2309.01507), ternary with stochastic rounding or with a carried ternary residual.
+ *
+ * The arithmetic follows torch's CPU kernels operation for operation, so that the result equals the eager step
+ * (tests/test_native.py): lerp as fma(w, end - self, self) for |w| < 0.5 (else fma(w - 1, end - self, end)),
+ * add-with-alpha as fma(other, alpha, self), each other operation rounded to fp32 on its own (compiled with
+ * -ffp-contract=off so that the compiler fuses nothing else). Nearest and stochastic codes are the exact
+ * integer answers of slimopt.optim.quant (count of decision points <= x, found through the same 65536-range
+ * look-up table), so codes agree whenever the fp32 moment does.
+ *
+ * Stochastic codecs read uniform [0, 1) noise drawn by the caller from the parameter's stream, one number per
+ * padded element of the window, as the eager encode draws it.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+enum { RULE_ADAMW = 0, RULE_LION = 1, RULE_SGDM = 2 };
+enum { C_FP32 = 0, C_BF16 = 1, C_BLOCK8 = 2, C_BLOCK4 = 3, C_TERNARY_SR = 4, C_TERNARY_EF = 5 };
+enum { D_FP32 = 0, D_BF16 = 1 };
+
+#define MAX_TILE 4096
+
+/* count(points <= x) through a range table (quant._CountTable): base[range(x)] + comparisons with the next
+ * `extra` points; `points` is NaN-padded so that reading past the last point compares false. */
+typedef struct {
+    const int32_t *base;  /* (65536,) */
+    const float *points;  /* (n_points + extra,) */
+    int32_t extra;
+    /* (65536,) or NULL; where no range holds more than one point: base[r] << 17 | t, t the low 16 bits of the
+     * order key of the point in range r (65536 if none), so that count = (packed >> 17) + (low16(key) >= t):
+     * one look-up instead of two dependent ones */
+    const int32_t *packed;
+} count_table_t;
+
+typedef struct {
+    int32_t kind;          /* C_* */
+    int32_t block;         /* elements per block (1 for fp32 / bf16) */
+    void *data;            /* fp32 / bf16 values, or uint8 codes (packed for int4 and ternary) */
+    float *scale;          /* per-block absmax (block and ternary codecs) */
+    uint8_t *err;          /* ternary residual trits (C_TERNARY_EF) */
+    const float *qmap;     /* sorted map (block and ternary codecs) */
+    int32_t qmap_n;
+    count_table_t nearest; /* decision points of nearest rounding */
+    count_table_t bracket; /* the map's own points (stochastic rounding) */
+    const float *noise;    /* uniform [0, 1) per padded element of the window (stochastic codecs) */
+} codec_t;
+
+typedef struct {
+    int64_t n;             /* elements in the window */
+    void *param;           /* (n,) D_FP32 / D_BF16 */
+    int32_t param_dtype;
+    const void *grad;      /* (n,) D_FP32 / D_BF16 */
+    int32_t grad_dtype;
+    int32_t rule;
+    int32_t has_decay;     /* weight decay != 0: the weight is multiplied by `decay` first (and rounded) */
+    float decay;           /* 1 - lr * weight_decay */
+    float alpha;           /* -lr * coefficient: weight += alpha * direction */
+    float w1;              /* adamw / lion: 1 - beta1 (the lerp weight of m) */
+    float beta2;           /* adamw: beta2 */
+    float w2;              /* adamw: 1 - beta2 (addcmul's value); lion: 1 - beta2 (m's lerp weight) */
+    float bias2_sqrt;      /* adamw: sqrt(1 - beta2^t) */
+    float eps;
+    int32_t eps_before;    /* adamw: galore-torch's placement (sqrt(v) + eps) / bias2_sqrt */
+    float momentum;        /* sgdm */
+    int32_t n_codecs;      /* moments of the rule: adamw 2 (m, v), lion and sgdm 1 */
+    codec_t codecs[2];
+} step_t;
+
+static uint8_t TRITS[256][5];  /* base-3 digits of every byte value, lowest first */
+static int trits_ready = 0;
+
+static void init_trits(void) {
+    for (int b = 0; b < 256; b++) {
+        int x = b;
+        for (int k = 0; k < 5; k++) { TRITS[b][k] = (uint8_t)(x % 3); x /= 3; }
+    }
+    trits_ready = 1;
+}
+
+static const int POW3[5] = {1, 3, 9, 27, 81};
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as c10::BFloat16 */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7FC0;
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+static inline int32_t count_le(const count_table_t *t, float x) {
+    float y = x + 0.0f;  /* -0.0 -> +0.0 */
+    int32_t bits;
+    memcpy(&bits, &y, 4);
+    int32_t key = bits ^ ((bits >> 31) & 0x7FFFFFFF);
+    int32_t idx = t->base[(key >> 16) + 32768];
+    int32_t count = idx;
+    for (int32_t k = 0; k < t->extra; k++) count += (x >= t->points[idx + k]);
+    return count;
+}
+
+/* count_le for n values at once; the common case of at most one point per range (every map here) as a loop
+ * the compiler vectorizes (a gather from the table, one from the points, one comparison). */
+static void count_le_many(const count_table_t *t, const float *x, int32_t *out, int64_t n) {
+    const int32_t *packed = t->packed;
+    if (packed == NULL) {
+        for (int64_t i = 0; i < n; i++) out[i] = count_le(t, x[i]);
+        return;
+    }
+    int64_t i = 0;
+#ifdef __AVX2__
+    /* the loop below, eight at a time: the gather is what the compiler will not emit on its own */
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF), half = _mm256_set1_epi32(32768);
+    const __m256i low16 = _mm256_set1_epi32(0xFFFF), low17 = _mm256_set1_epi32(0x1FFFF);
+    for (; i + 8 <= n; i += 8) {
+        __m256i bits = _mm256_castps_si256(_mm256_add_ps(_mm256_loadu_ps(x + i), zero));
+        __m256i key = _mm256_xor_si256(bits, _mm256_and_si256(_mm256_srai_epi32(bits, 31), magnitude));
+        __m256i e = _mm256_i32gather_epi32(packed, _mm256_add_epi32(_mm256_srai_epi32(key, 16), half), 4);
+        /* low16(key) >= t  <=>  not (t > low16(key)); the mask is -1 where t > low16 */
+        __m256i below = _mm256_cmpgt_epi32(_mm256_and_si256(e, low17), _mm256_and_si256(key, low16));
+        __m256i count = _mm256_add_epi32(_mm256_srli_epi32(e, 17), _mm256_set1_epi32(1));
+        _mm256_storeu_si256((__m256i *)(out + i), _mm256_add_epi32(count, below));
+    }
+#endif
+    for (; i < n; i++) {
+        float y = x[i] + 0.0f;
+        int32_t bits;
+        memcpy(&bits, &y, 4);
+        int32_t key = bits ^ ((bits >> 31) & 0x7FFFFFFF);
+        int32_t e = packed[(key >> 16) + 32768];
+        out[i] = (int32_t)((uint32_t)e >> 17) + ((key & 0xFFFF) >= (e & 0x1FFFF));
+    }
+}
+
+/* Decode elements [off, off + cnt) of the window into out. */
+static void decode(const codec_t *c, int64_t off, int64_t cnt, float *out) {
+    switch (c->kind) {
+    case C_FP32:
+        memcpy(out, (const float *)c->data + off, (size_t)cnt * 4);
+        break;
+    case C_BF16: {
+        const uint16_t *d = (const uint16_t *)c->data + off;
+        for (int64_t i = 0; i < cnt; i++) out[i] = bf16_to_f32(d[i]);
+        break;
+    }
+    case C_BLOCK8: {  /* off and the tile are whole blocks */
+        const uint8_t *d = (const uint8_t *)c->data + off;
+        for (int64_t b0 = 0; b0 < cnt; b0 += c->block) {
+            const float scale = c->scale[(off + b0) / c->block];
+            const int64_t e = cnt - b0 < c->block ? cnt - b0 : c->block;
+            int64_t i = 0;
+#ifdef __AVX2__
+            const __m256 sv = _mm256_set1_ps(scale);
+            for (; i + 8 <= e; i += 8) {
+                __m256i code = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(d + b0 + i)));
+                _mm256_storeu_ps(out + b0 + i, _mm256_mul_ps(_mm256_i32gather_ps(c->qmap, code, 4), sv));
+            }
+#endif
+            for (; i < e; i++) out[b0 + i] = c->qmap[d[b0 + i]] * scale;
+        }
+        break;
+    }
+    case C_BLOCK4: {
+        const uint8_t *d = (const uint8_t *)c->data + off / 2;
+        for (int64_t b0 = 0; b0 < cnt; b0 += c->block) {
+            const float scale = c->scale[(off + b0) / c->block];
+            const int64_t e = cnt - b0 < c->block ? cnt - b0 : c->block;
+            for (int64_t i = 0; i < e; i += 2) {
+                const uint8_t byte = d[(b0 + i) / 2];
+                out[b0 + i] = c->qmap[byte >> 4] * scale;
+                if (i + 1 < e) out[b0 + i + 1] = c->qmap[byte & 15] * scale;
+            }
+        }
+        break;
+    }
+    default: {  /* ternary: (digit - 1) * block scale; off is a multiple of 5 */
+        const uint8_t *d = (const uint8_t *)c->data + off / 5;
+        for (int64_t b0 = 0; b0 < cnt; b0 += c->block) {
+            const float scale = c->scale[(off + b0) / c->block];
+            const int64_t e = cnt - b0 < c->block ? cnt - b0 : c->block;
+            for (int64_t i = b0; i < b0 + e; i++)
+                out[i] = (float)((int)TRITS[d[i / 5]][i % 5] - 1) * scale;
+        }
+    }
+    }
+}
+
+/* stochastic_code on the ternary map (-1, 0, 1), n values at once, in a form the compiler vectorizes: the
+ * bracketing pair from three comparisons (NaN counts above every point, as quant's search), and
+ * (x - lo) / (hi - lo) = x - lo exactly, the spacing being 1. */
+static void ternary_sr_many(const float *x, const float *u, int32_t *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float xi = x[i];
+        const int32_t upper = (xi >= 0.0f) | (xi != xi);  /* bracket (0, 1) rather than (-1, 0) */
+        float p_up = xi - ((float)upper - 1.0f);
+        p_up = p_up < 0.0f ? 0.0f : p_up;  /* clamp_(0, 1); NaN stays NaN and compares false */
+        p_up = p_up > 1.0f ? 1.0f : p_up;
+        out[i] = upper + (u[i] < p_up);
+    }
+}
+
+/* digits (n of them, n a multiple of 5 but for the tensor's last byte) into bytes of five base-3 digits, the
+ * first weighted 1; the missing digits of a last partial byte are 0 (quant.pack_base3 pads with 0) */
+static void pack_trits(const int32_t *digits, int64_t n, uint8_t *bytes) {
+    int64_t j = 0;
+    for (; j + 5 <= n; j += 5)
+        bytes[j / 5] = (uint8_t)(digits[j] + 3 * digits[j + 1] + 9 * digits[j + 2] + 27 * digits[j + 3]
+                                 + 81 * digits[j + 4]);
+    if (j < n) {
+        int32_t byte = 0;
+        for (int64_t k = j; k < n; k++) byte += digits[k] * POW3[k - j];
+        bytes[j / 5] = (uint8_t)byte;
+    }
+}
+
+/* Encode x (cnt values; the rest of the last block is zero padding) as elements [off, ...) of the window.
+ * off is a multiple of the codec's block. */
+static void encode(const codec_t *c, int64_t off, int64_t cnt, float *x) {
+    switch (c->kind) {
+    case C_FP32:
+        memcpy((float *)c->data + off, x, (size_t)cnt * 4);
+        return;
+    case C_BF16: {
+        uint16_t *d = (uint16_t *)c->data + off;
+        for (int64_t i = 0; i < cnt; i++) d[i] = f32_to_bf16(x[i]);
+        return;
+    }
+    default:
+        break;
+    }
+    const int64_t B = c->block;
+    const int64_t padded = (cnt + B - 1) / B * B;
+    for (int64_t i = cnt; i < padded; i++) x[i] = 0.0f;
+    if (c->kind == C_TERNARY_EF) {  /* add the carried residual ((digit - 1) * 0.5) * old scale */
+        for (int64_t i = 0; i < cnt; i++) {
+            int64_t j = off + i;
+            float r = ((float)((int)TRITS[c->err[j / 5]][j % 5] - 1) * 0.5f) * c->scale[j / B];
+            x[i] = x[i] + r;
+        }
+    }
+    float nrm[MAX_TILE];
+    int32_t code[MAX_TILE];
+    for (int64_t b0 = 0; b0 < padded; b0 += B) {
+        /* |x| as int32 bit patterns order like the floats, and every NaN pattern lies above +inf: an integer
+         * max (which vectorizes) is the absmax, and NaN when any entry is NaN, as torch's amax */
+        int32_t amax_bits = 0;
+        for (int64_t i = b0; i < b0 + B; i++) {
+            int32_t bits;
+            memcpy(&bits, &x[i], 4);
+            bits &= 0x7FFFFFFF;
+            amax_bits = bits > amax_bits ? bits : amax_bits;
+        }
+        float amax;
+        memcpy(&amax, &amax_bits, 4);
+        const int64_t blk = (off + b0) / B;
+        c->scale[blk] = amax;
+        const float div = amax > 1.17549435e-38f ? amax : 1.17549435e-38f;  /* clamp_min(tiny); NaN stays */
+        for (int64_t i = 0; i < B; i++) nrm[b0 + i] = x[b0 + i] / (amax != amax ? amax : div);
+    }
+    if (c->kind == C_BLOCK8) {
+        count_le_many(&c->nearest, nrm, code, padded);
+        uint8_t *d = (uint8_t *)c->data + off;
+        for (int64_t i = 0; i < padded; i++) d[i] = (uint8_t)code[i];
+    } else if (c->kind == C_BLOCK4) {
+        count_le_many(&c->nearest, nrm, code, padded);
+        uint8_t *d = (uint8_t *)c->data + off / 2;
+        for (int64_t i = 0; i < padded; i += 2) d[i / 2] = (uint8_t)((code[i] << 4) | code[i + 1]);
+    } else if (c->kind == C_TERNARY_SR) {  /* off is a multiple of 5: whole bytes */
+        ternary_sr_many(nrm, c->noise + off, code, padded);
+        pack_trits(code, padded, (uint8_t *)c->data + off / 5);
+    } else {  /* C_TERNARY_EF: nearest trit, and twice the residual rounded stochastically to a trit */
+        count_le_many(&c->nearest, nrm, code, padded);
+        for (int64_t i = 0; i < padded; i++) nrm[i] = (nrm[i] - (float)(code[i] - 1)) * 2.0f;
+        pack_trits(code, padded, (uint8_t *)c->data + off / 5);
+        ternary_sr_many(nrm, c->noise + off, code, padded);
+        pack_trits(code, padded, c->err + off / 5);
+    }
+}
+
+static int64_t gcd(int64_t a, int64_t b) {
+    while (b) { int64_t t = a % b; a = b; b = t; }
+    return a;
+}
+
+static inline float lerp(float self, float end, float w) {  /* torch's vectorized lerp */
+    return fabsf(w) < 0.5f ? fmaf(w, end - self, self) : fmaf(w - 1.0f, end - self, end);
+}
+
+static inline float sign(float x) { return (float)((x > 0.0f) - (x < 0.0f)); }
+
+/* The step of one window. Returns 0, or -1 for arguments it does not know. */
+int slimopt_elementwise_step(const step_t *s) {
+    if (!trits_ready) init_trits();
+    if (s->n_codecs < 1 || s->n_codecs > 2) return -1;
+    int64_t align = 1;  /* a tile holds whole blocks of every codec (and whole bytes of five trits) */
+    for (int k = 0; k < s->n_codecs; k++) {
+        int64_t a = s->codecs[k].block;
+        if (s->codecs[k].kind >= C_TERNARY_SR) a = a / gcd(a, 5) * 5;
+        align = align / gcd(align, a) * a;
+    }
+    if (align > MAX_TILE) return -1;
+    const int64_t tile = align * (MAX_TILE / 4 > align ? MAX_TILE / 4 / align : 1);
+    float m[MAX_TILE], v[MAX_TILE], d[MAX_TILE];
+    const float w1 = s->w1, w2 = s->w2, beta2 = s->beta2, eps = s->eps, b2s = s->bias2_sqrt;
+    for (int64_t t0 = 0; t0 < s->n; t0 += tile) {
+        const int64_t cnt = s->n - t0 < tile ? s->n - t0 : tile;
+        float g[MAX_TILE];
+        if (s->grad_dtype == D_FP32) memcpy(g, (const float *)s->grad + t0, (size_t)cnt * 4);
+        else for (int64_t i = 0; i < cnt; i++) g[i] = bf16_to_f32(((const uint16_t *)s->grad)[t0 + i]);
+        decode(&s->codecs[0], t0, cnt, m);
+        if (s->rule == RULE_ADAMW) {
+            decode(&s->codecs[1], t0, cnt, v);
+            if (s->eps_before) {
+                for (int64_t i = 0; i < cnt; i++) {
+                    m[i] = lerp(m[i], g[i], w1);
+                    v[i] = fmaf(w2 * g[i], g[i], v[i] * beta2);  /* addcmul_: fma(value * t1, t2, self) */
+                    d[i] = m[i] / ((sqrtf(v[i]) + eps) / b2s);
+                }
+            } else {
+                for (int64_t i = 0; i < cnt; i++) {
+                    m[i] = lerp(m[i], g[i], w1);
+                    v[i] = fmaf(w2 * g[i], g[i], v[i] * beta2);  /* addcmul_: fma(value * t1, t2, self) */
+                    d[i] = m[i] / (sqrtf(v[i]) / b2s + eps);
+                }
+            }
+        } else if (s->rule == RULE_LION) {
+            for (int64_t i = 0; i < cnt; i++) {
+                d[i] = sign(lerp(m[i], g[i], w1));
+                m[i] = lerp(m[i], g[i], w2);
+            }
+        } else if (s->rule == RULE_SGDM) {
+            for (int64_t i = 0; i < cnt; i++) {
+                m[i] = m[i] * s->momentum + g[i];
+                d[i] = m[i];
+            }
+        } else {
+            return -1;
+        }
+        if (s->param_dtype == D_FP32) {
+            float *p = (float *)s->param + t0;
+            for (int64_t i = 0; i < cnt; i++) {
+                float w = s->has_decay ? p[i] * s->decay : p[i];
+                p[i] = fmaf(d[i], s->alpha, w);
+            }
+        } else {
+            uint16_t *p = (uint16_t *)s->param + t0;
+            for (int64_t i = 0; i < cnt; i++) {
+                float w = bf16_to_f32(p[i]);
+                if (s->has_decay) w = round_bf16(w * s->decay);
+                p[i] = f32_to_bf16(fmaf(d[i], s->alpha, w));
+            }
+        }
+        encode(&s->codecs[0], t0, cnt, m);
+        if (s->rule == RULE_ADAMW) encode(&s->codecs[1], t0, cnt, v);
+    }
+    return 0;
+}

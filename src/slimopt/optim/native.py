@@ -1,0 +1,325 @@
+"""The CPU's one-pass element-wise step: ``kernels/elementwise_step.c``, compiled on first use, called per window.
+
+The eager window step (``windowed.py``) runs a rule on codec-stored moments as a dozen whole-window passes:
+decode, the rule op by op, encode, write. For quantized moments that costs 20-60 times torch's fused AdamW on a
+CPU. The C kernel does the same arithmetic in one pass, a few hundred elements (whole codec blocks) at a time in
+stack buffers; its results equal the eager step's (tests/test_native.py: bit for bit on the cases tested, the
+quantized codes exactly where the fp32 moments agree).
+
+Where it applies (``applies``): a CPU parameter of fp32 or bf16 written with nearest rounding, a gradient of fp32
+or bf16, rule adamw (and TACO's AdamW fallback), lion or sgdm, each moment stored fp32, bf16 (nearest), int8,
+int4, ternary_sr or ternary_ef. Everything else (a factored second moment, stochastically rounded bf16 moments or
+weights, Kahan-compensated weights, fp64, CUDA tensors) takes the eager window step, which stays the reference;
+``fused=False`` on a group selects it everywhere.
+
+The kernel is built with the system C compiler (``$CC``, else ``cc``) into a cache folder (``$SLIMOPT_CACHE``,
+else ``$XDG_CACHE_HOME/slimopt``, else ``~/.cache/slimopt``) under a name that hashes the source, the flags and
+the machine, so an edit or another CPU rebuilds it; a failed build (no compiler, say) costs one warning naming
+the reason, and every step then runs eagerly. ``SLIMOPT_NATIVE=0`` turns the kernel off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from . import quant as Q
+from .codecs import Bf16Codec, BlockCodec, Fp32Codec, TernaryCodec
+
+__all__ = ["library", "in_kernel", "scratch_per_element", "kernel_applies", "applies", "window_step"]
+
+SOURCE = Path(__file__).parent / "kernels" / "elementwise_step.c"
+# -ffp-contract=off: only the fma() calls fuse, as torch's kernels do; -fno-math-errno lets sqrtf vectorize
+FLAGS = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
+NATIVE_FLAGS = ["-march=native"]  # dropped when the compiler does not know it
+
+_RULES = {"adamw": 0, "taco": 0, "lion": 1, "sgdm": 2}
+_MOMENT_KEYS = {"adamw": ["exp_avg", "exp_avg_sq"], "taco": ["exp_avg", "exp_avg_sq"], "lion": ["exp_avg"],
+                "sgdm": ["momentum_buffer"]}
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_C_FP32, _C_BF16, _C_BLOCK8, _C_BLOCK4, _C_TERNARY_SR, _C_TERNARY_EF = range(6)
+_MAX_TILE = 4096
+
+
+class _CountTable(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("points", ctypes.c_void_p), ("extra", ctypes.c_int32),
+                ("packed", ctypes.c_void_p)]
+
+
+class _Codec(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("block", ctypes.c_int32), ("data", ctypes.c_void_p),
+                ("scale", ctypes.c_void_p), ("err", ctypes.c_void_p), ("qmap", ctypes.c_void_p),
+                ("qmap_n", ctypes.c_int32), ("nearest", _CountTable), ("bracket", _CountTable),
+                ("noise", ctypes.c_void_p)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("n", ctypes.c_int64), ("param", ctypes.c_void_p), ("param_dtype", ctypes.c_int32),
+                ("grad", ctypes.c_void_p), ("grad_dtype", ctypes.c_int32), ("rule", ctypes.c_int32),
+                ("has_decay", ctypes.c_int32), ("decay", ctypes.c_float), ("alpha", ctypes.c_float),
+                ("w1", ctypes.c_float), ("beta2", ctypes.c_float), ("w2", ctypes.c_float),
+                ("bias2_sqrt", ctypes.c_float), ("eps", ctypes.c_float), ("eps_before", ctypes.c_int32),
+                ("momentum", ctypes.c_float), ("n_codecs", ctypes.c_int32), ("codecs", _Codec * 2)]
+
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}  # "lib": the loaded library or None once a build failed
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("SLIMOPT_CACHE"):
+        return Path(os.environ["SLIMOPT_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "slimopt"
+
+
+def _machine() -> str:
+    """What a -march=native build depends on: the architecture and the CPU's feature flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()} {flags}"
+
+
+def _build() -> tuple[ctypes.CDLL | None, str]:
+    """(library, "") or (None, why)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        return None, "no C compiler found (set CC, or install gcc or clang)"
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([cc, *FLAGS, *NATIVE_FLAGS, _machine()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / "native" / f"elementwise_step-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            error = ""
+            for extra in (NATIVE_FLAGS, []):
+                proc = subprocess.run([cc, *FLAGS, *extra, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
+                                      text=True)
+                if proc.returncode == 0:
+                    break
+                error = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+                error = f"{cc} failed: {error[0]}"
+            else:
+                return None, error
+            os.replace(tmp, target)  # atomic: a concurrent build or a crash never leaves half a library
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(target))
+    lib.slimopt_elementwise_step.argtypes = [ctypes.POINTER(_Step)]
+    lib.slimopt_elementwise_step.restype = ctypes.c_int
+    return lib, ""
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first call; None (after one warning) where it cannot be built, or when
+    SLIMOPT_NATIVE=0 at that first call."""
+    if "lib" in _state:  # every step asks: no lock, no environment look-up once decided
+        return _state["lib"]
+    with _lock:
+        if "lib" not in _state and os.environ.get("SLIMOPT_NATIVE", "1") == "0":
+            _state["lib"] = None
+        if "lib" not in _state:
+            try:
+                lib, why = _build()
+            except OSError as exc:
+                lib, why = None, f"{type(exc).__name__}: {exc}"
+            if lib is None:
+                warnings.warn(f"slimopt: the one-pass CPU step could not be built ({why}); quantized and "
+                              "other element-wise steps run on the eager path (same results, slower)",
+                              RuntimeWarning, stacklevel=3)
+            _state["lib"] = lib
+        return _state["lib"]
+
+
+def in_kernel(codec: Any) -> bool:
+    """Whether the kernel reads and writes this codec's stored form itself; any other codec's window is decoded
+    to an fp32 buffer before the kernel and encoded after it by the codec's own (eager) code."""
+    if isinstance(codec, Fp32Codec):
+        return codec.dtype == torch.float32
+    if isinstance(codec, Bf16Codec):
+        return not codec.stochastic
+    if isinstance(codec, BlockCodec):
+        return codec.block_size % 2 == 0 and codec.block_size <= _MAX_TILE // 4
+    if isinstance(codec, TernaryCodec):  # the absmax forms with an fp32 scale; other variants take the buffer
+        return (getattr(codec, "rounding", "ef" if codec.feedback else "sr") in ("sr", "ef")
+                and getattr(codec, "scale", "absmax") == "absmax"
+                and getattr(codec, "scale_dtype", torch.float32) == torch.float32
+                and codec.block_size * 5 <= _MAX_TILE // 2)
+    return False
+
+
+# Bytes per element of a window that a moment stepped through an fp32 buffer allocates (the buffer, its decode's
+# and encode's temporaries), measured with torch's MemTracker on CPU (a 2048 x 2048 weight); a moment the kernel
+# stores itself allocates nothing, or its noise (4 bytes) when it rounds stochastically.
+BUFFER_SCRATCH = {"factored": 8, "bf16_sr": 18}
+
+
+def scratch_per_element(codecs: list[tuple[str, Any]]) -> int | None:
+    """What the one-pass step allocates per element of a window with these moment codecs, or None for a buffered
+    codec not measured here (the eager step's figure bounds it)."""
+    total = 0
+    for _, codec in codecs:
+        if in_kernel(codec):
+            total += 4 if codec.needs_generator else 0
+        elif codec.name in BUFFER_SCRATCH:
+            total += BUFFER_SCRATCH[codec.name]
+        else:
+            return None
+    return total
+
+
+def kernel_applies(group: dict[str, Any], dtype: torch.dtype, device_type: str,
+                   codecs: list[tuple[str, Any]]) -> bool:
+    """Whether a `dtype` weight's element-wise steps on `device_type` with these moment codecs run through the
+    kernel (see the module docstring), building it on first ask. (The planner asks this for weights it only
+    describes.)"""
+    rule = group["rule"]
+    if not codecs or not group["fused"] or rule not in _RULES or device_type != "cpu" or dtype not in _DTYPES:
+        return False
+    if group["param_rounding"] != "nearest" and dtype != torch.float32:
+        return False
+    if rule in ("adamw", "taco") and group["eps_placement"] not in ("torch", "galore"):
+        return False
+    if [k for k, _ in codecs] != _MOMENT_KEYS[rule]:
+        return False
+    return library() is not None
+
+
+def applies(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[str, Any]]) -> bool:
+    """``kernel_applies`` for this weight and gradient (fp32 or bf16, contiguous, plain tensors)."""
+    if grad.dtype not in _DTYPES or not (p.is_contiguous() and grad.is_contiguous() and type(p.data) is Tensor):
+        return False
+    return kernel_applies(group, p.dtype, p.device.type, codecs)
+
+
+def _packed(table: Any) -> Tensor | None:
+    """quant's count table of at most one point per range as one int32 look-up (see count_table_t in the C
+    source): base << 17 | the low 16 bits of the order key of the range's point (65536 for none)."""
+    if table.extra > 1:
+        return None
+    n = table.padded.numel() - table.extra
+    base = table.base.long()
+    candidate = table.padded[base.clamp(max=max(0, n - 1))]
+    inside = (base < n) & (Q._CountTable.range_of(candidate).long() == torch.arange(65536))
+    low = torch.where(inside, Q._order_key(candidate).long() & 0xFFFF, torch.full_like(base, 65536))
+    return ((base << 17) | low).to(torch.int32)
+
+
+_TABLES: dict[str, tuple[Tensor, ...]] = {}
+
+
+def _map_tables(map_name: str) -> tuple[Tensor, Any, Tensor | None, Any, Tensor | None]:
+    """A map, quant's two count tables of it (so that codes are quant's) and their packed forms, built once and
+    kept alive for the kernel's pointers: (qmap, nearest, nearest packed, bracket, bracket packed)."""
+    entry = _TABLES.get(map_name)
+    if entry is None:
+        qmap = Q.get_map(map_name, "cpu")
+        tables = Q._tables(qmap)
+        entry = _TABLES[map_name] = (qmap, tables.nearest, _packed(tables.nearest), tables.bracket,
+                                     _packed(tables.bracket))
+    return entry
+
+
+def _table(table: Any, packed: Tensor | None) -> _CountTable:
+    return _CountTable(table.base.data_ptr(), table.padded.data_ptr(), table.extra,
+                       packed.data_ptr() if packed is not None else None)
+
+
+def _fill_codec(c: _Codec, codec: Any, key: str, part: dict[str, Tensor], noise: Tensor | None) -> None:
+    c.data = part[key].data_ptr()
+    c.noise = noise.data_ptr() if noise is not None else None
+    if isinstance(codec, Fp32Codec):
+        c.kind, c.block = _C_FP32, 1
+        return
+    if isinstance(codec, Bf16Codec):
+        c.kind, c.block = _C_BF16, 1
+        return
+    if isinstance(codec, BlockCodec):
+        c.kind = _C_BLOCK8 if codec.bits == 8 else _C_BLOCK4
+        map_name = codec.map_name
+    else:
+        c.kind = _C_TERNARY_EF if codec.feedback else _C_TERNARY_SR
+        map_name = "ternary"
+        if codec.feedback:
+            c.err = part[key + "_err"].data_ptr()
+    c.block = codec.block_size
+    c.scale = part[key + "_scale"].data_ptr()
+    qmap, nearest, nearest_packed, bracket, bracket_packed = _map_tables(map_name)
+    c.qmap, c.qmap_n = qmap.data_ptr(), qmap.numel()
+    c.nearest = _table(nearest, nearest_packed)
+    c.bracket = _table(bracket, bracket_packed)
+
+
+def window_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], windows: list,
+                start: int, age: int, stream: Callable[[int, int], torch.Generator]) -> None:
+    """Elements [start, start + p.numel()) of a parameter stepped in one pass: p, grad are that window's flat
+    views; state the whole parameter's state; windows the rule's moments as ``windowed.step`` opened them
+    ((index, key, codec, codecs.Window) each); age the moments' step count; stream(i, start) the random stream of
+    moment i for this window (stochastic codecs draw from it exactly what the eager encode draws)."""
+    rule = group["rule"]
+    n = p.numel()
+    s = _Step()
+    s.n = n
+    s.param, s.param_dtype = p.data_ptr(), _DTYPES[p.dtype]
+    s.grad, s.grad_dtype = grad.data_ptr(), _DTYPES[grad.dtype]
+    s.rule = _RULES[rule]
+    lr, wd = float(group["lr"]), float(group["weight_decay"])
+    s.has_decay, s.decay = int(wd != 0.0), 1.0 - lr * wd
+    coef = 1.0
+    if rule in ("adamw", "taco"):
+        beta1, beta2 = group["betas"]
+        s.w1, s.beta2, s.w2 = 1 - beta1, beta2, 1 - beta2
+        s.bias2_sqrt = (1 - beta2 ** age) ** 0.5
+        s.eps, s.eps_before = float(group["eps"]), int(group["eps_placement"] == "galore")
+        coef = 1.0 / (1 - beta1 ** age)
+    elif rule == "lion":
+        beta1, beta2 = group["betas"]
+        s.w1, s.w2 = 1 - beta1, 1 - beta2
+    else:
+        s.momentum = float(group["momentum"])
+    s.alpha = -lr * coef
+    s.n_codecs = len(windows)
+    keep: list[Tensor] = []  # what the kernel's pointers point into, alive until it returns
+    buffers: list[tuple[int, Any, Tensor]] = []  # moments stepped through an fp32 buffer: (index, window, buffer)
+    for i, key, codec, window in windows:
+        c = s.codecs[i]
+        if not in_kernel(codec):
+            buf = window.decode(start, start + n).contiguous()
+            buffers.append((i, window, buf))
+            keep.append(buf)
+            c.kind, c.block, c.data = _C_FP32, 1, buf.data_ptr()
+            continue
+        part = codec.part(key, state, start, start + n)
+        keep += part.values()
+        noise = None
+        if codec.needs_generator:
+            noise = Q.uniform((codec.noise_numel(torch.Size((n,))),), p.device, stream(i, start))
+            keep.append(noise)
+        _fill_codec(c, codec, key, part, noise)
+    rc = library().slimopt_elementwise_step(ctypes.byref(s))
+    if rc != 0:
+        raise RuntimeError(f"slimopt: the native element-wise step refused its arguments (rule {rule!r}, codecs "
+                           f"{[w[2].name for w in windows]}); run this group with fused=False and report it")
+    for i, window, buf in buffers:
+        window.encode(start, start + n, buf, stream(i, start) if window.codec.needs_generator else None)

@@ -1,0 +1,199 @@
+"""The one-pass CPU step (native.py, kernels/elementwise_step.c) against the eager window step, the reference.
+
+Every rule x codec combination the kernel reads and writes itself, plus the codecs it steps through an fp32 buffer
+(factored, bf16_sr): same state tensors, bit for bit here; the fp32 weights within rounding (the kernel's square
+root is correctly rounded, torch's CPU square root is not always: one fp32 ulp in some elements of the update).
+Windows, a path switch across a weights_only checkpoint, the count tables, and the fallback without a compiler.
+"""
+
+import os
+import shutil
+import warnings
+
+import pytest
+import torch
+
+import slimopt
+from slimopt.optim import native, windowed
+from slimopt.optim import quant as Q
+from helpers import save_and_load
+
+SHAPES = [(40, 300), (5000,), (30,)]  # 2-D (partial last blocks, several tiles), 1-D, small (always fp32)
+LRS = [1e-2, 8e-3, 6e-3, 4e-3]
+
+
+def _params(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+
+
+def _grads(dtype, steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [[(torch.randn(s, generator=gen) * 0.1).to(dtype) for s in SHAPES] for _ in range(steps)]
+
+
+def _run(params, opt, grads, lrs=LRS):
+    for i, gs in enumerate(grads):
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        for group in opt.param_groups:
+            group["lr"] = lrs[i % len(lrs)]
+        opt.step()
+
+
+class _Counting:
+    """The library, counting the kernel's calls."""
+
+    def __init__(self, lib):
+        self.lib, self.calls = lib, 0
+
+    def slimopt_elementwise_step(self, s):
+        self.calls += 1
+        return self.lib.slimopt_elementwise_step(s)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    lib = native.library()
+    if lib is None:
+        pytest.skip("the kernel cannot be built here (no C compiler)")
+    counting = _Counting(lib)
+    monkeypatch.setitem(native._state, "lib", counting)
+    return counting
+
+
+def _assert_same(opt_a, opt_b, a, b, dtype, steps):
+    for pa, pb in zip(a, b):
+        if dtype == torch.float32:
+            torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7)
+        else:  # an update one fp32 ulp apart may round the bf16 weight the other way: one bf16 step a step
+            ulp = torch.finfo(torch.bfloat16).eps * (pa.float().abs() + 2 * sum(LRS))
+            assert bool(((pa.float() - pb.float()).abs() <= steps * ulp).all())
+        sa, sb = opt_a.state[pa], opt_b.state[pb]
+        assert sorted(sa) == sorted(sb)
+        for key in sa:
+            x, y = sa[key], sb[key]
+            assert x.dtype == y.dtype and x.shape == y.shape, key
+            if x.is_floating_point():
+                torch.testing.assert_close(x.float(), y.float(), rtol=1e-6, atol=1e-12, msg=key)
+            else:  # codes: equal here; another processor's torch may round a few moments the other way
+                assert (x != y).float().mean().item() <= 1e-3, key
+
+
+CASES = [  # (rule, m codec, v codec, settings)
+    *[("adamw", m, v, {}) for m in ("int8", "int4", "ternary_sr", "ternary_ef") for v in ("int8", "int4", "factored")],
+    ("adamw", "fp32", "int8", {}), ("adamw", "bf16", "fp32", {}), ("adamw", "int8", "bf16", {}),
+    ("adamw", "int8", "bf16_sr", {}), ("adamw", "fp32", "factored", {}),
+    ("adamw", "int8", "int8", dict(eps_placement="galore")), ("adamw", "int4", "int8", dict(betas=(0.8, 0.95), eps=1e-6)),
+    *[(rule, m, None, {}) for rule in ("lion", "sgdm") for m in ("fp32", "bf16", "int8", "int4", "ternary_sr", "ternary_ef")],
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rule,m,v,settings", CASES, ids=lambda x: x if isinstance(x, str) else None)
+def test_one_pass_equals_the_eager_step(counted, dtype, rule, m, v, settings):
+    kw = dict(lr=1e-2, weight_decay=0.1, rule=rule, m_codec=m, **settings)
+    if v is not None:
+        kw["v_codec"] = v
+    if rule == "sgdm":
+        kw["momentum"] = 0.9
+    a, b = _params(dtype), _params(dtype)
+    fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
+    _run(a, fast, _grads(dtype, 4))
+    assert counted.calls >= 4 * 2  # the two tensors of >= 4096 elements, every step
+    _run(b, eager, _grads(dtype, 4))
+    _assert_same(fast, eager, a, b, dtype, 4)
+
+
+@pytest.mark.parametrize("m,v", [("int8", "int4"), ("ternary_ef", "factored"), ("ternary_sr", "int8")])
+def test_windows_of_a_tensor(counted, monkeypatch, m, v):
+    """Small windows: each is one kernel call, stochastic codes draw per window as the eager windows do."""
+    monkeypatch.setattr(windowed, "WINDOW_BYTES", 1 << 16)
+    kw = dict(lr=1e-2, m_codec=m, v_codec=v)
+    a, b = _params(torch.bfloat16), _params(torch.bfloat16)
+    fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
+    _run(a, fast, _grads(torch.bfloat16, 3))
+    assert counted.calls > 3 * 2  # more than one window per tensor
+    _run(b, eager, _grads(torch.bfloat16, 3))
+    _assert_same(fast, eager, a, b, torch.bfloat16, 3)
+
+
+@pytest.mark.parametrize("m,v", [("int8", "int8"), ("ternary_ef", "factored")])
+def test_path_switch_across_a_checkpoint(counted, m, v):
+    """Three steps in one pass, a weights_only checkpoint, three eager steps: the eager run's result, and the
+    checkpoint holds the eager path's tensors."""
+    kw = dict(lr=1e-2, weight_decay=0.1, m_codec=m, v_codec=v)
+    grads = _grads(torch.float32, 6)
+    a, ref = _params(torch.float32), _params(torch.float32)
+    fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(ref, fused=False, **kw)
+    _run(a, fast, grads[:3])
+    _run(ref, eager, grads)
+    saved = save_and_load(fast.state_dict())
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    resumed = slimopt.SlimOptimizer(b, fused=False, **kw)
+    resumed.load_state_dict(saved)
+    resumed.param_groups[0]["fused"] = False  # the saved group said True: this run asks for the eager step
+    _run(b, resumed, grads[3:], lrs=LRS[3:] + LRS[:3])
+    _assert_same(resumed, eager, b, ref, torch.float32, 6)
+
+
+def test_other_paths_keep_their_steps(counted):
+    """Stochastic or Kahan weight writes and fp64 weights are not the kernel's: the eager window step runs."""
+    for kw, dtype in ((dict(param_rounding="stochastic", codec="int8"), torch.bfloat16),
+                      (dict(param_rounding="kahan", codec="int8"), torch.bfloat16), ({}, torch.float64)):
+        p = torch.nn.Parameter(torch.randn(64, 80, dtype=dtype))
+        opt = slimopt.SlimOptimizer([p], lr=1e-2, **kw)
+        p.grad = torch.randn_like(p)
+        opt.step()
+    assert counted.calls == 0
+
+
+@pytest.mark.parametrize("name", ["dynamic8_signed", "dynamic8_unsigned", "dynamic4_signed", "linear4_nozero",
+                                  "ternary"])
+def test_packed_tables_count_as_quant(name):
+    """The kernel's one-look-up table gives quant's count of points <= x, for the nearest-rounding decision points
+    and for the map itself, on random values, on every point and its fp32 neighbours, on zeros and infinities."""
+    qmap = Q.get_map(name)
+    tables = Q._tables(qmap)
+    for table in (tables.nearest, tables.bracket):
+        points = table.padded[: table.padded.numel() - table.extra]
+        x = torch.cat([torch.randn(20000), torch.rand(20000) * 2 - 1, torch.rand(2000) * 1e-6, points,
+                       torch.nextafter(points, torch.full_like(points, float("inf"))),
+                       torch.nextafter(points, torch.full_like(points, -float("inf"))),
+                       torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-40, -1e-40])])
+        packed = native._packed(table).long()
+        key = Q._order_key(x).long()
+        entry = packed[(key >> 16) + 32768]
+        count = (entry >> 17) + ((key & 0xFFFF) >= (entry & 0x1FFFF)).long()
+        assert torch.equal(count, table.count_le(x).long())
+
+
+def test_the_kernel_builds_where_a_compiler_is():
+    if native._state.get("lib") is None and not shutil.which(os.environ.get("CC") or "cc"):
+        pytest.skip("no C compiler on this machine")
+    assert native.library() is not None
+
+
+def test_no_compiler_costs_one_warning_and_the_eager_step(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("SLIMOPT_CACHE", str(tmp_path))
+    a, b = _params(torch.float32), _params(torch.float32)
+    fast = slimopt.SlimOptimizer(a, lr=1e-2, codec="int8")
+    eager = slimopt.SlimOptimizer(b, lr=1e-2, codec="int8", fused=False)
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        _run(a, fast, _grads(torch.float32, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning, not one a step
+        _run(a, fast, _grads(torch.float32, 2)[1:], lrs=LRS[1:])
+    _run(b, eager, _grads(torch.float32, 2))
+    for pa, pb in zip(a[:2], b[:2]):  # the quantized ones: the eager window step on both sides (the small fp32
+        assert torch.equal(pa, pb)    # one takes torch's fused AdamW when fused)
+
+
+def test_native_off_by_environment(monkeypatch):
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("SLIMOPT_NATIVE", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.library() is None
