@@ -36,9 +36,10 @@ def analytic_nbytes(name: str, shape: torch.Size) -> int:
     if name == "int4":
         nb = -(-n // 128)
         return 64 * nb + 4 * nb
-    if name in ("ternary_sr", "ternary_ef"):
-        nb = -(-n // 256)
-        return -(-256 * nb // 5) * (2 if name == "ternary_ef" else 1) + 4 * nb
+    if name in C.TERNARY_SPECS:
+        rounding, _, block, scale_dtype = C.TERNARY_SPECS[name]
+        nb = -(-n // block)
+        return -(-block * nb // 5) * (2 if rounding == "ef" else 1) + (4 if scale_dtype == torch.float32 else 2) * nb
     if name == "factored":
         return 4 * (shape[0] + shape[1]) if len(shape) == 2 else 4 * n
     raise AssertionError(name)
@@ -85,7 +86,7 @@ def test_init_is_a_zero_moment_with_narrow_dtypes(spec, role):
         if k == "exp_avg" and codec.name not in ("fp32", "bf16", "bf16_sr", "factored"):
             assert t.dtype == torch.uint8
         elif k.endswith(("_scale", "_col")):
-            assert t.dtype == torch.float32
+            assert t.dtype == getattr(codec, "scale_dtype", torch.float32)
     y = codec.decode("exp_avg", state, shape)
     assert y.dtype == torch.float32 and y.shape == shape and bool((y == 0).all())
 
@@ -111,17 +112,20 @@ def _error_bound(name, role, x, shape):
         return x.abs() * 2.0**-8
     if name == "bf16_sr":
         return x.abs() * 2.0**-7
-    block = {"int8": 256, "int4": 128}.get(name, 256)
+    codec = C.make_codec(name, role, x.numel(), torch.float32)
+    block = codec.block_size
     blocks = Q.to_blocks(x, block)
     scale = blocks.abs().amax(-1, keepdim=True)
-    if name in ("int8", "int4"):
-        # the largest half gap of the map (and the missing -1 of the signed dynamic map), times the block scale
-        qmap = C.make_codec(name, role, x.numel(), torch.float32)
-        qmap = Q.get_map(qmap.map_name)
-        ends = torch.stack([qmap.min() + 1 if float(qmap.min()) < 0 else qmap.min(), 1 - qmap.max()])
-        unit = max(float(qmap.diff().max()) / 2, float(ends.max()))
-    else:  # ternary: stochastic rounding moves at most one step; error feedback adds the carried residual
-        unit = 1.0 if name == "ternary_sr" else 1.5
+    if name in C.TERNARY_SPECS:  # stochastic rounding moves at most one step; error feedback adds the carried
+        # residual; a value beyond the scale (a mean or rms scale, or one rounded to bf16) clips to it
+        unit = 1.5 if codec.feedback else 1.0
+        scale = codec.block_scale(blocks, x.numel()).unsqueeze(-1) * unit
+        bound = torch.maximum(scale.expand_as(blocks).reshape(-1)[: x.numel()].view(shape), x.abs())
+        return bound * (1 + 1e-5) + 1e-30
+    # int8 / int4: the largest half gap of the map (and the missing -1 of the signed dynamic map), times the scale
+    qmap = Q.get_map(codec.map_name)
+    ends = torch.stack([qmap.min() + 1 if float(qmap.min()) < 0 else qmap.min(), 1 - qmap.max()])
+    unit = max(float(qmap.diff().max()) / 2, float(ends.max()))
     bound = (scale * unit).expand_as(blocks).reshape(-1)[: x.numel()].view(shape)
     return bound * (1 + 1e-5) + 1e-30
 
@@ -250,7 +254,7 @@ def test_needs_generator_flags():
     n = 10**5
     flags = {s: C.make_codec(s, "m", n, torch.float32).needs_generator for s in C.M_SPECS}
     assert flags == {"auto": False, "fp32": False, "bf16": False, "bf16_sr": True, "int8": False, "int4": False,
-                     "ternary": True, "ternary_sr": True, "ternary_ef": True}
+                     "ternary": True, **{s: True for s in C.TERNARY_SPECS}}
     assert not C.make_codec("factored", "v", n, torch.float32).needs_generator
 
 

@@ -73,7 +73,7 @@ def test_every_method_equals_state_nbytes(dtype):
 
 CODECS = [("fp32", "fp32"), ("bf16", "bf16"), ("bf16_sr", "bf16_sr"), ("int8", "int8"), ("int4", "int4"),
           ("ternary_sr", "factored"), ("ternary_ef", "factored"), ("int8", "factored"), ("ternary_ef", "int4"),
-          ("ternary_sr", "int4")]
+          ("ternary_sr", "int4"), ("ternary_sr_rms64", "factored"), ("ternary_ef_mean64", "int4")]
 
 
 @pytest.mark.parametrize("m_codec,v_codec", CODECS)

@@ -84,6 +84,7 @@ def _step_scratch(w, opt):
 
 CASES = {"adamw": {}, "adamw8bit": {"state_bits": 8}, "adamw4bit": {"state_bits": 4},
          "ternary_ef": {"codec": "ternary_ef"}, "ternary_sr": {"codec": "ternary_sr"},
+         "ternary_sr_rms64": {"codec": "ternary_sr_rms64"}, "ternary_ef_mean64": {"codec": "ternary_ef_mean64"},
          "factored": {"v_codec": "factored"}, "lion": {"rule": "lion"}, "sgdm": {"rule": "sgdm"},
          "state_free": {"projector": "block", "density": 0.0, "free_rule": "sign"},
          "stochastic": {"param_rounding": "stochastic"}, "kahan": {"param_rounding": "kahan"},

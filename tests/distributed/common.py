@@ -59,6 +59,10 @@ MIXED_A = {  # projectors, sides, on_refresh modes and codecs on AdamW
     r"layers\.1\.q_proj": dict(projector="rows", density=0.25, free_rule="sgd", on_refresh="keep", **GAP),
     r"layers\.1\.odd\.weight": dict(projector="random", rank=8, proj_side="right", codec="bf16_sr", **GAP),
     r"lm_head": dict(rule="sgdm", codec="ternary_ef"),
+    # the ternary forms with a mean / rms scale, blocks of 64 and bf16 scales: row-aligned blocks, and blocks that
+    # cross rows of 68
+    r"layers\.1\.down_proj\.weight": dict(codec="ternary_sr_rms64"),
+    r"layers\.1\.odd_out": dict(m_codec="ternary_ef_mean64"),
 }
 MIXED_B = {  # TACO: the bare direction, on a right and a left projection; Lion with int4 state
     r"layers\.0\.q_proj": dict(taco_k=0),

@@ -246,7 +246,8 @@ def _muon_scratch(p: torch.Tensor, group: dict, codecs) -> int:
     from slimopt.optim import muon
 
     device = torch.device("cuda") if p.device.type == "meta" else p.device
-    return muon.scratch_bytes(p.shape, p.dtype, muon.iteration_dtype(group["ns_dtype"], device), codecs[0][1].name)
+    return muon.scratch_bytes(p.shape, p.dtype, muon.iteration_dtype(group["ns_dtype"], device),
+                              codecs[0][1].scratch_kind)
 
 
 def _align(codecs, shape) -> int:
@@ -330,7 +331,7 @@ def _projected_scratch(opt, p: torch.Tensor, group: dict, layout: str, side: str
     else:  # muon: the iteration on the (fp32) subspace gradient, and the direction it returns
         device = torch.device("cuda") if p.device.type == "meta" else p.device
         rule = muon.scratch_bytes(shape, torch.float32, muon.iteration_dtype(group["ns_dtype"], device),
-                                  codecs[0][1].name) + 4 * low
+                                  codecs[0][1].scratch_kind) + 4 * low
     return windowed.projected_scratch(tuple(p.shape), p.dtype, low, P.window_axis(layout, side), copy, free,
                                       rounding_of(group, p), rule)
 

@@ -17,6 +17,10 @@ int8            m, v   key: uint8 codes (256 nb,), key_scale: fp32 (nb,); B = 25
 int4            m, v   key: uint8, two codes a byte (64 nb,), key_scale: fp32; B = 128  64 nb + 4 nb
 ternary_sr      m      key: uint8, five trits a byte, key_scale: fp32; B = 256          ceil(256 nb / 5) + 4 nb
 ternary_ef      m      as ternary_sr, plus key_err: uint8, the residual trits           2 ceil(256 nb / 5) + 4 nb
+ternary_sr_     m      key: uint8, five trits a byte, key_scale: bf16 (nb,); B = 64     ceil(64 nb / 5) + 2 nb
+mean64, _rms64
+ternary_ef_     m      as ternary_sr_mean64, plus key_err: uint8, the residual trits    2 ceil(64 nb / 5) + 2 nb
+mean64
 factored        v      2-D (R, C): key: fp32 row means (R,), key_col: fp32 (C,)         4 (R + C)
 ==============  =====  ===============================================================  ======================
 
@@ -24,7 +28,8 @@ factored        v      2-D (R, C): key: fp32 row means (R,), key_col: fp32 (C,) 
 Moments with fewer than ``SMALL_NUMEL`` elements are always fp32 (as bitsandbytes and torchao do), and
 ``factored`` stores a moment that is not 2-D in fp32. Per parameter of a 4096 x 4096 matrix, AdamW's m and v
 together take (bytes): fp32 8, bf16 4, int8 2.031, int4 1.062, int4 m + factored v 0.533, ternary_sr m +
-factored v 0.218, ternary_ef m + factored v 0.418.
+factored v 0.218, ternary_sr_rms64 (or _mean64) m + factored v 0.233, ternary_ef m + factored v 0.418,
+ternary_ef_mean64 m + factored v 0.433.
 
 - int8: blockwise absmax, dynamic-exponent map, signed for m and unsigned for v (arXiv 2110.02861); the codes and
   maps are those of bitsandbytes and torchao's AdamW8bit.
@@ -33,7 +38,8 @@ factored v 0.218, ternary_ef m + factored v 0.418.
 - factored (v only): Adafactor (arXiv 1804.04235) row and column means of the 2-D second moment, decoded as
   outer(row, col) / mean(row). Encoding the full updated v by its row/column means reproduces Adafactor's running
   row/column statistics exactly, since the decoded v has the stored means.
-- ternary (m only; v >= 0 has nothing to store in a sign): {-1, 0, +1} times the block absmax. The moment is
+- ternary (m only; v >= 0 has nothing to store in a sign): {-1, 0, +1} times a block scale (the absmax for
+  ``ternary_sr`` and ``ternary_ef``; the mean or rms magnitude for the forms of issue 15). The moment is
   re-rounded at every step, and nearest rounding zeroes every entry below half the block's step each time, so a
   small but persistent momentum component never registers (in our runs AdamW with it diverged). Two remedies:
 
@@ -66,10 +72,39 @@ factored v 0.218, ternary_ef m + factored v 0.418.
   error feedback, fp32 residual   4.218                     1.949
   ==============================  ========================  =====================
 
-  Error feedback trains better than stochastic rounding, so ``ternary`` means ``ternary_ef``; ``ternary_sr`` is
-  the choice under a hard budget of 0.3 bytes per parameter. Neither comes
-  within a few percent of fp32 on this test: for that, int4 m (0.53 bytes with factored v) is the cheapest form
-  measured here.
+  On that test error feedback trained better than stochastic rounding. Both forms above scale by the block absmax,
+  and that is what fails on a transformer (issue 15, below).
+
+  The block scale (issue 15). A block of 256 roughly Gaussian values has its absmax near 3 standard deviations,
+  so stochastic rounding onto {-s, 0, +s} adds noise of variance about 1.2 sigma^2 per value and step (more than
+  the moment's own variance), which the moment then carries for 1 / (1 - beta1^2) ~ 5 steps; nearest rounding
+  zeroes every value under 1.5 sigma. The mean magnitude (BitNet b1.58's absmean, arXiv 2402.17764, 0.8 sigma)
+  or the root mean square (sigma) as the scale cuts that noise about tenfold at the price of clipping the few
+  values beyond s to s; for Gaussian values the expected squared error of stochastic rounding plus clipping is
+  smallest near s = 1.25 mean|x|, i.e. the rms. Smaller blocks (64) with bf16 scales follow the magnitude more
+  closely for 2 / 64 bytes per value. Measured on the tiny LLaMA of docs/reproduction.md (KJV, vocabulary 512,
+  512 steps, seed 0, lr 4e-3; codec on every parameter, v factored; AdamW with fp32 m and v 16.90 validation
+  ppl, fp32 m + factored v 17.27, int4 m + factored v 17.33):
+
+  ==================================================  ======================  ============
+  m codec (v factored)                                bytes / param (4096^2)  val ppl
+  ==================================================  ======================  ============
+  ternary_sr (absmax, block 256)                      0.218                   36.77
+  stochastic, absmax, block 64 / 32 (bf16 scales)     0.233 / 0.264           31.42 / 29.07
+  ternary_ef (absmax, block 256, residual trit)       0.418                   23.85
+  stochastic, mean, block 256                         0.210                   18.69
+  ternary_sr_mean64 (stochastic, mean, block 64)      0.233                   18.12
+  nearest, mean, block 64 (no remedy)                 0.233                   18.19
+  stochastic, rms, block 128                          0.218                   17.47
+  ternary_sr_rms64 (stochastic, rms, block 64)        0.233                   17.31
+  stochastic, rms, block 32                           0.264                   17.24
+  ternary_ef_mean64 (error feedback, mean, block 64)  0.433                   16.52
+  ==================================================  ======================  ============
+
+  Quantizing what the update uses, m / sqrt(v), instead of m did not help (mean scale, block 64: 18.29 against
+  18.05 for m itself in the same harness). Under the comparison protocol (tuned lrs, 3 seeds) see
+  docs/reproduction.md, "Ternary optimizer state": ternary_sr_rms64 is the cheapest form measured near AdamW
+  with factored v, and ternary_ef_mean64 the best ternary form (error feedback with a mean scale), at 0.43 bytes.
 """
 
 from __future__ import annotations
@@ -88,6 +123,7 @@ __all__ = [
     "M_SPECS",
     "V_SPECS",
     "TERNARY_DEFAULT",
+    "TERNARY_SPECS",
     "Codec",
     "Fp32Codec",
     "Bf16Codec",
@@ -104,8 +140,21 @@ SMALL_NUMEL = 4096  # tensors with fewer elements are always stored fp32 (as the
 # The default behind the spec "ternary": the better of the two remedies in the comparison above.
 TERNARY_DEFAULT = "ternary_ef"
 
+# The ternary specs: name -> (rounding, scale, block, scale dtype). rounding "sr": stochastic; "ef": nearest with
+# a residual trit carried to the next encode. scale "absmax": the block's largest magnitude (every value lies in
+# [-s, s]); "mean": its mean magnitude (BitNet b1.58's absmean, arXiv 2402.17764); "rms": its root mean square
+# (values beyond +-s clip to +-s with these two). The module docstring compares them; issue 15 screened more forms
+# (docs/reproduction.md, "Ternary optimizer state"), each one line here.
+TERNARY_SPECS: dict[str, tuple[str, str, int, torch.dtype]] = {
+    "ternary_sr": ("sr", "absmax", 256, torch.float32),
+    "ternary_ef": ("ef", "absmax", 256, torch.float32),
+    "ternary_sr_mean64": ("sr", "mean", 64, torch.bfloat16),
+    "ternary_sr_rms64": ("sr", "rms", 64, torch.bfloat16),
+    "ternary_ef_mean64": ("ef", "mean", 64, torch.bfloat16),
+}
+
 _COMMON_SPECS = ("auto", "fp32", "bf16", "bf16_sr", "int8", "int4")
-M_SPECS = _COMMON_SPECS + ("ternary", "ternary_sr", "ternary_ef")
+M_SPECS = _COMMON_SPECS + ("ternary",) + tuple(TERNARY_SPECS)
 V_SPECS = _COMMON_SPECS + ("factored",)
 _ALL_SPECS = tuple(dict.fromkeys(M_SPECS + V_SPECS))
 _STATE_BITS = {32: "fp32", 16: "bf16", 8: "int8", 4: "int4", 2: "ternary"}
@@ -141,6 +190,11 @@ class Codec:
 
     name: str = "codec"
     needs_generator: bool = False
+
+    @property
+    def scratch_kind(self) -> str:
+        """The codec whose measured step temporaries this one's match (the planner's tables are keyed by it)."""
+        return self.name
 
     def init(self, key: str, shape: torch.Size, device) -> dict[str, Tensor]:
         """State tensors of an all-zero moment of `shape`: ``key`` is the main tensor, others ``key_<suffix>``."""
@@ -335,22 +389,35 @@ _ZERO_TRITS = 121  # a byte of five base-3 digits 1 (1 + 3 + 9 + 27 + 81): five 
 
 
 class TernaryCodec(Codec):
-    """Ternary {-1, 0, +1} x per-block absmax (block 256), five trits a byte (base 3: 1.6 bits per value).
+    """Ternary {-1, 0, +1} x a per-block scale, five trits a byte (base 3: 1.6 bits per value).
 
-    feedback=False: stochastic rounding (``ternary_sr``). feedback=True: nearest rounding with the residual
-    carried to the next encode as one more trit, r in {-s/2, 0, +s/2} rounded stochastically (``ternary_ef``; see
-    the module docstring for why a trit). State: key = uint8 (ceil(n_blocks * 256 / 5),), key_scale = fp32
-    (n_blocks,), and for feedback key_err = uint8 (ceil(n_blocks * 256 / 5),).
-    Bytes: ceil(256 nb / 5) + 4 nb, twice the codes with feedback.
+    rounding "sr": stochastic rounding (``ternary_sr``). "ef": nearest rounding with the residual carried to the
+    next encode as one more trit, r in {-s/2, 0, +s/2} rounded stochastically (``ternary_ef``; see the module
+    docstring for why a trit). scale "absmax", "mean" or "rms" of the block (``TERNARY_SPECS``).
+    State: key = uint8 (ceil(n_blocks * B / 5),), key_scale = scale_dtype (n_blocks,), and for "ef"
+    key_err = uint8 (ceil(n_blocks * B / 5),).
+    Bytes: ceil(B nb / 5) (twice with "ef") + scale bytes * nb.
     """
 
-    def __init__(self, feedback: bool, block_size: int = 256):
+    def __init__(self, name: str = "ternary_sr", rounding: str = "sr", scale: str = "absmax", block_size: int = 256,
+                 scale_dtype: torch.dtype = torch.float32):
         if block_size < 1:
             raise ValueError(f"TernaryCodec: block_size must be >= 1, got {block_size}")
-        self.feedback = feedback
+        if rounding not in ("sr", "ef") or scale not in ("absmax", "mean", "rms"):
+            raise ValueError(f"TernaryCodec: rounding must be sr or ef and scale absmax, mean or rms, got "
+                             f"{rounding!r}, {scale!r}")
+        self.name = name
+        self.rounding = rounding
+        self.feedback = rounding == "ef"
+        self.scale = scale
         self.block_size = block_size
-        self.name = "ternary_ef" if feedback else "ternary_sr"
-        self.needs_generator = True  # both remedies draw random numbers
+        self.scale_dtype = scale_dtype
+        self.needs_generator = True  # stochastic rounding of the value or of the carried residual
+
+    @property
+    def scratch_kind(self) -> str:
+        # every block scale allocates what the absmax forms do
+        return "ternary_ef" if self.feedback else "ternary_sr"
 
     def _nblocks(self, shape) -> int:
         return -(-_numel(shape) // self.block_size)
@@ -360,7 +427,7 @@ class TernaryCodec(Codec):
         n_pad = nb * self.block_size
         # every digit 1, i.e. trit 0: the codes mean zero whatever the scale (which starts at 0 as well)
         out = {key: torch.full((Q.base3_nbytes(n_pad),), _ZERO_TRITS, dtype=torch.uint8, device=device),
-               key + "_scale": torch.zeros(nb, dtype=torch.float32, device=device)}
+               key + "_scale": torch.zeros(nb, dtype=self.scale_dtype, device=device)}
         if self.feedback:
             out[key + "_err"] = torch.full((Q.base3_nbytes(n_pad),), _ZERO_TRITS, dtype=torch.uint8, device=device)
         return out
@@ -369,7 +436,7 @@ class TernaryCodec(Codec):
     def _trits_times_scale(packed: Tensor, scale: Tensor, n_pad: int, unit: float) -> Tensor:
         """packed base-3 digits {0, 1, 2} -> (digit - 1) * unit * block scale, (n_blocks, block) fp32."""
         trits = Q.unpack_base3(packed, n_pad)
-        return ((trits - 1).float() * unit).view(scale.shape[0], -1) * scale.unsqueeze(-1)
+        return ((trits - 1).float() * unit).view(scale.shape[0], -1) * scale.float().unsqueeze(-1)
 
     def _values(self, key, state, n_pad) -> Tensor:
         """Decoded moment, padded: (n_blocks, block) fp32."""
@@ -397,6 +464,15 @@ class TernaryCodec(Codec):
     def noise_numel(self, shape):
         return self._nblocks(shape) * self.block_size
 
+    def block_scale(self, blocks: Tensor, numel: int) -> Tensor:
+        """(n_blocks, B) fp32 holding `numel` values -> (n_blocks,) fp32 scale, as stored (rounded to the scale
+        dtype), so that encode normalizes by exactly what decode multiplies by."""
+        if self.scale == "absmax":
+            scale = Q.block_absmax(blocks)
+        else:
+            scale = (Q.block_absmean if self.scale == "mean" else Q.block_rms)(blocks, numel)
+        return scale if self.scale_dtype == torch.float32 else scale.to(self.scale_dtype).float()
+
     def encode(self, key, x, state, generator=None, noise=None):
         n = x.numel()
         tmap = Q.get_map("ternary", x.device)
@@ -406,17 +482,17 @@ class TernaryCodec(Codec):
             blocks = Q.to_blocks(x.reshape(-1) + carried, self.block_size)  # padding stays exactly zero
         else:
             blocks = Q.to_blocks(x, self.block_size)
-        scale = Q.block_absmax(blocks)
-        normed = Q.normalize_blocks(blocks, scale)
+        scale = self.block_scale(blocks, n)
+        normed = Q.normalize_blocks(blocks, scale)  # beyond [-1, 1] where a value exceeds a mean or rounded scale
         u = Q.uniform(normed.shape, normed.device, generator) if noise is None else noise.view(normed.shape)
         err = None
         if self.feedback:
             trits = Q.nearest_codes(normed, tmap, torch.int32)  # pack_base3 takes int32
-            resid2 = (normed - (trits - 1).float()) * 2.0  # twice the residual: in [-1, 1], exact
+            resid2 = (normed - (trits - 1).float()) * 2.0  # twice the residual: in [-1, 1] unless clipped, exact
             err = Q.pack_base3(Q.stochastic_codes(resid2, tmap, u).view(-1))
             _check_into(key + "_err", err, state)
         else:
-            trits = Q.stochastic_codes(normed, tmap, u)
+            trits = Q.stochastic_codes(normed, tmap, u)  # clamps to the end trits beyond [-1, 1]
         packed = Q.pack_base3(trits.view(-1))
         _check_into(key, packed, state)
         state[key].copy_(packed)
@@ -427,7 +503,8 @@ class TernaryCodec(Codec):
     def nbytes(self, shape):
         nb = self._nblocks(shape)
         n_pad = nb * self.block_size
-        return Q.base3_nbytes(n_pad) * (2 if self.feedback else 1) + 4 * nb
+        return (Q.base3_nbytes(n_pad) * (2 if self.feedback else 1)
+                + torch.finfo(self.scale_dtype).bits // 8 * nb)
 
     def align(self, shape):
         return math.lcm(self.block_size, 5)  # whole blocks that start at a whole byte of five trits
@@ -533,8 +610,9 @@ def _codec(name: str, role: str) -> Codec:
         return BlockCodec("int8", "dynamic8_signed" if role == "m" else "dynamic8_unsigned", 8, 256)
     if name == "int4":
         return BlockCodec("int4", "dynamic4_signed" if role == "m" else "linear4_nozero", 4, 128)
-    if name in ("ternary_sr", "ternary_ef"):
-        return TernaryCodec(feedback=name == "ternary_ef")
+    if name in TERNARY_SPECS:
+        rounding, scale, block, scale_dtype = TERNARY_SPECS[name]
+        return TernaryCodec(name, rounding, scale, block, scale_dtype)
     if name == "factored":
         return FactoredCodec()
     raise AssertionError(name)

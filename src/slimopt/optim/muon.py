@@ -171,7 +171,7 @@ _ENCODE_PER_ELEMENT = {"int8": 22, "int4": 22, "ternary_sr": 50, "ternary_ef": 6
 
 def scratch_bytes(shape, weight_dtype: torch.dtype, ns_dtype: torch.dtype, m_codec: str) -> int:
     """Bytes the Muon step of a (A, B) weight allocates while it runs (the planner's estimate; see above).
-    m_codec: the momentum codec's name (``fp32``, ``bf16``, ``int8``, ...)."""
+    m_codec: the momentum codec's scratch kind (``Codec.scratch_kind``: ``fp32``, ``bf16``, ``int8``, ...)."""
     rows, cols = shape[0], shape[1]
     area, k2 = rows * cols, min(rows, cols) ** 2
     narrow = weight_dtype not in (torch.float32, torch.float64)

@@ -15,7 +15,8 @@ What is provided:
     a zero second moment would blow up 1/sqrt(v), so the smallest code is 1/16 of the block maximum.
   - `TERNARY_MAP` = (-1, 0, +1).
 - Nearest and stochastic rounding onto any sorted map (`nearest_codes`, `stochastic_codes`), blockwise absmax
-  scaling with zero padding to whole blocks (`quantize_blockwise`, `dequantize_blockwise`).
+  scaling with zero padding to whole blocks (`quantize_blockwise`, `dequantize_blockwise`), and the blockwise mean
+  absolute value (`block_absmean`, BitNet b1.58's ternary scale, arXiv 2402.17764).
 - Bit packing: 1/2/4-bit codes into bytes (`pack_bits`, `unpack_bits`; first element in the high bits, the order
   torchao uses for 4-bit state), and ternary digits 5 per byte in base 3 (`pack_base3`, `unpack_base3`:
   1.6 bits per value, 3^5 = 243 <= 256).
@@ -52,6 +53,8 @@ __all__ = [
     "stochastic_codes",
     "to_blocks",
     "block_absmax",
+    "block_absmean",
+    "block_rms",
     "normalize_blocks",
     "quantize_blockwise",
     "dequantize_blockwise",
@@ -277,6 +280,32 @@ def block_absmax(blocks: Tensor) -> Tensor:
     """blocks (n_blocks, block_size) -> (n_blocks,) fp32 absmax. An all-zero block has scale 0 and decodes to
     exactly 0 whatever its codes, for every map."""
     return blocks.abs().amax(dim=-1)
+
+
+def block_absmean(blocks: Tensor, numel: int) -> Tensor:
+    """blocks (n_blocks, block_size) holding `numel` values (the rest zero padding) -> (n_blocks,) fp32 mean
+    absolute value of each block's values (the padded last block's over its own values only): the "absmean" scale
+    of BitNet b1.58 (Ma et al., arXiv 2402.17764), which rounds x / mean|x| to {-1, 0, +1}. An all-zero block has
+    scale 0."""
+    n_blocks, block_size = blocks.shape
+    scale = blocks.abs().sum(dim=-1)
+    tail = numel - (n_blocks - 1) * block_size  # values in the last block, 1..block_size
+    if tail == block_size:
+        return scale.div_(block_size)
+    return torch.cat([scale[:-1] / block_size, scale[-1:] / tail])
+
+
+def block_rms(blocks: Tensor, numel: int) -> Tensor:
+    """blocks (n_blocks, block_size) holding `numel` values (the rest zero padding) -> (n_blocks,) fp32 root mean
+    square of each block's values (the padded last block's over its own values only). For Gaussian values it is
+    1.25 x the mean absolute value, near the scale that minimizes the error of stochastic ternary rounding with
+    clipping (codecs.py). An all-zero block has scale 0."""
+    n_blocks, block_size = blocks.shape
+    sq = blocks.square().sum(dim=-1)
+    tail = numel - (n_blocks - 1) * block_size
+    if tail == block_size:
+        return sq.div_(block_size).sqrt_()
+    return torch.cat([sq[:-1] / block_size, sq[-1:] / tail]).sqrt_()
 
 
 def normalize_blocks(blocks: Tensor, scale: Tensor) -> Tensor:

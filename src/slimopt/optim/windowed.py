@@ -78,7 +78,7 @@ PROJECTED_ROUNDING = {"none": {"nearest": 0, "stochastic": 23, "kahan": 14},
 
 def kind(codecs: list[tuple[str, Any]], rule: str = "adamw") -> str:
     """The scratch kind of a full-space step of `rule` with these moment codecs (none: the state-free update)."""
-    names = {codec.name for _, codec in codecs}
+    names = {codec.scratch_kind for _, codec in codecs}
     if not names:
         return "state_free"
     if "ternary_ef" in names:
