@@ -15,6 +15,7 @@ from slimopt.options import parse_method_opts, parse_opt, parse_value, split_pai
     ("true", True), ("False", False), ("64", 64), ("2e6", 2e6), ("1_000", 1000), ("3e-4", 3e-4),
     ("[0.9,0.95]", (0.9, 0.95)), ("(0.9, 0.95)", (0.9, 0.95)), ("'svd'", "svd"),
     ("randomized_svd", "randomized_svd"), ("m/n", "m/n"), ("[oops", "[oops"),
+    ('{"lm_head": {"codec": "fp32"}}', {"lm_head": {"codec": "fp32"}}), ("{oops", "{oops"),
 ])
 def test_parse_value(text, value):
     parsed = parse_value(text)

@@ -19,7 +19,8 @@ __all__ = ["parse_value", "parse_int", "parse_opt", "parse_method_opts", "split_
 
 
 def parse_value(text: str) -> Any:
-    """One value: bool, int, float, tuple of values, or the string itself."""
+    """One value: bool, int, float, tuple of values, a dict (``{"lm_head": {"codec": "fp32"}}``, e.g. build's
+    ``overrides``), or the string itself."""
     s = text.strip()
     low = s.lower()
     if low in ("true", "false"):
@@ -29,7 +30,7 @@ def parse_value(text: str) -> Any:
             return conv(s)
         except ValueError:
             pass
-    if s[:1] in "[(\"'":
+    if s[:1] in "[({\"'":
         try:
             parsed = ast.literal_eval(s)
         except (ValueError, SyntaxError):
