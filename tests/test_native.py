@@ -80,12 +80,16 @@ def _assert_same(opt_a, opt_b, a, b, dtype, steps):
                 assert (x != y).float().mean().item() <= 1e-3, key
 
 
+NEW_TERNARY = ("ternary_sr_rms64", "ternary_sr_mean64", "ternary_ef_mean64")
 CASES = [  # (rule, m codec, v codec, settings)
     *[("adamw", m, v, {}) for m in ("int8", "int4", "ternary_sr", "ternary_ef") for v in ("int8", "int4", "factored")],
     ("adamw", "fp32", "int8", {}), ("adamw", "bf16", "fp32", {}), ("adamw", "int8", "bf16", {}),
     ("adamw", "int8", "bf16_sr", {}), ("adamw", "fp32", "factored", {}),
     ("adamw", "int8", "int8", dict(eps_placement="galore")), ("adamw", "int4", "int8", dict(betas=(0.8, 0.95), eps=1e-6)),
     *[(rule, m, None, {}) for rule in ("lion", "sgdm") for m in ("fp32", "bf16", "int8", "int4", "ternary_sr", "ternary_ef")],
+    # the mean / rms scaled ternary forms with bf16 scales in blocks of 64 (partial last blocks: 12000 and 5000)
+    *[("adamw", m, v, {}) for m in NEW_TERNARY for v in ("int8", "factored")],
+    *[(rule, m, None, {}) for rule in ("lion", "sgdm") for m in NEW_TERNARY],
 ]
 
 
@@ -105,7 +109,8 @@ def test_one_pass_equals_the_eager_step(counted, dtype, rule, m, v, settings):
     _assert_same(fast, eager, a, b, dtype, 4)
 
 
-@pytest.mark.parametrize("m,v", [("int8", "int4"), ("ternary_ef", "factored"), ("ternary_sr", "int8")])
+@pytest.mark.parametrize("m,v", [("int8", "int4"), ("ternary_ef", "factored"), ("ternary_sr", "int8"),
+                                 ("ternary_sr_rms64", "factored"), ("ternary_ef_mean64", "int4")])
 def test_windows_of_a_tensor(counted, monkeypatch, m, v):
     """Small windows: each is one kernel call, stochastic codes draw per window as the eager windows do."""
     monkeypatch.setattr(windowed, "WINDOW_BYTES", 1 << 16)
@@ -118,7 +123,7 @@ def test_windows_of_a_tensor(counted, monkeypatch, m, v):
     _assert_same(fast, eager, a, b, torch.bfloat16, 3)
 
 
-@pytest.mark.parametrize("m,v", [("int8", "int8"), ("ternary_ef", "factored")])
+@pytest.mark.parametrize("m,v", [("int8", "int8"), ("ternary_ef", "factored"), ("ternary_sr_rms64", "factored")])
 def test_path_switch_across_a_checkpoint(counted, m, v):
     """Three steps in one pass, a weights_only checkpoint, three eager steps: the eager run's result, and the
     checkpoint holds the eager path's tensors."""

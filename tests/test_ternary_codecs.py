@@ -54,10 +54,11 @@ def test_encode_stores_trits_times_the_rounded_block_scale(spec):
     codec.encode("m", x, state, generator=gen(2))
     blocks = Q.to_blocks(x, block)
     tail = blocks[-1:, : x.numel() % block or block]  # the last block's own values
+    d_blocks, d_tail = blocks.double(), tail.double()  # averaged in fp64, rounded once to fp32
     if scale_kind == "mean":  # BitNet b1.58's absmean over the block's own values (the tail's too)
-        want = torch.cat([blocks[:-1].abs().mean(-1), tail.abs().mean(-1)])
-    elif scale_kind == "rms":
-        want = torch.cat([blocks[:-1].square().mean(-1), tail.square().mean(-1)]).sqrt()
+        want = torch.cat([d_blocks[:-1].abs().mean(-1), d_tail.abs().mean(-1)]).float()
+    elif scale_kind == "rms":  # the squares rounded to fp32 first, as the codec squares
+        want = torch.cat([blocks[:-1].square().double().mean(-1), tail.square().double().mean(-1)]).sqrt().float()
     else:
         want = blocks.abs().amax(-1)
     assert state["m_scale"].dtype == scale_dtype

@@ -8,7 +8,7 @@ quantized codes exactly where the fp32 moments agree).
 
 Where it applies (``applies``): a CPU parameter of fp32 or bf16 written with nearest rounding, a gradient of fp32
 or bf16, rule adamw (and TACO's AdamW fallback), lion or sgdm, each moment stored fp32, bf16 (nearest), int8,
-int4, ternary_sr or ternary_ef. Everything else (a factored second moment, stochastically rounded bf16 moments or
+int4 or any ternary form (``codecs.TERNARY_SPECS``). Everything else (a factored second moment, stochastically rounded bf16 moments or
 weights, Kahan-compensated weights, fp64, CUDA tensors) takes the eager window step, which stays the reference;
 ``fused=False`` on a group selects it everywhere.
 
@@ -51,6 +51,8 @@ _MOMENT_KEYS = {"adamw": ["exp_avg", "exp_avg_sq"], "taco": ["exp_avg", "exp_avg
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _C_FP32, _C_BF16, _C_BLOCK8, _C_BLOCK4, _C_TERNARY_SR, _C_TERNARY_EF = range(6)
 _MAX_TILE = 4096
+_SCALES = {"absmax": 0, "mean": 1, "rms": 2}  # S_* of the kernel
+_SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class _CountTable(ctypes.Structure):
@@ -62,7 +64,7 @@ class _Codec(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("block", ctypes.c_int32), ("data", ctypes.c_void_p),
                 ("scale", ctypes.c_void_p), ("err", ctypes.c_void_p), ("qmap", ctypes.c_void_p),
                 ("qmap_n", ctypes.c_int32), ("nearest", _CountTable), ("bracket", _CountTable),
-                ("noise", ctypes.c_void_p)]
+                ("noise", ctypes.c_void_p), ("scale_kind", ctypes.c_int32), ("scale_bf16", ctypes.c_int32)]
 
 
 class _Step(ctypes.Structure):
@@ -161,10 +163,8 @@ def in_kernel(codec: Any) -> bool:
         return not codec.stochastic
     if isinstance(codec, BlockCodec):
         return codec.block_size % 2 == 0 and codec.block_size <= _MAX_TILE // 4
-    if isinstance(codec, TernaryCodec):  # the absmax forms with an fp32 scale; other variants take the buffer
-        return (getattr(codec, "rounding", "ef" if codec.feedback else "sr") in ("sr", "ef")
-                and getattr(codec, "scale", "absmax") == "absmax"
-                and getattr(codec, "scale_dtype", torch.float32) == torch.float32
+    if isinstance(codec, TernaryCodec):
+        return (codec.rounding in ("sr", "ef") and codec.scale in _SCALES and codec.scale_dtype in _SCALE_DTYPES
                 and codec.block_size * 5 <= _MAX_TILE // 2)
     return False
 
@@ -260,6 +260,7 @@ def _fill_codec(c: _Codec, codec: Any, key: str, part: dict[str, Tensor], noise:
         map_name = codec.map_name
     else:
         c.kind = _C_TERNARY_EF if codec.feedback else _C_TERNARY_SR
+        c.scale_kind, c.scale_bf16 = _SCALES[codec.scale], _SCALE_DTYPES[codec.scale_dtype]
         map_name = "ternary"
         if codec.feedback:
             c.err = part[key + "_err"].data_ptr()

@@ -287,12 +287,7 @@ def block_absmean(blocks: Tensor, numel: int) -> Tensor:
     absolute value of each block's values (the padded last block's over its own values only): the "absmean" scale
     of BitNet b1.58 (Ma et al., arXiv 2402.17764), which rounds x / mean|x| to {-1, 0, +1}. An all-zero block has
     scale 0."""
-    n_blocks, block_size = blocks.shape
-    scale = blocks.abs().sum(dim=-1)
-    tail = numel - (n_blocks - 1) * block_size  # values in the last block, 1..block_size
-    if tail == block_size:
-        return scale.div_(block_size)
-    return torch.cat([scale[:-1] / block_size, scale[-1:] / tail])
+    return _block_mean(blocks.abs(), numel).float()
 
 
 def block_rms(blocks: Tensor, numel: int) -> Tensor:
@@ -300,12 +295,20 @@ def block_rms(blocks: Tensor, numel: int) -> Tensor:
     square of each block's values (the padded last block's over its own values only). For Gaussian values it is
     1.25 x the mean absolute value, near the scale that minimizes the error of stochastic ternary rounding with
     clipping (codecs.py). An all-zero block has scale 0."""
-    n_blocks, block_size = blocks.shape
-    sq = blocks.square().sum(dim=-1)
-    tail = numel - (n_blocks - 1) * block_size
+    return _block_mean(blocks.square(), numel).sqrt_().float()
+
+
+def _block_mean(values: Tensor, numel: int) -> Tensor:
+    """(n_blocks, block_size) fp32, `numel` of them values and the rest zeros -> (n_blocks,) fp64 means over each
+    block's values. Summed in fp64 (without an fp64 copy): a block's sum is then exact or within an ulp of a
+    double whatever order the reduction takes, so its fp32 rounding is the same for torch's vectorized sum and a
+    plain loop (the native kernel's)."""
+    n_blocks, block_size = values.shape
+    sums = values.sum(dim=-1, dtype=torch.float64)
+    tail = numel - (n_blocks - 1) * block_size  # values in the last block, 1..block_size
     if tail == block_size:
-        return sq.div_(block_size).sqrt_()
-    return torch.cat([sq[:-1] / block_size, sq[-1:] / tail]).sqrt_()
+        return sums.div_(block_size)
+    return torch.cat([sums[:-1] / block_size, sums[-1:] / tail])
 
 
 def normalize_blocks(blocks: Tensor, scale: Tensor) -> Tensor:

@@ -9,7 +9,8 @@
  * Rules (slimopt/optim/rules.py): AdamW (arXiv 1412.6980, 1711.05101; eps after the bias correction as
  * torch.optim.AdamW, or before it as galore-torch), Lion (arXiv 2302.06675), heavy-ball SGD momentum.
  * Codecs (slimopt/optim/codecs.py): fp32, bf16 (nearest), blockwise absmax int8 / int4 on a sorted map
- * (arXiv 2110.02861, 2309.01507), ternary with stochastic rounding or with a carried ternary residual.
+ * (arXiv 2110.02861, 2309.01507), ternary with stochastic rounding or with a carried ternary residual, scaled by
+ * the block's absmax, mean magnitude (arXiv 2402.17764) or root mean square, the scale stored fp32 or bf16.
  *
  * The arithmetic follows torch's CPU kernels operation for operation, so that the result equals the eager step
  * (tests/test_native.py): lerp as fma(w, end - self, self) for |w| < 0.5 (else fma(w - 1, end - self, end)),
@@ -32,6 +33,7 @@
 enum { RULE_ADAMW = 0, RULE_LION = 1, RULE_SGDM = 2 };
 enum { C_FP32 = 0, C_BF16 = 1, C_BLOCK8 = 2, C_BLOCK4 = 3, C_TERNARY_SR = 4, C_TERNARY_EF = 5 };
 enum { D_FP32 = 0, D_BF16 = 1 };
+enum { S_ABSMAX = 0, S_MEAN = 1, S_RMS = 2 };
 
 #define MAX_TILE 4096
 
@@ -51,13 +53,15 @@ typedef struct {
     int32_t kind;          /* C_* */
     int32_t block;         /* elements per block (1 for fp32 / bf16) */
     void *data;            /* fp32 / bf16 values, or uint8 codes (packed for int4 and ternary) */
-    float *scale;          /* per-block absmax (block and ternary codecs) */
+    void *scale;           /* per-block scale (block and ternary codecs): fp32, or bf16 where scale_bf16 */
     uint8_t *err;          /* ternary residual trits (C_TERNARY_EF) */
     const float *qmap;     /* sorted map (block and ternary codecs) */
     int32_t qmap_n;
     count_table_t nearest; /* decision points of nearest rounding */
     count_table_t bracket; /* the map's own points (stochastic rounding) */
     const float *noise;    /* uniform [0, 1) per padded element of the window (stochastic codecs) */
+    int32_t scale_kind;    /* S_*: what a block's scale measures (block codecs: S_ABSMAX) */
+    int32_t scale_bf16;    /* the scale is stored as bf16 (and normalizes as that rounded value) */
 } codec_t;
 
 typedef struct {
@@ -107,6 +111,21 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as c10:
     if (f != f) return 0x7FC0;
     u += 0x7FFFu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
+}
+
+static inline float scale_at(const codec_t *c, int64_t blk) {
+    return c->scale_bf16 ? bf16_to_f32(((const uint16_t *)c->scale)[blk]) : ((const float *)c->scale)[blk];
+}
+
+/* Store a block's scale in the codec's dtype and return what was stored, as fp32 */
+static inline float store_scale(const codec_t *c, int64_t blk, float s) {
+    if (!c->scale_bf16) {
+        ((float *)c->scale)[blk] = s;
+        return s;
+    }
+    const uint16_t h = f32_to_bf16(s);
+    ((uint16_t *)c->scale)[blk] = h;
+    return bf16_to_f32(h);
 }
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
@@ -170,7 +189,7 @@ static void decode(const codec_t *c, int64_t off, int64_t cnt, float *out) {
     case C_BLOCK8: {  /* off and the tile are whole blocks */
         const uint8_t *d = (const uint8_t *)c->data + off;
         for (int64_t b0 = 0; b0 < cnt; b0 += c->block) {
-            const float scale = c->scale[(off + b0) / c->block];
+            const float scale = scale_at(c, (off + b0) / c->block);
             const int64_t e = cnt - b0 < c->block ? cnt - b0 : c->block;
             int64_t i = 0;
 #ifdef __AVX2__
@@ -187,7 +206,7 @@ static void decode(const codec_t *c, int64_t off, int64_t cnt, float *out) {
     case C_BLOCK4: {
         const uint8_t *d = (const uint8_t *)c->data + off / 2;
         for (int64_t b0 = 0; b0 < cnt; b0 += c->block) {
-            const float scale = c->scale[(off + b0) / c->block];
+            const float scale = scale_at(c, (off + b0) / c->block);
             const int64_t e = cnt - b0 < c->block ? cnt - b0 : c->block;
             for (int64_t i = 0; i < e; i += 2) {
                 const uint8_t byte = d[(b0 + i) / 2];
@@ -200,7 +219,7 @@ static void decode(const codec_t *c, int64_t off, int64_t cnt, float *out) {
     default: {  /* ternary: (digit - 1) * block scale; off is a multiple of 5 */
         const uint8_t *d = (const uint8_t *)c->data + off / 5;
         for (int64_t b0 = 0; b0 < cnt; b0 += c->block) {
-            const float scale = c->scale[(off + b0) / c->block];
+            const float scale = scale_at(c, (off + b0) / c->block);
             const int64_t e = cnt - b0 < c->block ? cnt - b0 : c->block;
             for (int64_t i = b0; i < b0 + e; i++)
                 out[i] = (float)((int)TRITS[d[i / 5]][i % 5] - 1) * scale;
@@ -258,26 +277,38 @@ static void encode(const codec_t *c, int64_t off, int64_t cnt, float *x) {
     if (c->kind == C_TERNARY_EF) {  /* add the carried residual ((digit - 1) * 0.5) * old scale */
         for (int64_t i = 0; i < cnt; i++) {
             int64_t j = off + i;
-            float r = ((float)((int)TRITS[c->err[j / 5]][j % 5] - 1) * 0.5f) * c->scale[j / B];
+            float r = ((float)((int)TRITS[c->err[j / 5]][j % 5] - 1) * 0.5f) * scale_at(c, j / B);
             x[i] = x[i] + r;
         }
     }
     float nrm[MAX_TILE];
     int32_t code[MAX_TILE];
     for (int64_t b0 = 0; b0 < padded; b0 += B) {
-        /* |x| as int32 bit patterns order like the floats, and every NaN pattern lies above +inf: an integer
-         * max (which vectorizes) is the absmax, and NaN when any entry is NaN, as torch's amax */
-        int32_t amax_bits = 0;
-        for (int64_t i = b0; i < b0 + B; i++) {
-            int32_t bits;
-            memcpy(&bits, &x[i], 4);
-            bits &= 0x7FFFFFFF;
-            amax_bits = bits > amax_bits ? bits : amax_bits;
-        }
         float amax;
-        memcpy(&amax, &amax_bits, 4);
-        const int64_t blk = (off + b0) / B;
-        c->scale[blk] = amax;
+        if (c->scale_kind == S_ABSMAX) {
+            /* |x| as int32 bit patterns order like the floats, and every NaN pattern lies above +inf: an integer
+             * max (which vectorizes) is the absmax, and NaN when any entry is NaN, as torch's amax */
+            int32_t amax_bits = 0;
+            for (int64_t i = b0; i < b0 + B; i++) {
+                int32_t bits;
+                memcpy(&bits, &x[i], 4);
+                bits &= 0x7FFFFFFF;
+                amax_bits = bits > amax_bits ? bits : amax_bits;
+            }
+            memcpy(&amax, &amax_bits, 4);
+        } else {
+            /* mean of |x| or of x^2 (rounded to fp32, as torch's square) over the block's own values, summed in
+             * double as quant.block_absmean / block_rms do: a sum of 64 floats in double is exact or off by
+             * an ulp of a double, so the fp32 result equals torch's whatever order its reduction takes */
+            double acc = 0.0;
+            if (c->scale_kind == S_MEAN)
+                for (int64_t i = b0; i < b0 + B; i++) acc += (double)fabsf(x[i]);
+            else
+                for (int64_t i = b0; i < b0 + B; i++) acc += (double)(x[i] * x[i]);
+            const double k = (double)(cnt - b0 < B ? cnt - b0 : B);  /* the padding adds exact zeros */
+            amax = c->scale_kind == S_MEAN ? (float)(acc / k) : (float)sqrt(acc / k);
+        }
+        amax = store_scale(c, (off + b0) / B, amax);
         const float div = amax > 1.17549435e-38f ? amax : 1.17549435e-38f;  /* clamp_min(tiny); NaN stays */
         for (int64_t i = 0; i < B; i++) nrm[b0 + i] = x[b0 + i] / (amax != amax ? amax : div);
     }
