@@ -36,6 +36,7 @@ Usage::
     python benchmarks/finetune_taco.py --quick              # a smoke test
     python benchmarks/finetune_taco.py --sweep --seeds 0 1 2 --threads 1 --peak-batch 0   # TACO's settings
     python benchmarks/finetune_taco.py --only taco adamw --steps 100 --threads 2
+    python benchmarks/finetune_taco.py --states --seeds 0 1 2 --threads 1 --peak-batch 0   # the state forms
 
 Writes a JSON file (``--out``) with the machine, date, versions and every figure, and prints a Markdown table.
 """
@@ -91,6 +92,17 @@ SWEEP: dict[str, tuple[str, float, dict, bool]] = {
                      (4, 0.9, 1e-4), (4, 0.5, 1e-4))
 }
 CONFIGS.update(SWEEP)
+# the stored forms of the moments (issue 15; docs/benchmarks.md, "Ternary optimizer state"): int4, the absmax ternary
+# codecs and the mean / rms scaled ones, each first moment with a factored second moment but int4's
+STATE_FORMS: dict[str, tuple[str, float, dict, bool]] = {
+    "adamw4bit": ("adamw4bit", LR, {}, False),
+    "ternary_sr": ("ternary_adamw", LR, {"codec": "ternary_sr"}, False),
+    "ternary_ef": ("ternary_adamw", LR, {"codec": "ternary_ef"}, False),
+    "ternary_sr_rms64": ("ternary_adamw", LR, {"codec": "ternary_sr_rms64"}, False),
+    "ternary_sr_mean64": ("ternary_adamw", LR, {"codec": "ternary_sr_mean64"}, False),
+    "ternary_ef_mean64": ("ternary_adamw", LR, {"codec": "ternary_ef_mean64"}, False),
+}
+CONFIGS.update(STATE_FORMS)
 QUICK = ("adamw", "taco", "taco+lw")
 PEAK_CONFIGS = ("adamw", "adamw+lw", "taco", "taco+lw")
 PEAK_STEPS = 3
@@ -306,6 +318,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--only", nargs="*", default=None, help=f"configurations to run, from {', '.join(CONFIGS)}")
     ap.add_argument("--train-embeddings", action="store_true", help="also train the word embeddings")
     ap.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK)} for 8 steps on a subset")
+    ap.add_argument("--states", action="store_true",
+                    help=f"AdamW and the stored forms of its moments: {', '.join(STATE_FORMS)}")
     ap.add_argument("--sweep", action="store_true",
                     help="run TACO's history sweep (SWEEP, with adamw, taco and taco_bare) instead of DEFAULT")
     ap.add_argument("--peak-batch", type=int, default=2,
@@ -319,8 +333,10 @@ def main(argv: list[str] | None = None) -> dict:
         args.max_train, args.max_eval = args.max_train or 256, args.max_eval or 128
     args.steps = args.steps or 60
     if args.out is None:
-        args.out = f"benchmarks/results/finetune_taco{'_sweep' if args.sweep else ''}.json"
-    names = args.only or (["adamw", "taco", "taco_bare", *SWEEP] if args.sweep else list(DEFAULT))
+        suffix = "_sweep" if args.sweep else "_states" if args.states else ""
+        args.out = f"benchmarks/results/finetune_taco{suffix}.json"
+    names = args.only or (["adamw", "taco", "taco_bare", *SWEEP] if args.sweep
+                          else ["adamw", *STATE_FORMS] if args.states else list(DEFAULT))
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         ap.error(f"unknown configuration(s) {unknown}; available: {', '.join(CONFIGS)}")
