@@ -195,12 +195,14 @@ def test_default_runs_at_a_time():
 
 
 def test_the_default_setting_runs_at_its_tuned_learning_rates():
-    from slimopt.train.compare import DEFAULT_SETTING_LR, _base_lr, at_default_setting
+    from slimopt.train.compare import DEFAULT_SETTING_LR, _base_lr, _method_config, at_default_setting
     cfg = CompareConfig()
     assert at_default_setting(cfg)
     assert set(default_methods()) <= set(DEFAULT_SETTING_LR)
     assert _base_lr(cfg, "galore") == (DEFAULT_SETTING_LR["galore"], "tuned at this setting")
     assert _base_lr(cfg, "adamw+eps=0.1")[1] == "paper"  # a variant may want another lr
+    assert _base_lr(cfg, "adamw+rule=lion+lr=2.5e-4") == (2.5e-4, "the variant's")  # and may say which
+    assert _method_config(CompareConfig(), "adamw+rule=lion+lr=2.5e-4").lr == 2.5e-4
     assert _base_lr(CompareConfig(method_opts={"adamw": {"lr": 1e-3}}), "adamw") == (1e-3, "--set")
     for change in ({"vocab_size": 2048}, {"max_steps": 128, "tokens": None}, {"model": "small"},
                    {"dtype": "bf16"}):

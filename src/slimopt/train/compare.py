@@ -195,10 +195,14 @@ def _tune_steps(cfg: CompareConfig) -> int:
 
 
 def _base_lr(cfg: CompareConfig, method: str) -> tuple[float, str]:
-    """The lr a method runs at without tuning, and where it comes from: --set, the paper, or (control) AdamW's."""
+    """The lr a method runs at without tuning (and the centre of its tuning grid), and where it comes from: --set,
+    the variant's own lr= (``adamw+rule=lion+lr=3e-4``), the paper, or (control) AdamW's."""
     lr = cfg.method_opts.get(method, {}).get("lr")
     if lr is not None:
         return float(lr), "--set"
+    lr = split_method(method)[1].get("lr")
+    if lr is not None:
+        return float(lr), "the variant's"
     if method == CONTROL:
         return resolve_lr("adamw"), "AdamW's"
     if method in DEFAULT_SETTING_LR and at_default_setting(cfg):
