@@ -300,10 +300,12 @@ def check_compare(argv, rc, out, err, cwd):
         assert "frozen" not in [r["method"] for r in rows]
     if "--tune-lr" in argv:  # one short run per method and multiplier of its lr
         sweep = (folder / "lr_sweep.csv").read_text().splitlines()
+        from slimopt.train.compare import DEFAULT_CONTROL_LR_GRID
         grid = len(_flag(argv, "--lr-grid").split(",")) if "--lr-grid" in argv else None
         for r in rows:
             tried = [line for line in sweep[1:] if line.split(",")[0] == r["method"]]
-            assert tried and (grid is None or len(tried) == grid), (r["method"], sweep)
+            expected = len(DEFAULT_CONTROL_LR_GRID) if r["method"] == "frozen" else grid  # the control's own grid
+            assert tried and (expected is None or len(tried) == expected), (r["method"], sweep)
     if "--seeds" in argv:
         per_seed = (folder / "results_per_seed.csv").read_text().splitlines()
         assert len(per_seed) - 1 == len(rows) * int(_flag(argv, "--seeds"))
@@ -434,6 +436,12 @@ CASES = [
                  replace={"--max-steps": "4", "--seeds": "2", "--methods": "frugal_head"}, slow=True),
     compare_case("compare-default-tuned", "slimopt compare --vocab-size 512 --max-steps 512 --tune-lr --seeds 3",
                  replace={"--max-steps": "4", "--seeds": "2"}, add=("--methods", "adamw"), slow=True),
+    compare_case("compare-ternary-forms", "slimopt compare --vocab-size 512 --max-steps 512 --tune-lr --lr-grid "
+                 "0.5,1,2,4,8 --seeds 3 --methods \"adamw,adamw4bit,adamw+v_codec=factored,"
+                 "ternary_adamw+codec=ternary_sr_rms64,ternary_adamw+codec=ternary_ef_mean64,"
+                 "adamw+rule=lion+m_codec=ternary_sr_rms64+lr=2.5e-4\"",
+                 replace={"--max-steps": "4", "--seeds": "2", "--lr-grid": "1,2",
+                          "--methods": "ternary_adamw+codec=ternary_sr_rms64,adamw+rule=lion+lr=2.5e-4"}, slow=True),
     compare_case("compare-tune-grid", "slimopt compare --tune-lr --lr-grid 1/3,1,3 --tune-fraction 0.5 --no-control",
                  add=("--methods", "adamw,galore"), slow=True),
     compare_case("compare-local-data", "slimopt compare --model 60m --data ./c4.jsonl --tokenizer ./t5-base "
