@@ -11,9 +11,9 @@ from helpers import assert_continues_identically, backward, batches, save_and_lo
 MODEL = dict(hidden=64, vocab=64)
 
 
-def _final_loss(**codec):
+def _final_loss(lr=3e-3, **codec):
     model = tiny_llama(**MODEL)
-    opt = slimopt.build(model, "adamw", lr=3e-3, **codec)
+    opt = slimopt.build(model, "adamw", lr=lr, **codec)
     data = batches(4, vocab=64) * 10
     for ids in data:
         loss = backward(model, ids)
@@ -28,15 +28,18 @@ def reference():
     return loss
 
 
-# Stated tolerances on the final loss, relative to fp32 (measured on 2026-11-29: bf16, int8, int4 and int8 m +
-# factored v within 1%; ternary (error feedback) +17%; ternary_sr +64%: a ternary moment is a coarse momentum).
-@pytest.mark.parametrize("codec, tol", [
-    (dict(codec="bf16"), 0.03), (dict(state_bits=8), 0.03), (dict(state_bits=4), 0.05),
-    (dict(m_codec="int8", v_codec="factored"), 0.05), (dict(codec="ternary"), 0.3),
-    (dict(m_codec="ternary_sr", v_codec="factored"), 1.0),
-], ids=["bf16", "int8", "int4", "int8+factored", "ternary", "ternary_sr"])
-def test_codec_trains_close_to_fp32(codec, tol, reference):
-    loss = _final_loss(**codec)
+# Stated tolerances on the final loss, relative to fp32 at lr 3e-3 (measured on 2026-12-01: bf16, int8, int4 and
+# int8 m + factored v within 1%; ternary_ef +17%; ternary_sr +64%: a ternary moment is a coarse momentum).
+# The default ternary form (rms scale, block 64) clips every moment beyond its block's rms to it, so its steps are
+# smaller and it wants about twice AdamW's lr (the tuned comparison of docs/reproduction.md picked 8e-3 against
+# AdamW's 4e-3): at 6e-3 it ends +13% here, at AdamW's 3e-3 +97%.
+@pytest.mark.parametrize("codec, lr, tol", [
+    (dict(codec="bf16"), 3e-3, 0.03), (dict(state_bits=8), 3e-3, 0.03), (dict(state_bits=4), 3e-3, 0.05),
+    (dict(m_codec="int8", v_codec="factored"), 3e-3, 0.05), (dict(codec="ternary"), 6e-3, 0.3),
+    (dict(codec="ternary_ef"), 3e-3, 0.3), (dict(m_codec="ternary_sr", v_codec="factored"), 3e-3, 1.0),
+], ids=["bf16", "int8", "int4", "int8+factored", "ternary", "ternary_ef", "ternary_sr"])
+def test_codec_trains_close_to_fp32(codec, lr, tol, reference):
+    loss = _final_loss(lr, **codec)
     assert loss < 4.0  # it trains at all
     assert abs(loss - reference) <= tol * reference, (codec, loss, reference)
 

@@ -8,9 +8,10 @@ quantized codes exactly where the fp32 moments agree).
 
 Where it applies (``applies``): a CPU parameter of fp32 or bf16 written with nearest rounding, a gradient of fp32
 or bf16, rule adamw (and TACO's AdamW fallback), lion or sgdm, each moment stored fp32, bf16 (nearest), int8,
-int4 or any ternary form (``codecs.TERNARY_SPECS``). Everything else (a factored second moment, stochastically rounded bf16 moments or
-weights, Kahan-compensated weights, fp64, CUDA tensors) takes the eager window step, which stays the reference;
-``fused=False`` on a group selects it everywhere.
+int4 or any ternary form (``codecs.TERNARY_SPECS``); a factored second moment or stochastically rounded bf16
+moments go through an fp32 buffer around the kernel. Everything else (stochastically rounded or Kahan-compensated
+weights, fp64, CUDA tensors) takes the eager window step, which stays the reference; ``fused=False`` on a group
+selects it everywhere.
 
 The kernel is built with the system C compiler (``$CC``, else ``cc``) into a cache folder (``$SLIMOPT_CACHE``,
 else ``$XDG_CACHE_HOME/slimopt``, else ``~/.cache/slimopt``) under a name that hashes the source, the flags and

@@ -55,12 +55,13 @@ __all__ = ["DEFAULT_METHODS", "DEFAULT_LR_GRID", "DEFAULT_TUNE_FRACTION", "CONTR
 DEFAULT_METHODS = ("adamw", "adamw8bit", "galore", "frugal", "frugal_rho0", "badam", "ternary_adamw", "taco")
 
 # The learning rates that `slimopt compare --tune-lr --seeds 3` picked at the default setting (_compare_defaults;
-# 2026-12-01, docs/results/compare-kjv-tuned). The default comparison runs each method at its entry here, so that
+# 2026-12-01, docs/results/compare-kjv-tuned; ternary_adamw's since its default codec became ternary_sr_rms64:
+# docs/results/compare-ternary, at the x8 edge of that grid). The default comparison runs each method at its entry here, so that
 # its one-seed ranking is the tuned one at a fraction of the cost; any other setting (another model, corpus,
 # vocabulary, batch or step count) runs at the papers' learning rates, or tuned ones with --tune-lr. The papers'
 # rates (1e-3 for Adam-based methods, 1e-2 for GaLore) are for 60M-7B models trained for thousands of steps.
 DEFAULT_SETTING_LR = {"adamw": 4e-3, "adamw8bit": 2e-3, "galore": 4e-2, "frugal": 2e-3, "frugal_rho0": 4e-3,
-                      "badam": 4e-3, "ternary_adamw": 4e-3, "taco": 6e-4}
+                      "badam": 4e-3, "ternary_adamw": 8e-3, "taco": 6e-4}
 
 CSV_COLUMNS = ("method", "kind", "status", "val_loss", "val_ppl", "state_mib", "state_bytes_per_param",
                "peak_mem_mib", "tokens_per_s", "wall_time_s", "cpu_time_s", "lr", "settings", "steps", "tokens",
