@@ -210,3 +210,12 @@ def test_the_default_setting_runs_at_its_tuned_learning_rates():
         assert not at_default_setting(other)
         assert _base_lr(other, "galore") == (1e-2, "paper")
     assert at_default_setting(CompareConfig(base=replace(cfg.base, seed=3, threads=2), seeds=3))
+
+
+def test_the_report_says_where_the_learning_rates_come_from():
+    from slimopt.train.compare import _markdown
+    cfg = CompareConfig()
+    default = _markdown([], cfg, None, {})
+    assert "a tuned 3-seed run of this setting picked" in default and "paper learning rate" not in default
+    other = _markdown([], CompareConfig(base=replace(cfg.base, vocab_size=2048)), None, {})
+    assert "each method at its paper learning rate" in other

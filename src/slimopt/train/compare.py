@@ -746,6 +746,9 @@ def _markdown(rows: list[dict], cfg: CompareConfig, elapsed: float | None, sweep
         lr_text = (f"each method's learning rate tuned: {len(cfg.lr_grid)} runs of {_tune_steps(cfg)} steps "
                    f"(x{', x'.join(f'{g:g}' for g in cfg.lr_grid)} of its default; seed {b.seed}), the one with "
                    f"the lowest validation loss kept (columns lr, lr from; lr_sweep.csv, lr_sweep.png)")
+    elif at_default_setting(cfg):
+        lr_text = ("each method at the learning rate that a tuned 3-seed run of this setting picked, or its paper's "
+                   "where that run had none (columns lr, lr from; --tune-lr tunes them)")
     else:
         lr_text = ("each method at its paper learning rate (columns lr, lr from; --tune-lr tunes them)")
     if CONTROL in sweeps:
