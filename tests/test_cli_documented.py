@@ -477,6 +477,9 @@ CASES = [
                "--max-minutes 7 --out docs/bench/cpu"),
     bench_case("bench-cpu-recorded", "slimopt bench --model small --methods all --device cpu --dtype bf16 --steps 5 "
                "--warmup 2 --vocab-size 8192 --threads 1 --max-minutes 7 --out docs/bench/cpu"),
+    bench_case("bench-cpu-ternary", "slimopt bench --model small --methods adamw,adamw8bit,ternary_adamw,"
+               "frugal_ternary,torch-adamw-fused --device cpu --dtype bf16 --steps 5 --warmup 2 --vocab-size 8192 "
+               "--threads 1 --out docs/bench/cpu-ternary"),
     bench_case("bench-cpu-help", "slimopt bench --model small --vocab-size 8192 --steps 3 --warmup 1"),
     bench_case("bench-tiny-no-refresh", "slimopt bench --model tiny --methods adamw,adamw8bit,torch-adamw-fused,"
                "bnb-adamw8bit --no-refresh", slow=True),  # bitsandbytes' import compiles kernels
