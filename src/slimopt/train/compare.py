@@ -56,9 +56,9 @@ DEFAULT_METHODS = ("adamw", "adamw8bit", "galore", "frugal", "frugal_rho0", "bad
 
 # The learning rates that `slimopt compare --tune-lr --seeds 3` picked at the default setting (_compare_defaults;
 # 2026-12-01, docs/results/compare-kjv-tuned; ternary_adamw's since its default codec became ternary_sr_rms64:
-# docs/results/compare-ternary, at the x8 edge of that grid). The default comparison runs each method at its entry here, so that
-# its one-seed ranking is the tuned one at a fraction of the cost; any other setting (another model, corpus,
-# vocabulary, batch or step count) runs at the papers' learning rates, or tuned ones with --tune-lr. The papers'
+# docs/results/compare-ternary, at the x8 edge of that grid). The default comparison runs each method at its entry
+# here, so that its one-seed ranking is the tuned one at a fraction of the cost; any other setting (another model,
+# corpus, vocabulary, batch or step count) runs at the papers' learning rates, or tuned ones with --tune-lr. The papers'
 # rates (1e-3 for Adam-based methods, 1e-2 for GaLore) are for 60M-7B models trained for thousands of steps.
 DEFAULT_SETTING_LR = {"adamw": 4e-3, "adamw8bit": 2e-3, "galore": 4e-2, "frugal": 2e-3, "frugal_rho0": 4e-3,
                       "badam": 4e-3, "ternary_adamw": 8e-3, "taco": 6e-4}
