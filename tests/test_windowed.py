@@ -52,21 +52,21 @@ def test_windows_equal_the_whole_tensor_step(settings, dtype, monkeypatch):
 
 @pytest.mark.parametrize("codec", ["ternary_sr", "ternary_ef", "bf16_sr"])
 def test_stochastic_codecs_in_windows(codec, monkeypatch):
-    # each window draws its own stream: the first window equals the whole-tensor step, the rest are as close to the
-    # exact moment as the whole-tensor step's draws are
+    # the counter-based stream gives element j the same number whichever window draws it: a step in many windows is
+    # the whole-tensor step bit for bit, weights and state (several windows checked, and rounding that did happen)
     settings = {"m_codec": codec}
     # the weights see a rounding's draws two steps later (error feedback carries them one encode further)
     whole_w, whole_state = _steps(settings, steps=3)
     monkeypatch.setattr(windowed, "WINDOW_BYTES", 1 << 18)
-    win_w, win_state = _steps(settings, steps=3)
-    exact_w, exact_state = _steps({"codec": "fp32"}, steps=3)
     n = windowed.window_elems(SHAPE[0] * SHAPE[1], 1280, windowed.scratch_per_element(
         codec if codec.startswith("ternary") else "plain", torch.float32))
-    assert torch.equal(win_w.view(-1)[:n], whole_w.view(-1)[:n])
-    assert not torch.equal(win_w, whole_w)
-    err_whole = (whole_w - exact_w).abs().mean().item()
-    err_win = (win_w - exact_w).abs().mean().item()
-    assert err_win == pytest.approx(err_whole, rel=0.1)
+    assert n * 3 < SHAPE[0] * SHAPE[1]
+    win_w, win_state = _steps(settings, steps=3)
+    assert torch.equal(win_w, whole_w)
+    for k in whole_state:
+        assert torch.equal(win_state[k], whole_state[k]), k
+    exact_w, _ = _steps({"codec": "fp32"}, steps=3)
+    assert not torch.equal(win_w, exact_w)
 
 
 def _step_scratch(w, opt):

@@ -142,8 +142,8 @@ def run_steps(model: nn.Module, opt, first: int, last: int) -> None:
 def exactness(opt, p, group, worlds: tuple[int, ...]) -> str:
     """How a run sharded over each world size in `worlds` (1: one process, or FSDP on one rank) compares with one
     process, for parameter p: "exact" (bit-identical), "rounding" (sums over ranks taken in another order) or
-    "noise" (quantization blocks cut differently, or stochastic rounding from per-shard streams): the guarantees
-    docs/distributed.md states."""
+    "noise" (quantization blocks cut differently): the guarantees docs/distributed.md states. Stochastic
+    rounding reads the one counter-based stream from each shard's first element: as exact as its blocks."""
     multi = any(w > 1 for w in worlds)
     layout = opt._layout(p, group)
     shape = tuple(p.shape)
@@ -170,8 +170,6 @@ def exactness(opt, p, group, worlds: tuple[int, ...]) -> str:
     for _, codec in S.moment_codecs(opt, group, S.Space(torch.Size(space), None), torch.float32):
         if codec.name == "factored" and len(space) == 2:
             kind = "rounding"  # column sums over ranks
-        if codec.needs_generator:
-            return "noise"
         size = getattr(codec, "block_size", None)
         row_len = math.prod(space[1:]) if len(space) > 1 else 1
         if size is None or row_len % size == 0:

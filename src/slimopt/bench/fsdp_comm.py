@@ -125,7 +125,8 @@ def param_bytes(opt, p, group: dict[str, Any], world: int, step: int) -> tuple[i
             k = group["taco_k"]
             per_step += 8 * cols if k == 0 else 4 * k * cols + 8 * min(k, rows) * cols
         else:
-            per_step += 4 * cols * sum(c.name == "factored" for _, c in _codecs(opt, group, space, p.dtype))
+            # a factored v's column sums, all-reduced in fp64 (codecs.factored_means)
+            per_step += 8 * cols * sum(c.name == "factored" for _, c in _codecs(opt, group, space, p.dtype))
         if group["rule"] == "muon":  # the rows to orthogonalize, all-gathered in the iteration's dtype
             from slimopt.optim import muon
             device = torch.device("cuda") if p.device.type == "meta" else p.device

@@ -134,6 +134,7 @@ __all__ = [
     "BlockCodec",
     "TernaryCodec",
     "FactoredCodec",
+    "factored_means",
     "Window",
     "make_codec",
     "resolve_codecs",
@@ -209,7 +210,7 @@ class Codec:
         raise NotImplementedError
 
     def encode(self, key: str, x: Tensor, state: MutableMapping[str, Tensor],
-               generator: torch.Generator | None = None, noise: Tensor | None = None) -> None:
+               generator: Q.Stream | None = None, noise: Tensor | None = None) -> None:
         """Store x (fp32, the moment's shape) into the existing state tensors in place (copy_).
 
         noise: optional uniform [0, 1) fp32 tensor of noise_numel(shape) elements, used instead of drawing from
@@ -265,7 +266,7 @@ class Window:
         part = self.codec.part(self.key, self.state, start, stop)
         return self.codec.decode(self.key, part, torch.Size((stop - start,)))
 
-    def encode(self, start: int, stop: int, x: Tensor, generator: torch.Generator | None = None) -> None:
+    def encode(self, start: int, stop: int, x: Tensor, generator: Q.Stream | None = None) -> None:
         """Store x (fp32, stop - start elements) as elements [start, stop)."""
         part = self.codec.part(self.key, self.state, start, stop)
         self.codec.encode(self.key, x.reshape(-1), part, generator=generator)
@@ -523,10 +524,17 @@ class TernaryCodec(Codec):
         return out
 
 
+def factored_means(x: Tensor, dim: int, count: int) -> Tensor:
+    """Sums of the 2-D x along `dim` accumulated in fp64 (no fp64 copy of x is made) divided by `count`, rounded
+    to fp32: the one arithmetic of every factored encode (whole tensor, windows of rows, the C kernel, row shards),
+    whose fp64 sums round to the same fp32 means whatever order their terms come in."""
+    return (x.sum(dim=dim, dtype=torch.float64) / count).float()
+
+
 class FactoredCodec(Codec):
     """Adafactor-style second moment (arXiv 1804.04235) for 2-D (R, C) moments: key = fp32 row means (R,),
     key_col = fp32 column means (C,); decoded as outer(row, col) / mean(row). Any other shape is stored fp32.
-    Bytes: 4 (R + C) for 2-D, else 4 n."""
+    Bytes: 4 (R + C) for 2-D, else 4 n. The means are taken in fp64 (``factored_means``)."""
 
     name = "factored"
 
@@ -549,8 +557,8 @@ class FactoredCodec(Codec):
         if x.dim() != 2 or key + "_col" not in state:
             _copy_dense(key, x, state)
             return
-        # column means as sum / rows: the arithmetic of a pass over row ranges (_FactoredRows) and of row shards
-        row, col = x.mean(dim=1), x.sum(dim=0).div_(x.shape[0])
+        # the arithmetic of a pass over row ranges (FactoredRows), of the C kernel and of row shards
+        row, col = factored_means(x, 1, x.shape[1]), factored_means(x, 0, x.shape[0])
         _check_into(key, row, state)
         _check_into(key + "_col", col, state)
         state[key].copy_(row)
@@ -570,22 +578,23 @@ class FactoredCodec(Codec):
     def open(self, key, state, shape):
         if len(shape) != 2 or key + "_col" not in state:
             return Window(self, key, state)
-        return _FactoredRows(key, state, shape)
+        return FactoredRows(key, state, shape)
 
 
-class _FactoredRows(Window):
+class FactoredRows(Window):
     """A factored second moment read and written a range of whole rows at a time. A range decodes from the means
     stored before the pass (the mean of all rows is taken once, at the start); its new row means are written at
-    once (no later range reads them), its column sums are added up and the column means written by ``close``,
-    as sum / rows, as the whole-tensor encode and the row-sharded form (which all-reduces the sums) compute them:
-    the partial sums come in another order, a few fp32 ulps apart."""
+    once (no later range reads them), its column sums are added up in fp64 and the column means written by
+    ``close``, as sum / rows, as the whole-tensor encode and the row-sharded form (which all-reduces the sums)
+    compute them. (fp64 partial sums added in another order round to the same fp32 mean but where the exact mean
+    lies within about n 2^-53 of a rounding boundary of fp32.)"""
 
     def __init__(self, key: str, state: MutableMapping[str, Tensor], shape: torch.Size) -> None:
         super().__init__(FactoredCodec(), key, state)
         self.rows, self.cols = shape
         row = state[key]
         self.denom = row.mean().clamp_min(torch.finfo(torch.float32).tiny)
-        self.col_sum = torch.zeros_like(state[key + "_col"])
+        self.col_sum = torch.zeros_like(state[key + "_col"], dtype=torch.float64)
 
     def decode(self, start, stop):
         r0, r1 = start // self.cols, stop // self.cols
@@ -594,11 +603,11 @@ class _FactoredRows(Window):
     def encode(self, start, stop, x, generator=None):
         r0, r1 = start // self.cols, stop // self.cols
         x = x.view(r1 - r0, self.cols)
-        self.state[self.key][r0:r1] = x.mean(dim=1)
-        self.col_sum += x.sum(dim=0)
+        self.state[self.key][r0:r1] = factored_means(x, 1, self.cols)
+        self.col_sum += x.sum(dim=0, dtype=torch.float64)
 
     def close(self):
-        self.state[self.key + "_col"].copy_(self.col_sum.div_(self.rows))
+        self.state[self.key + "_col"].copy_((self.col_sum / self.rows).float())
 
 
 @functools.lru_cache(maxsize=None)

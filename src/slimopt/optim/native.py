@@ -8,7 +8,8 @@ quantized codes exactly where the fp32 moments agree).
 
 Where it applies (``applies``): a CPU parameter of fp32 or bf16 written with nearest rounding, a gradient of fp32
 or bf16, rule adamw (and TACO's AdamW fallback), lion or sgdm, each moment stored fp32, bf16 (nearest), int8,
-int4 or any ternary form (``codecs.TERNARY_SPECS``); a factored second moment or stochastically rounded bf16
+int4, any ternary form (``codecs.TERNARY_SPECS``) or factored (a window of whole rows: row and column means
+read, new row means and fp64 column sums written, as ``codecs.FactoredRows``); stochastically rounded bf16
 moments go through an fp32 buffer around the kernel. Everything else (stochastically rounded or Kahan-compensated
 weights, fp64, CUDA tensors) takes the eager window step, which stays the reference; ``fused=False`` on a group
 selects it everywhere.
@@ -37,7 +38,8 @@ import torch
 from torch import Tensor
 
 from . import quant as Q
-from .codecs import Bf16Codec, BlockCodec, Fp32Codec, TernaryCodec
+from .codecs import Bf16Codec, BlockCodec, FactoredCodec, Fp32Codec, TernaryCodec, FactoredRows
+from .noise import CounterStream
 
 __all__ = ["library", "in_kernel", "scratch_per_element", "kernel_applies", "applies", "window_step"]
 
@@ -50,7 +52,7 @@ _RULES = {"adamw": 0, "taco": 0, "lion": 1, "sgdm": 2}
 _MOMENT_KEYS = {"adamw": ["exp_avg", "exp_avg_sq"], "taco": ["exp_avg", "exp_avg_sq"], "lion": ["exp_avg"],
                 "sgdm": ["momentum_buffer"]}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_C_FP32, _C_BF16, _C_BLOCK8, _C_BLOCK4, _C_TERNARY_SR, _C_TERNARY_EF = range(6)
+_C_FP32, _C_BF16, _C_BLOCK8, _C_BLOCK4, _C_TERNARY_SR, _C_TERNARY_EF, _C_FACTORED = range(7)
 _MAX_TILE = 4096
 _SCALES = {"absmax": 0, "mean": 1, "rms": 2}  # S_* of the kernel
 _SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -65,7 +67,10 @@ class _Codec(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("block", ctypes.c_int32), ("data", ctypes.c_void_p),
                 ("scale", ctypes.c_void_p), ("err", ctypes.c_void_p), ("qmap", ctypes.c_void_p),
                 ("qmap_n", ctypes.c_int32), ("nearest", _CountTable), ("bracket", _CountTable),
-                ("noise", ctypes.c_void_p), ("scale_kind", ctypes.c_int32), ("scale_bf16", ctypes.c_int32)]
+                ("key0", ctypes.c_uint32), ("key1", ctypes.c_uint32), ("counter", ctypes.c_int64),
+                ("scale_kind", ctypes.c_int32), ("scale_bf16", ctypes.c_int32),
+                ("row", ctypes.c_void_p), ("col", ctypes.c_void_p), ("col_sum", ctypes.c_void_p),
+                ("cols", ctypes.c_int64), ("denom", ctypes.c_float), ("row_acc", ctypes.c_double)]
 
 
 class _Step(ctypes.Structure):
@@ -167,13 +172,13 @@ def in_kernel(codec: Any) -> bool:
     if isinstance(codec, TernaryCodec):
         return (codec.rounding in ("sr", "ef") and codec.scale in _SCALES and codec.scale_dtype in _SCALE_DTYPES
                 and codec.block_size * 5 <= _MAX_TILE // 2)
-    return False
+    return type(codec) is FactoredCodec  # row-sharded forms all-reduce their sums: not in one process's kernel
 
 
 # Bytes per element of a window that a moment stepped through an fp32 buffer allocates (the buffer, its decode's
 # and encode's temporaries), measured with torch's MemTracker on CPU (a 2048 x 2048 weight); a moment the kernel
-# stores itself allocates nothing, or its noise (4 bytes) when it rounds stochastically.
-BUFFER_SCRATCH = {"factored": 8, "bf16_sr": 18}
+# stores itself allocates nothing (stochastic ones draw their noise in the kernel).
+BUFFER_SCRATCH = {"bf16_sr": 18}
 
 
 def scratch_per_element(codecs: list[tuple[str, Any]]) -> int | None:
@@ -182,8 +187,8 @@ def scratch_per_element(codecs: list[tuple[str, Any]]) -> int | None:
     total = 0
     for _, codec in codecs:
         if in_kernel(codec):
-            total += 4 if codec.needs_generator else 0
-        elif codec.name in BUFFER_SCRATCH:
+            continue
+        if codec.name in BUFFER_SCRATCH:
             total += BUFFER_SCRATCH[codec.name]
         else:
             return None
@@ -247,10 +252,20 @@ def _table(table: Any, packed: Tensor | None) -> _CountTable:
                        packed.data_ptr() if packed is not None else None)
 
 
-def _fill_codec(c: _Codec, codec: Any, key: str, part: dict[str, Tensor], noise: Tensor | None) -> None:
+def _fill_factored(c: _Codec, window: Any, start: int) -> None:
+    """A factored second moment's window of whole rows (codecs.FactoredRows): its row means from the window's
+    first row, the column means, the pass's fp64 column sums."""
+    c.kind, c.block = _C_FACTORED, 1
+    c.row = window.state[window.key][start // window.cols:].data_ptr()
+    c.col = window.state[window.key + "_col"].data_ptr()
+    c.col_sum, c.cols, c.denom = window.col_sum.data_ptr(), window.cols, float(window.denom)
+
+
+def _fill_codec(c: _Codec, codec: Any, key: str, part: dict[str, Tensor], noise: CounterStream | None) -> None:
     c.data = part[key].data_ptr()
-    c.noise = noise.data_ptr() if noise is not None else None
-    if isinstance(codec, Fp32Codec):
+    if noise is not None:
+        (c.key0, c.key1), c.counter = noise.key_words, noise.offset
+    if isinstance(codec, (Fp32Codec, FactoredCodec)):  # a factored moment that is not 2-D is stored fp32
         c.kind, c.block = _C_FP32, 1
         return
     if isinstance(codec, Bf16Codec):
@@ -274,7 +289,7 @@ def _fill_codec(c: _Codec, codec: Any, key: str, part: dict[str, Tensor], noise:
 
 
 def window_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], windows: list,
-                start: int, age: int, stream: Callable[[int, int], torch.Generator]) -> None:
+                start: int, age: int, stream: Callable[[int, int], CounterStream]) -> None:
     """Elements [start, start + p.numel()) of a parameter stepped in one pass: p, grad are that window's flat
     views; state the whole parameter's state; windows the rule's moments as ``windowed.step`` opened them
     ((index, key, codec, codecs.Window) each); age the moments' step count; stream(i, start) the random stream of
@@ -312,13 +327,12 @@ def window_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[s
             keep.append(buf)
             c.kind, c.block, c.data = _C_FP32, 1, buf.data_ptr()
             continue
+        if isinstance(window, FactoredRows):
+            _fill_factored(c, window, start)
+            continue
         part = codec.part(key, state, start, start + n)
         keep += part.values()
-        noise = None
-        if codec.needs_generator:
-            noise = Q.uniform((codec.noise_numel(torch.Size((n,))),), p.device, stream(i, start))
-            keep.append(noise)
-        _fill_codec(c, codec, key, part, noise)
+        _fill_codec(c, codec, key, part, stream(i, start) if codec.needs_generator else None)
     rc = library().slimopt_elementwise_step(ctypes.byref(s))
     if rc != 0:
         raise RuntimeError(f"slimopt: the native element-wise step refused its arguments (rule {rule!r}, codecs "

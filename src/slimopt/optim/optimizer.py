@@ -39,6 +39,7 @@ from . import sharded
 from . import taco
 from . import windowed
 from .codecs import make_codec, resolve_codecs
+from .noise import CounterStream
 from .rules import (ELEMENTWISE_RULES, FREE_RULES, MOMENTS, PARAM_ROUNDINGS, PARAM_STREAM, RULES, apply_update,
                     comp_of, direction, rounding_of)
 
@@ -373,11 +374,11 @@ class SlimOptimizer(torch.optim.Optimizer):
         apply_update(p, full, coef, resid, group, comp_of(state, p, rounding),
                      self._param_stream(p, group, step, rounding))
 
-    def _param_stream(self, p: Tensor, group: dict[str, Any], step: int, rounding: str) -> torch.Generator | None:
+    def _param_stream(self, p: Tensor, group: dict[str, Any], step: int, rounding: str) -> CounterStream | None:
         """The random stream of p's stochastic rounding at `step` (None unless it rounds stochastically)."""
         if rounding != "stochastic":
             return None
-        return P.generator(p.device, group["seed"], self._where[p][2], step, PARAM_STREAM)
+        return P.stream(group["seed"], self._where[p][2], step, PARAM_STREAM)
 
     def _queue_adamw(self, p: Tensor, group: dict[str, Any], state: dict[str, Tensor], grad: Tensor) -> bool:
         """Queue p's full-space update for torch's fused AdamW (multi_tensor.py) where that is its arithmetic."""
@@ -415,8 +416,8 @@ class SlimOptimizer(torch.optim.Optimizer):
             codecs, age = [], 0
         _, _, index = self._where[p]
 
-        def stream(i: int, start: int) -> torch.Generator:
-            return P.generator(p.device, group["seed"], index, step, i, *((start,) if start else ()))
+        def stream(i: int, start: int) -> CounterStream:
+            return P.stream(group["seed"], index, step, i).at(start)
 
         windowed.step(p, grad, state, group, codecs, age, stream)
         return True
@@ -444,7 +445,7 @@ class SlimOptimizer(torch.optim.Optimizer):
         d, c = direction(group["rule"], g, mom, age, group, shape=p.shape)
         _, _, index = self._where[p]
         for i, (key, codec) in enumerate(codecs):
-            gen = P.generator(p.device, group["seed"], index, step, i) if codec.needs_generator else None
+            gen = P.stream(group["seed"], index, step, i) if codec.needs_generator else None
             codec.encode(key, mom[key], state, generator=gen)
         return d, c
 
@@ -473,8 +474,8 @@ class SlimOptimizer(torch.optim.Optimizer):
         residual = group["free_rule"] != "none" and not whole
         _, _, index = self._where[p]
 
-        def stream(i: int, start: int) -> torch.Generator:
-            return P.generator(p.device, group["seed"], index, step, i, *((start,) if start else ()))
+        def stream(i: int, start: int) -> CounterStream:
+            return P.stream(group["seed"], index, step, i).at(start)
 
         shape = state_shape(projector, side, grad.shape, rank)
         codecs, age, whole_rule = [], 0, None
@@ -536,7 +537,7 @@ class SlimOptimizer(torch.optim.Optimizer):
                     m = codec.estimate(key_m, state, shape)
                     m = P.rotate(projector, side, old, new, m, squared=self._role(group, key_m) == "v")
                     codec.clear_feedback(key_m, state)
-                    gen = P.generator(p.device, group["seed"], index, step, i, 1) if codec.needs_generator else None
+                    gen = P.stream(group["seed"], index, step, i, 1) if codec.needs_generator else None
                     codec.encode(key_m, m.contiguous(), state, generator=gen)
         state[key] = new
 

@@ -233,7 +233,7 @@ def _pack(codec, key: str, parts: dict[str, Tensor], state, local_shape: torch.S
         values = (codes - 1).float() * scale
     else:
         values = Q.get_map(codec.map_name, device)[codes] * scale
-    codec.encode(key, values.view(local_shape), state, generator=P.generator(device, 0x5EED, n))
+    codec.encode(key, values.view(local_shape), state, generator=P.stream(0x5EED, n))
 
 
 def _names(key: str, tensors) -> list[str]:

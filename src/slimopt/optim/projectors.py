@@ -22,25 +22,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .noise import CounterStream, mix_seed
+
 PROJECTORS = ("none", "svd", "randomized_svd", "random", "columns", "rows", "block")
 ORTHO_PROJECTORS = ("svd", "randomized_svd", "random")
 PROJ_SIDES = ("std", "reverse_std", "left", "right")
 BLOCK_ORDERS = ("ascending", "descending", "random")
-
-_MASK64 = (1 << 64) - 1
-
-
-def mix_seed(*parts: int) -> int:
-    """A well-mixed 63-bit seed from integers (splitmix64), so nearby inputs give unrelated streams."""
-    x = 0x9E3779B97F4A7C15
-    for p in parts:
-        x = (x ^ (int(p) & _MASK64)) & _MASK64
-        x = (x + 0x9E3779B97F4A7C15) & _MASK64
-        z = x
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-        x = z ^ (z >> 31)
-    return x & ((1 << 63) - 1)
 
 
 def generator(device: torch.device, *parts: int) -> torch.Generator:
@@ -48,6 +35,12 @@ def generator(device: torch.device, *parts: int) -> torch.Generator:
     gen = torch.Generator(device=device)
     gen.manual_seed(mix_seed(*parts))
     return gen
+
+
+def stream(*parts: int) -> CounterStream:
+    """The counter-based stream keyed by `parts` (group seed, parameter index, step, moment): what stochastic
+    rounding draws from (noise.py)."""
+    return CounterStream(mix_seed(*parts))
 
 
 def side_for(shape: torch.Size, proj_side: str) -> str:

@@ -39,10 +39,13 @@ Rounding rules (tested exactly against a brute-force argmin over the map):
 from __future__ import annotations
 
 import weakref
+from typing import Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .noise import CounterStream
 
 __all__ = [
     "TERNARY_MAP",
@@ -258,9 +261,14 @@ def stochastic_codes(x: Tensor, qmap: Tensor, u: Tensor) -> Tensor:
     return lo + (u < p_up)  # hi = lo + 1 (an integer where() is several times slower on CPU)
 
 
-def uniform(shape: torch.Size | tuple[int, ...], device: torch.device,
-            generator: torch.Generator | None = None) -> Tensor:
-    """Uniform [0, 1) fp32 noise of `shape`; from `generator` when given, else from torch's default generator."""
+Stream = Union[torch.Generator, CounterStream]
+
+
+def uniform(shape: torch.Size | tuple[int, ...], device: torch.device, generator: Stream | None = None) -> Tensor:
+    """Uniform [0, 1) fp32 noise of `shape`: from a counter-based stream (noise.py; what the optimizer draws
+    from), a torch.Generator, or torch's default generator when None."""
+    if isinstance(generator, CounterStream):
+        return generator.uniform(shape, device)
     return torch.rand(shape, device=device, generator=generator)
 
 
@@ -319,7 +327,7 @@ def normalize_blocks(blocks: Tensor, scale: Tensor) -> Tensor:
 
 
 def quantize_blockwise(x: Tensor, qmap: Tensor, block_size: int, *, stochastic: bool = False,
-                       generator: torch.Generator | None = None, noise: Tensor | None = None
+                       generator: Stream | None = None, noise: Tensor | None = None
                        ) -> tuple[Tensor, Tensor]:
     """Blockwise absmax quantization (arXiv 2110.02861 section 2.1) onto `qmap`.
 
@@ -410,20 +418,23 @@ def unpack_base3(packed: Tensor, n: int | None = None) -> Tensor:
     return flat if n is None else flat[:n]
 
 
-def to_bf16(x: Tensor, *, stochastic: bool = False, generator: torch.Generator | None = None,
+def to_bf16(x: Tensor, *, stochastic: bool = False, generator: Stream | None = None,
             noise: Tensor | None = None) -> Tensor:
     """x fp32 (any shape) -> bf16, round-to-nearest-even, or stochastically rounded (unbiased).
 
     Stochastic rounding adds a uniform 16-bit integer to the low half of the fp32 bit pattern and truncates:
     the magnitude rounds up (away from zero) with probability equal to the dropped fraction, so E[bf16(x)] = x.
-    The integer comes from `generator`, or from `noise` (uniform [0, 1) fp32 of x's size: floor(u * 2**16) is
-    an exact uniform 16-bit integer). NaN and inf pass through unchanged.
+    The integer comes from `generator` (a counter-based stream or a torch.Generator), or from `noise` (uniform
+    [0, 1) fp32 of x's size: floor(u * 2**16) is an exact uniform 16-bit integer). NaN and inf pass through
+    unchanged.
     """
     x = x.float()
     if not stochastic:
         return x.to(torch.bfloat16)
     x = x.contiguous()  # the bit view needs it
-    if noise is None:
+    if isinstance(generator, CounterStream) and noise is None:
+        r16 = generator.int16(x.shape, x.device)
+    elif noise is None:
         r16 = torch.randint(0, 1 << 16, x.shape, device=x.device, dtype=torch.int32, generator=generator)
     else:
         r16 = (noise.view(x.shape) * 65536.0).to(torch.int32)

@@ -126,7 +126,7 @@ def comp_of(state: dict[str, Tensor], p: Tensor, rounding: str) -> Tensor | None
     return comp
 
 
-def rounded(y: Tensor, dtype: torch.dtype, rounding: str, generator: torch.Generator | None = None
+def rounded(y: Tensor, dtype: torch.dtype, rounding: str, generator: Q.Stream | None = None
             ) -> tuple[Tensor, Tensor | None]:
     """The fp32 value y as a `dtype` weight, and under ``kahan`` what that loses (y - weight, in `dtype`)."""
     if rounding == "stochastic":
@@ -137,7 +137,7 @@ def rounded(y: Tensor, dtype: torch.dtype, rounding: str, generator: torch.Gener
     return new, None
 
 
-def write(p: Tensor, y: Tensor, rounding: str, comp: Tensor | None, generator: torch.Generator | None) -> None:
+def write(p: Tensor, y: Tensor, rounding: str, comp: Tensor | None, generator: Q.Stream | None) -> None:
     """p <- y (fp32, p's shape) rounded as `rounding` says; under ``kahan`` comp (p's shape) <- what is lost."""
     new, lost = rounded(y, p.dtype, rounding, generator)
     p.copy_(new)
@@ -153,7 +153,7 @@ def value_of(p: Tensor, comp: Tensor | None) -> Tensor:
 
 def apply_update(p: Tensor, full: Tensor | None, coef: float, resid: Tensor | None,
                  group: Mapping[str, Any], comp: Tensor | None = None,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: Q.Stream | None = None) -> None:
     """p *= 1 - lr * weight_decay;  p -= lr * (coef * full + free_scale * free_direction(resid)), in place.
 
     p: the parameter, or its local shard, or a window of either; full: the state-full direction in p's shape

@@ -29,8 +29,9 @@ volume of every choice; in short:
   the history (k x n, a few bytes per column) is replicated. Both are exact: the same step as one process.
 - Random choices are pure functions of (seed, parameter index, refresh index), so every rank draws the same
   bases, coordinates and blocks; ``check_agreement`` verifies once, at the first sharded step, that all ranks
-  index the same parameters with the same shapes. Stochastic rounding draws from a per-shard stream (the
-  single-process stream extended by the shard's first row), so a run is deterministic for its world size.
+  index the same parameters with the same shapes. Stochastic rounding reads the single-process counter-based
+  stream from the shard's first element (noise.py): every shard draws the numbers its elements draw in one
+  process.
 
 The optimizer state holds plain local tensors (the shard of each moment, replicated bases, indices and steps);
 ``slimopt.optim.portable`` turns it into DTensors for ``torch.distributed.checkpoint``. The row split and the
@@ -52,7 +53,8 @@ from . import compiled
 from . import muon
 from . import projectors as P
 from . import taco
-from .codecs import FactoredCodec, resolve_codecs
+from .codecs import FactoredCodec, factored_means, resolve_codecs
+from .noise import CounterStream
 from .rules import MOMENTS, PARAM_STREAM, apply_update, comp_of, direction, rounding_of
 from .shardcomm import (Rows, all_reduce, chosen_per_rank, chunk_bounds, gather_var_rows, is_sharded,  # noqa: F401
                         rows_of)
@@ -112,9 +114,9 @@ class RowShardedFactored(FactoredCodec):
     def encode(self, key, x, state, generator=None):
         if x.dim() != 2 or key + "_col" not in state:
             return super().encode(key, x, state, generator)
-        col = all_reduce(x.sum(dim=0), self.rows).div_(max(1, self.rows.total))
-        state[key].copy_(x.mean(dim=1))
-        state[key + "_col"].copy_(col)
+        col = all_reduce(x.sum(dim=0, dtype=torch.float64), self.rows) / max(1, self.rows.total)
+        state[key].copy_(factored_means(x, 1, x.shape[1]))
+        state[key + "_col"].copy_(col.float())
 
 
 @dataclass(frozen=True)
@@ -145,12 +147,12 @@ def moment_codecs(opt, group: dict[str, Any], space: Space, dtype: torch.dtype) 
     return out
 
 
-def _generator(device, group, space: Space, *parts: int) -> torch.Generator:
-    """The stochastic-rounding stream of one moment: the single-process stream (seeded by the group's seed and
-    `parts`), extended by the shard's first row (rank 0, and one process, draw exactly the single-process
-    numbers)."""
-    offset = space.rows.start if space.rows is not None else 0
-    return P.generator(device, group["seed"], *parts, *((offset,) if offset else ()))
+def _stream(group, space: Space, *parts: int) -> CounterStream:
+    """The stochastic-rounding stream of one moment (or of the weight): the single-process stream (keyed by the
+    group's seed and `parts`) read from the shard's first element, so that every shard draws the numbers of its
+    elements in the single-process step."""
+    offset = space.rows.start * math.prod(space.shape[1:]) if space.rows is not None else 0
+    return P.stream(group["seed"], *parts).at(offset)
 
 
 def _local_shape(space: Space) -> torch.Size:
@@ -217,7 +219,7 @@ def update(opt, p: Tensor, group: dict[str, Any]) -> None:
         full, coef, resid = _projected(opt, p, group, state, g, step, layout, rows)
 
     rounding = rounding_of(group, p_loc)  # the shard's own compensation, and the shard's rounding stream
-    gen = _generator(p_loc.device, group, space, opt._where[p][2], step, PARAM_STREAM) if rounding == "stochastic" \
+    gen = _stream(group, space, opt._where[p][2], step, PARAM_STREAM) if rounding == "stochastic" \
         else None
     apply_update(p_loc, full, coef, resid, group, comp_of(state, p_loc, rounding), gen)
 
@@ -255,7 +257,7 @@ def _stateful(opt, p, group, state, g: Tensor, step: int, space: Space) -> tuple
         d, c = direction(group["rule"], g, mom, age, group, shape=p.shape)
     index = opt._where[p][2]
     for i, (key, codec) in enumerate(codecs):
-        gen = _generator(g.device, group, space, index, step, i) if codec.needs_generator else None
+        gen = _stream(group, space, index, step, i) if codec.needs_generator else None
         codec.encode(key, mom[key], state, generator=gen)
     return d, c
 
@@ -403,5 +405,5 @@ def _carry_moments(opt, p, group, state, projector, side, r, rows: Rows, old: Te
         elif hasattr(codec, "clear_feedback"):
             codec.clear_feedback(key_m, state)  # the carried residual was in the old coordinates
     for i, (key_m, codec) in enumerate(new_codecs):
-        gen = _generator(p.device, group, new_space, index, step, i, 1) if codec.needs_generator else None
+        gen = _stream(group, new_space, index, step, i, 1) if codec.needs_generator else None
         codec.encode(key_m, moments[key_m], state, generator=gen)

@@ -70,6 +70,7 @@ from typing import Any, Mapping, MutableMapping
 import torch
 from torch import Tensor
 
+from .noise import CounterStream
 from .rules import decay, rounded, rounding_of, value_of, write
 from .windowed import ROUNDING_SCRATCH, window_elems
 
@@ -370,7 +371,7 @@ def _window_best(g: Tensor, r0: int, r1: int, rows: Tensor, live: Tensor, kc: in
 
 
 def apply_sparse(p: Tensor, rows: Tensor, signs: Tensor, coef: float, group: Mapping[str, Any],
-                 comp: Tensor | None = None, generator: torch.Generator | None = None) -> None:
+                 comp: Tensor | None = None, generator: CounterStream | None = None) -> None:
     """``rules.apply_update(p, d, coef, None, group)`` for TACO's one-entry-a-column d, touching n entries.
 
     p: (m, n); rows, signs: (1, n) as ``sparse_update`` returns them. The same arithmetic as the dense form on
@@ -393,10 +394,12 @@ def apply_sparse(p: Tensor, rows: Tensor, signs: Tensor, coef: float, group: Map
             part = comp[a:a + step_rows] if comp is not None else None
             y = value_of(p[a:a + step_rows], part)
             decay(y, group)
-            write(p[a:a + step_rows], y, rounding, part, generator)
+            write(p[a:a + step_rows], y, rounding, part, generator.at(a * p.shape[1]) if generator else None)
     y = p[r, cols].float()
     if comp is not None:
         y.add_(comp[r, cols])
+    if generator is not None and float(group["weight_decay"]) != 0.0:
+        generator = generator.fork(1)  # the decay's pass read the stream of every element: the entries' own
     new, lost = rounded(y.add_(signs[0], alpha=-lr * coef), p.dtype, rounding, generator)
     p[r, cols] = new
     if lost is not None:

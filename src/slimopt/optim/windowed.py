@@ -10,11 +10,11 @@ tensor: at most ``WINDOW_BYTES`` (64 MiB) whatever the tensor's size. A 7B model
 stepped whole with 8-bit moments allocates 4.3 GB; in windows, 64 MiB.
 
 The result is the whole-tensor step's, bit for bit: every element sees the same arithmetic in the same order
-(the weight decay, the rule, the codecs' blocks, which windows never cut). One exception: a factored second
-moment's column means are sums over rows divided by the row count, and windows add the rows' partial sums in
-another order (a few fp32 ulps; the row-sharded form differs from one process the same way). Stochastic rounding draws each window from its own
-stream, the parameter's stream extended by the window's first element (as a row shard of an FSDP2 run extends it
-by its first row), so the first window, and any tensor that fits one, draws exactly the whole-tensor numbers.
+(the weight decay, the rule, the codecs' blocks, which windows never cut). A factored second moment's column
+means are sums over rows in fp64, which windows add in another order: the same fp32 means but where the exact
+mean lies within about n 2^-53 of an fp32 rounding boundary (``codecs.factored_means``). Stochastic rounding
+reads the parameter's counter-based stream (noise.py) from the window's first element on, so every window draws
+exactly the numbers of the whole-tensor step.
 
 A subspace projector's step between refreshes (GaLore's and FRUGAL's ``svd``, ``randomized_svd``, ``random``,
 ``columns``, ``rows``: ``projected``) walks the weight in windows of whole rows or columns: those along the axis
@@ -38,6 +38,7 @@ from torch import Tensor
 
 from . import native
 from . import projectors as P
+from .noise import CounterStream
 from .rules import PARAM_STREAM, apply_update, comp_of, direction, rounding_of
 
 __all__ = ["WINDOW_BYTES", "SCRATCH_PER_ELEMENT", "ROUNDING_SCRATCH", "kind", "scratch_per_element",
@@ -116,7 +117,7 @@ def window_elems(numel: int, align: int, per_element: int, held: int = 0) -> int
 
 
 def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], codecs: list[tuple[str, Any]],
-         age: int, stream: Callable[[int, int], torch.Generator]) -> None:
+         age: int, stream: Callable[[int, int], CounterStream]) -> None:
     """One update of p from grad in windows: the rule on codec-stored moments (codecs: the rule's (key, codec)
     list, its ``moment_step`` already counted as `age`), or with no codecs the state-free update of the residual.
 
@@ -145,7 +146,7 @@ def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any
 
 
 def _window(p: Tensor, grad: Tensor, comp: Tensor | None, group: dict[str, Any], windows: list, start: int, age: int,
-            stream: Callable[[int, int], torch.Generator], gen: torch.Generator | None) -> None:
+            stream: Callable[[int, int], CounterStream], gen: CounterStream | None) -> None:
     """One window [start, start + p.numel()): p, grad, comp are its flat views. A function of its own so that its
     temporaries are gone before the next window allocates."""
     g = grad if grad.dtype in (torch.float32, torch.float64) else grad.float()
@@ -157,7 +158,7 @@ def _window(p: Tensor, grad: Tensor, comp: Tensor | None, group: dict[str, Any],
 
 
 def _rule(g: Tensor, group: dict[str, Any], windows: list, start: int, age: int,
-          stream: Callable[[int, int], torch.Generator]) -> tuple[Tensor, float]:
+          stream: Callable[[int, int], CounterStream]) -> tuple[Tensor, float]:
     """The rule on elements [start, start + g.numel()) of the moments: decode them, update them with the fp32
     gradient g, encode them back; returns the rule's (direction, coefficient)."""
     stop = start + g.numel()
@@ -223,7 +224,7 @@ def projected_scratch(shape: tuple[int, int], dtype: torch.dtype, low_numel: int
 
 def projected(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str | None, residual: bool,
               state: dict[str, Tensor], group: dict[str, Any], codecs: list[tuple[str, Any]], age: int,
-              stream: Callable[[int, int], torch.Generator], coef_scale: float,
+              stream: Callable[[int, int], CounterStream], coef_scale: float,
               whole_rule: Callable[[Tensor], tuple[Tensor, float]] | None = None) -> None:
     """One step of a subspace projector on the 2-D weight p between refreshes, in windows of slices along the axis
     the projector does not mix (``projectors.window_axis``: rows for a right projection and ``columns``, columns
@@ -273,7 +274,9 @@ def projected(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str 
             low = None
     comp = comp_of(state, p, rounding)
     for a, k in spans:
-        gen = stream(PARAM_STREAM, a * n if axis == 0 else a) if rounding == "stochastic" else None
+        # rows [a, a + k) are elements [a n, (a + k) n) of the weight; a column window is no range of them
+        gen = None if rounding != "stochastic" else stream(PARAM_STREAM, a * n) if axis == 0 else \
+            stream(PARAM_STREAM, 0).fork(a)
         _lift(p.narrow(axis, a, k), grad.narrow(axis, a, k), comp.narrow(axis, a, k) if comp is not None else None,
               d.narrow(axis, a, k), low.narrow(axis, a, k) if residual else None, projector, side, q, work,
               c * coef_scale, group, gen)
@@ -286,7 +289,7 @@ def _down(out: Tensor, grad: Tensor, projector: str, side: str | None, q: Tensor
 
 def _lift(p: Tensor, grad: Tensor, comp: Tensor | None, d: Tensor, low: Tensor | None, projector: str,
           side: str | None, q: Tensor, work: torch.dtype, coef: float, group: dict[str, Any],
-          gen: torch.Generator | None) -> None:
+          gen: CounterStream | None) -> None:
     """Step 3 of ``projected`` on one slice window: p, grad, comp, d, low are its slices."""
     resid = None
     if low is not None:
@@ -298,7 +301,7 @@ def _lift(p: Tensor, grad: Tensor, comp: Tensor | None, d: Tensor, low: Tensor |
 
 
 def directions(low: Tensor, out: Tensor, state: dict[str, Tensor], group: dict[str, Any],
-               codecs: list[tuple[str, Any]], age: int, stream: Callable[[int, int], torch.Generator],
+               codecs: list[tuple[str, Any]], age: int, stream: Callable[[int, int], CounterStream],
                dtype: torch.dtype, held: int = 0) -> float:
     """The element-wise rule on the fp32 subspace gradient `low` in aligned flat windows, against the moments of
     `low`'s shape that `codecs` store (those of a `dtype` weight); the direction goes to `out` (low's shape; `low`
@@ -320,7 +323,7 @@ def directions(low: Tensor, out: Tensor, state: dict[str, Tensor], group: dict[s
 
 
 def _direction(g: Tensor, out: Tensor, group: dict[str, Any], windows: list, start: int, age: int,
-               stream: Callable[[int, int], torch.Generator]) -> float:
+               stream: Callable[[int, int], CounterStream]) -> float:
     d, c = _rule(g, group, windows, start, age, stream)
     out.copy_(d)
     return c

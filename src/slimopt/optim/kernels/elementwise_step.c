@@ -10,7 +10,8 @@
  * torch.optim.AdamW, or before it as galore-torch), Lion (arXiv 2302.06675), heavy-ball SGD momentum.
  * Codecs (slimopt/optim/codecs.py): fp32, bf16 (nearest), blockwise absmax int8 / int4 on a sorted map
  * (arXiv 2110.02861, 2309.01507), ternary with stochastic rounding or with a carried ternary residual, scaled by
- * the block's absmax, mean magnitude (arXiv 2402.17764) or root mean square, the scale stored fp32 or bf16.
+ * the block's absmax, mean magnitude (arXiv 2402.17764) or root mean square, the scale stored fp32 or bf16;
+ * an Adafactor-style factored second moment (arXiv 1804.04235) over a window of whole rows.
  *
  * The arithmetic follows torch's CPU kernels operation for operation, so that the result equals the eager step
  * (tests/test_native.py): lerp as fma(w, end - self, self) for |w| < 0.5 (else fma(w - 1, end - self, end)),
@@ -19,8 +20,9 @@
  * integer answers of slimopt.optim.quant (count of decision points <= x, found through the same 65536-range
  * look-up table), so codes agree whenever the fp32 moment does.
  *
- * Stochastic codecs read uniform [0, 1) noise drawn by the caller from the parameter's stream, one number per
- * padded element of the window, as the eager encode draws it.
+ * Stochastic codecs draw their uniform [0, 1) numbers themselves, from the counter-based stream of
+ * slimopt/optim/noise.py: the number of element j of the parameter is a hash of (key, j), so every tile computes
+ * exactly what the eager encode draws for its elements, with nothing read from memory.
  */
 
 #include <math.h>
@@ -31,7 +33,7 @@
 #endif
 
 enum { RULE_ADAMW = 0, RULE_LION = 1, RULE_SGDM = 2 };
-enum { C_FP32 = 0, C_BF16 = 1, C_BLOCK8 = 2, C_BLOCK4 = 3, C_TERNARY_SR = 4, C_TERNARY_EF = 5 };
+enum { C_FP32 = 0, C_BF16 = 1, C_BLOCK8 = 2, C_BLOCK4 = 3, C_TERNARY_SR = 4, C_TERNARY_EF = 5, C_FACTORED = 6 };
 enum { D_FP32 = 0, D_BF16 = 1 };
 enum { S_ABSMAX = 0, S_MEAN = 1, S_RMS = 2 };
 
@@ -59,9 +61,17 @@ typedef struct {
     int32_t qmap_n;
     count_table_t nearest; /* decision points of nearest rounding */
     count_table_t bracket; /* the map's own points (stochastic rounding) */
-    const float *noise;    /* uniform [0, 1) per padded element of the window (stochastic codecs) */
+    uint32_t key0, key1;   /* stochastic codecs: the stream's key (low, high word) */
+    int64_t counter;       /* stochastic codecs: the stream's counter of the window's first element */
     int32_t scale_kind;    /* S_*: what a block's scale measures (block codecs: S_ABSMAX) */
     int32_t scale_bf16;    /* the scale is stored as bf16 (and normalizes as that rounded value) */
+    /* C_FACTORED (a window of whole rows of an (R, cols) moment): v[r, c] = row[r] * col[c] / denom */
+    float *row;            /* (window rows,) the window's row means: read, then overwritten by the new ones */
+    const float *col;      /* (cols,) the column means stored before the pass */
+    double *col_sum;       /* (cols,) the pass's column sums, added to */
+    int64_t cols;
+    float denom;           /* mean of the row means before the pass, clamped to the smallest normal */
+    double row_acc;        /* the sum of the current row so far (rows span tiles) */
 } codec_t;
 
 typedef struct {
@@ -85,13 +95,13 @@ typedef struct {
     codec_t codecs[2];
 } step_t;
 
-static uint8_t TRITS[256][5];  /* base-3 digits of every byte value, lowest first */
+static float TRITS[256][5];  /* base-3 digits of every byte value minus 1 (the trits -1, 0, 1), lowest first */
 static int trits_ready = 0;
 
 static void init_trits(void) {
     for (int b = 0; b < 256; b++) {
         int x = b;
-        for (int k = 0; k < 5; k++) { TRITS[b][k] = (uint8_t)(x % 3); x /= 3; }
+        for (int k = 0; k < 5; k++) { TRITS[b][k] = (float)(x % 3 - 1); x /= 3; }
     }
     trits_ready = 1;
 }
@@ -175,9 +185,34 @@ static void count_le_many(const count_table_t *t, const float *x, int32_t *out, 
     }
 }
 
+/* The trits of elements [off, off + cnt) of a packed base-3 array (off a multiple of 5) times unit, then times
+ * their block's scale, into out, as TernaryCodec._trits_times_scale: ((digit - 1) * unit) * scale. */
+static void ternary_values(const codec_t *c, const uint8_t *packed, int64_t off, int64_t cnt, float unit,
+                           float *out) {
+    float t[MAX_TILE + 5];
+    const uint8_t *d = packed + off / 5;
+    for (int64_t j = 0; j * 5 < cnt; j++) memcpy(t + 5 * j, TRITS[d[j]], 5 * sizeof(float));
+    for (int64_t b0 = 0; b0 < cnt; b0 += c->block) {
+        const float scale = scale_at(c, (off + b0) / c->block);
+        const int64_t e = cnt - b0 < c->block ? cnt - b0 : c->block;
+        for (int64_t i = b0; i < b0 + e; i++) out[i] = (t[i] * unit) * scale;
+    }
+}
+
 /* Decode elements [off, off + cnt) of the window into out. */
 static void decode(const codec_t *c, int64_t off, int64_t cnt, float *out) {
     switch (c->kind) {
+    case C_FACTORED:  /* (row * col) / denom, as outer(row, col) / denom; row by row segment */
+        for (int64_t e = off; e < off + cnt;) {
+            const int64_t r = e / c->cols, c0 = e % c->cols;
+            const int64_t len = c->cols - c0 < off + cnt - e ? c->cols - c0 : off + cnt - e;
+            const float rv = c->row[r], dn = c->denom;
+            const float *col = c->col + c0;
+            float *o = out + (e - off);
+            for (int64_t k = 0; k < len; k++) o[k] = (rv * col[k]) / dn;
+            e += len;
+        }
+        break;
     case C_FP32:
         memcpy(out, (const float *)c->data + off, (size_t)cnt * 4);
         break;
@@ -203,28 +238,39 @@ static void decode(const codec_t *c, int64_t off, int64_t cnt, float *out) {
         }
         break;
     }
-    case C_BLOCK4: {
+    case C_BLOCK4: {  /* a byte holds two codes, the first in its high half: both values from one look-up */
         const uint8_t *d = (const uint8_t *)c->data + off / 2;
+        float pair[256][2];
+        for (int b = 0; b < 256; b++) { pair[b][0] = c->qmap[b >> 4]; pair[b][1] = c->qmap[b & 15]; }
+        float t[MAX_TILE + 2];
+        for (int64_t j = 0; 2 * j < cnt; j++) memcpy(t + 2 * j, pair[d[j]], 2 * sizeof(float));
         for (int64_t b0 = 0; b0 < cnt; b0 += c->block) {
             const float scale = scale_at(c, (off + b0) / c->block);
             const int64_t e = cnt - b0 < c->block ? cnt - b0 : c->block;
-            for (int64_t i = 0; i < e; i += 2) {
-                const uint8_t byte = d[(b0 + i) / 2];
-                out[b0 + i] = c->qmap[byte >> 4] * scale;
-                if (i + 1 < e) out[b0 + i + 1] = c->qmap[byte & 15] * scale;
-            }
+            for (int64_t i = b0; i < b0 + e; i++) out[i] = t[i] * scale;
         }
         break;
     }
-    default: {  /* ternary: (digit - 1) * block scale; off is a multiple of 5 */
-        const uint8_t *d = (const uint8_t *)c->data + off / 5;
-        for (int64_t b0 = 0; b0 < cnt; b0 += c->block) {
-            const float scale = scale_at(c, (off + b0) / c->block);
-            const int64_t e = cnt - b0 < c->block ? cnt - b0 : c->block;
-            for (int64_t i = b0; i < b0 + e; i++)
-                out[i] = (float)((int)TRITS[d[i / 5]][i % 5] - 1) * scale;
-        }
+    default:  /* ternary: (digit - 1) * block scale; off is a multiple of 5 */
+        ternary_values(c, (const uint8_t *)c->data, off, cnt, 1.0f, out);
     }
+}
+
+static inline uint32_t mix32(uint32_t x) {  /* noise._mix32_ */
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    return x ^ (x >> 16);
+}
+
+/* n uniform [0, 1) numbers of the stream (key0, key1) from counter `j0` on (noise.CounterStream.uniform):
+ * hash(j) = mix32(mix32(lo(j) ^ key0) ^ hi(j) ^ key1), its top 24 bits times 2^-24 */
+static void uniform_many(uint32_t key0, uint32_t key1, int64_t j0, float *u, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint64_t j = (uint64_t)(j0 + i);
+        const uint32_t h = mix32(mix32((uint32_t)j ^ key0) ^ (uint32_t)(j >> 32) ^ key1);
+        u[i] = (float)(int32_t)(h >> 8) * 0x1p-24f;  /* < 2^24: exact, and a signed conversion vectorizes */
     }
 }
 
@@ -256,9 +302,30 @@ static void pack_trits(const int32_t *digits, int64_t n, uint8_t *bytes) {
     }
 }
 
+/* The sum of |x| (or of x * x rounded to fp32) over n values, in fp64, in four chains: its order changes the
+ * fp64 sum by an ulp of a double at most, which its fp32 rounding does not see. */
+static double block_sum(const float *x, int64_t n, int squares) {
+    double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+    int64_t i = 0;
+    if (squares) {
+        for (; i + 4 <= n; i += 4) {
+            a0 += (double)(x[i] * x[i]); a1 += (double)(x[i + 1] * x[i + 1]);
+            a2 += (double)(x[i + 2] * x[i + 2]); a3 += (double)(x[i + 3] * x[i + 3]);
+        }
+        for (; i < n; i++) a0 += (double)(x[i] * x[i]);
+    } else {
+        for (; i + 4 <= n; i += 4) {
+            a0 += (double)fabsf(x[i]); a1 += (double)fabsf(x[i + 1]);
+            a2 += (double)fabsf(x[i + 2]); a3 += (double)fabsf(x[i + 3]);
+        }
+        for (; i < n; i++) a0 += (double)fabsf(x[i]);
+    }
+    return (a0 + a1) + (a2 + a3);
+}
+
 /* Encode x (cnt values; the rest of the last block is zero padding) as elements [off, ...) of the window.
  * off is a multiple of the codec's block. */
-static void encode(const codec_t *c, int64_t off, int64_t cnt, float *x) {
+static void encode(codec_t *c, int64_t off, int64_t cnt, float *x) {
     switch (c->kind) {
     case C_FP32:
         memcpy((float *)c->data + off, x, (size_t)cnt * 4);
@@ -268,20 +335,38 @@ static void encode(const codec_t *c, int64_t off, int64_t cnt, float *x) {
         for (int64_t i = 0; i < cnt; i++) d[i] = f32_to_bf16(x[i]);
         return;
     }
+    case C_FACTORED:  /* codecs.factored_means: fp64 row and column sums; a row's mean once the row is complete */
+        for (int64_t e = off; e < off + cnt;) {
+            const int64_t r = e / c->cols, c0 = e % c->cols;
+            const int64_t len = c->cols - c0 < off + cnt - e ? c->cols - c0 : off + cnt - e;
+            const float *xs = x + (e - off);
+            double *cs = c->col_sum + c0;
+            double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;  /* four chains: the sum's order does not matter */
+            int64_t k = 0;
+            for (; k + 4 <= len; k += 4) {
+                a0 += (double)xs[k]; a1 += (double)xs[k + 1]; a2 += (double)xs[k + 2]; a3 += (double)xs[k + 3];
+            }
+            for (; k < len; k++) a0 += (double)xs[k];
+            for (k = 0; k < len; k++) cs[k] += (double)xs[k];
+            c->row_acc += (a0 + a1) + (a2 + a3);
+            if (c0 + len == c->cols) {
+                c->row[r] = (float)(c->row_acc / (double)c->cols);
+                c->row_acc = 0.0;
+            }
+            e += len;
+        }
+        return;
     default:
         break;
     }
     const int64_t B = c->block;
     const int64_t padded = (cnt + B - 1) / B * B;
     for (int64_t i = cnt; i < padded; i++) x[i] = 0.0f;
+    float nrm[MAX_TILE], u[MAX_TILE];
     if (c->kind == C_TERNARY_EF) {  /* add the carried residual ((digit - 1) * 0.5) * old scale */
-        for (int64_t i = 0; i < cnt; i++) {
-            int64_t j = off + i;
-            float r = ((float)((int)TRITS[c->err[j / 5]][j % 5] - 1) * 0.5f) * scale_at(c, j / B);
-            x[i] = x[i] + r;
-        }
+        ternary_values(c, c->err, off, cnt, 0.5f, nrm);
+        for (int64_t i = 0; i < cnt; i++) x[i] = x[i] + nrm[i];
     }
-    float nrm[MAX_TILE];
     int32_t code[MAX_TILE];
     for (int64_t b0 = 0; b0 < padded; b0 += B) {
         float amax;
@@ -300,11 +385,7 @@ static void encode(const codec_t *c, int64_t off, int64_t cnt, float *x) {
             /* mean of |x| or of x^2 (rounded to fp32, as torch's square) over the block's own values, summed in
              * double as quant.block_absmean / block_rms do: a sum of 64 floats in double is exact or off by
              * an ulp of a double, so the fp32 result equals torch's whatever order its reduction takes */
-            double acc = 0.0;
-            if (c->scale_kind == S_MEAN)
-                for (int64_t i = b0; i < b0 + B; i++) acc += (double)fabsf(x[i]);
-            else
-                for (int64_t i = b0; i < b0 + B; i++) acc += (double)(x[i] * x[i]);
+            const double acc = block_sum(x + b0, B, c->scale_kind == S_RMS);
             const double k = (double)(cnt - b0 < B ? cnt - b0 : B);  /* the padding adds exact zeros */
             amax = c->scale_kind == S_MEAN ? (float)(acc / k) : (float)sqrt(acc / k);
         }
@@ -321,13 +402,15 @@ static void encode(const codec_t *c, int64_t off, int64_t cnt, float *x) {
         uint8_t *d = (uint8_t *)c->data + off / 2;
         for (int64_t i = 0; i < padded; i += 2) d[i / 2] = (uint8_t)((code[i] << 4) | code[i + 1]);
     } else if (c->kind == C_TERNARY_SR) {  /* off is a multiple of 5: whole bytes */
-        ternary_sr_many(nrm, c->noise + off, code, padded);
+        uniform_many(c->key0, c->key1, c->counter + off, u, padded);
+        ternary_sr_many(nrm, u, code, padded);
         pack_trits(code, padded, (uint8_t *)c->data + off / 5);
     } else {  /* C_TERNARY_EF: nearest trit, and twice the residual rounded stochastically to a trit */
         count_le_many(&c->nearest, nrm, code, padded);
         for (int64_t i = 0; i < padded; i++) nrm[i] = (nrm[i] - (float)(code[i] - 1)) * 2.0f;
         pack_trits(code, padded, (uint8_t *)c->data + off / 5);
-        ternary_sr_many(nrm, c->noise + off, code, padded);
+        uniform_many(c->key0, c->key1, c->counter + off, u, padded);
+        ternary_sr_many(nrm, u, code, padded);
         pack_trits(code, padded, c->err + off / 5);
     }
 }
@@ -344,13 +427,13 @@ static inline float lerp(float self, float end, float w) {  /* torch's vectorize
 static inline float sign(float x) { return (float)((x > 0.0f) - (x < 0.0f)); }
 
 /* The step of one window. Returns 0, or -1 for arguments it does not know. */
-int slimopt_elementwise_step(const step_t *s) {
+int slimopt_elementwise_step(step_t *s) {
     if (!trits_ready) init_trits();
     if (s->n_codecs < 1 || s->n_codecs > 2) return -1;
     int64_t align = 1;  /* a tile holds whole blocks of every codec (and whole bytes of five trits) */
     for (int k = 0; k < s->n_codecs; k++) {
         int64_t a = s->codecs[k].block;
-        if (s->codecs[k].kind >= C_TERNARY_SR) a = a / gcd(a, 5) * 5;
+        if (s->codecs[k].kind == C_TERNARY_SR || s->codecs[k].kind == C_TERNARY_EF) a = a / gcd(a, 5) * 5;
         align = align / gcd(align, a) * a;
     }
     if (align > MAX_TILE) return -1;

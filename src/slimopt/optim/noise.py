@@ -1,0 +1,132 @@
+"""Counter-based random streams for stochastic rounding: the noise of element j is a hash of (key, j).
+
+A stateful generator (torch.Generator) hands out numbers in the order they are asked for, so a kernel that rounds
+a tile at a time cannot draw its own: the caller had to draw the whole window's noise into a tensor first (a pass
+over memory and, on a CPU, 4-7 ns an element, more than the rest of a ternary step), and a window or an FSDP2
+shard had to extend the seed to get a stream of its own. A counter-based stream (Salmon et al., "Parallel random
+numbers: as easy as 1, 2, 3", SC 2011) makes the number of element j a pure function of the stream's key and j:
+any kernel (the C kernel of ``native.py``, a Triton kernel, the eager torch ops here) computes exactly the same
+noise for the same elements, in any order, tile by tile, with nothing stored. A window starting at element s of a
+parameter, or a shard starting at its row r, reads the parameter's one stream from s (or r times the row length):
+every window and every shard draws exactly the numbers of the whole-tensor step.
+
+The hash is two rounds of a 32-bit integer finalizer (``mix32``, the "lowbias32" constants of C. Wellons' hash
+prospector) over the counter's two 32-bit halves and the key's: only 32-bit multiplies, shifts and xors, which
+torch's int64 ops, C and Triton compute alike. A uniform number is the hash's top 24 bits times 2^-24 (the
+resolution of torch.rand's fp32), a 16-bit integer (bf16 stochastic rounding) its top 16 bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["CounterStream", "mix_seed", "mix32_int"]
+
+_M32 = 0xFFFFFFFF
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*parts: int) -> int:
+    """A well-mixed 63-bit seed from integers (splitmix64), so nearby inputs give unrelated streams."""
+    x = 0x9E3779B97F4A7C15
+    for p in parts:
+        x = (x ^ (int(p) & _MASK64)) & _MASK64
+        x = (x + 0x9E3779B97F4A7C15) & _MASK64
+        z = x
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        x = z ^ (z >> 31)
+    return x & ((1 << 63) - 1)
+
+
+_C1, _C2 = 0x7FEB352D, 0x846CA68B
+
+
+def mix32_int(x: int) -> int:
+    """mix32 of one Python integer (the same function as ``_mix32`` on tensors)."""
+    x &= _M32
+    x ^= x >> 16
+    x = (x * _C1) & _M32
+    x ^= x >> 15
+    x = (x * _C2) & _M32
+    return x ^ (x >> 16)
+
+
+def _signed(c: int) -> int:
+    """A 32-bit pattern as the int32 value that holds it."""
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+def _mix32_(x: Tensor) -> Tensor:
+    """mix32 in place on an int32 tensor holding 32-bit patterns: int32 products wrap mod 2^32 (their low 32
+    bits are the unsigned product's), and each right shift is masked to be a logical one."""
+    t = x >> 16
+    x ^= t.bitwise_and_(0xFFFF)
+    x.mul_(_signed(_C1))
+    t = x >> 15
+    x ^= t.bitwise_and_(0x1FFFF)
+    x.mul_(_signed(_C2))
+    t = x >> 16
+    x ^= t.bitwise_and_(0xFFFF)
+    return x
+
+
+@dataclass(frozen=True)
+class CounterStream:
+    """The random numbers of one tensor's stochastic rounding at one step: element j (counted from `offset`)
+    gets ``hash(key, offset + j)``. key: a 63-bit seed (``projectors.mix_seed`` of the group's seed, the
+    parameter, the step and the moment); offset: the counter of the first element this view draws for."""
+
+    key: int
+    offset: int = 0
+
+    def at(self, start: int) -> "CounterStream":
+        """The same stream read from element `start` of this view on (a window, a shard)."""
+        return CounterStream(self.key, self.offset + int(start))
+
+    def fork(self, part: int) -> "CounterStream":
+        """A stream of its own for a part that is not a range of this one's elements (a column window): the key
+        mixed with `part`, read from the same offset."""
+        return CounterStream(mix_seed(self.key, part), self.offset)
+
+    @property
+    def key_words(self) -> tuple[int, int]:
+        """The key's low and high 32-bit words (what the kernels take)."""
+        return self.key & _M32, (self.key >> 32) & _M32
+
+    def bits(self, numel: int, device: torch.device | str) -> Tensor:
+        """(numel,) int32 holding the 32-bit hashes of elements [offset, offset + numel) as bit patterns (4 bytes
+        an element, with one temporary of the same size)."""
+        k0, k1 = self.key_words
+        out = torch.empty(numel, dtype=torch.int32, device=device)
+        done = 0
+        while done < numel:  # a run of counters that share their high word
+            j = self.offset + done
+            lo, hi = j & _M32, j >> 32
+            k = min(numel - done, (1 << 32) - lo, 1 << 30)
+            x = out[done:done + k]
+            torch.arange(k, dtype=torch.int32, device=device, out=x)
+            x.add_(_signed(lo))  # the int32 sum wraps where the uint32 counter does not: the same bits
+            x ^= _signed(k0)
+            _mix32_(x)
+            x ^= _signed((hi ^ k1) & _M32)
+            _mix32_(x)
+            done += k
+        return out
+
+    def uniform(self, shape: torch.Size | tuple[int, ...], device: torch.device | str) -> Tensor:
+        """Uniform [0, 1) fp32 of `shape`, element j of its row-major order from counter offset + j."""
+        n = 1
+        for s in shape:
+            n *= int(s)
+        return (self.bits(n, device) >> 8).bitwise_and_(0xFFFFFF).float().mul_(2.0 ** -24).view(shape)
+
+    def int16(self, shape: torch.Size | tuple[int, ...], device: torch.device | str) -> Tensor:
+        """Uniform integers in [0, 65536) as int32 of `shape` (floor(uniform * 2^16) of the same elements)."""
+        n = 1
+        for s in shape:
+            n *= int(s)
+        return (self.bits(n, device) >> 16).bitwise_and_(0xFFFF).view(shape)

@@ -1,0 +1,66 @@
+"""The counter-based stream of stochastic rounding (noise.py): its hash, its views, its numbers."""
+
+import pytest
+import torch
+
+from slimopt.optim import quant as Q
+from slimopt.optim.noise import CounterStream, mix32_int, mix_seed
+
+M32 = 0xFFFFFFFF
+
+
+def _reference_hash(key: int, j: int) -> int:
+    """The hash as the module docstring states it, on Python integers."""
+    return mix32_int(mix32_int((j & M32) ^ (key & M32)) ^ (j >> 32) ^ ((key >> 32) & M32))
+
+
+def test_mix32_known_values():
+    # lowbias32 of 0 is 0 and of 1 is a fixed odd pattern: the constants are the published ones
+    assert mix32_int(0) == 0
+    x = 1
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & M32
+    assert mix32_int(1) == x ^ (x >> 16)
+
+
+@pytest.mark.parametrize("key,offset", [(0, 0), (12345, 7), ((1 << 63) - 1, (1 << 32) - 5), (mix_seed(3, 4), 3 << 32)])
+def test_bits_are_the_hash_of_key_and_counter_across_the_high_word(key, offset):
+    got = [b & M32 for b in CounterStream(key, offset).bits(11, "cpu").tolist()]
+    assert got == [_reference_hash(key, j) for j in range(offset, offset + 11)]
+
+
+def test_a_view_reads_the_same_numbers_as_the_whole():
+    s = CounterStream(mix_seed(1, 2, 3))
+    whole = s.uniform((1000,), "cpu")
+    assert torch.equal(s.at(300).uniform((200,), "cpu"), whole[300:500])
+    assert torch.equal(s.at(100).at(200).uniform((5, 40), "cpu").view(-1), whole[300:500])
+    assert not torch.equal(s.fork(1).uniform((1000,), "cpu"), whole)
+
+
+def test_uniform_and_int16_are_uniform_and_agree():
+    s = CounterStream(mix_seed(7))
+    u = s.uniform((1 << 20,), "cpu")
+    assert u.dtype == torch.float32 and 0.0 <= u.min().item() and u.max().item() < 1.0
+    n = u.numel()
+    assert abs(u.mean().item() - 0.5) < 4 * (1 / 12 / n) ** 0.5
+    assert abs(u.var().item() - 1 / 12) < 1e-3
+    hist = torch.histc(u, bins=64, min=0.0, max=1.0)
+    assert (hist - n / 64).abs().max().item() < 6 * (n / 64) ** 0.5
+    lag1 = torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1].item()
+    assert abs(lag1) < 5 / n ** 0.5
+    other = CounterStream(mix_seed(8)).uniform((1 << 20,), "cpu")
+    assert abs(torch.corrcoef(torch.stack([u, other]))[0, 1].item()) < 5 / n ** 0.5
+    assert torch.equal(s.int16((1 << 20,), "cpu"), (u * 65536).to(torch.int32))
+
+
+def test_quant_draws_from_a_stream_or_a_generator():
+    s = CounterStream(5, 10)
+    assert torch.equal(Q.uniform((3, 4), "cpu", s), s.uniform((3, 4), "cpu"))
+    g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    assert torch.equal(Q.uniform((6,), "cpu", g1), torch.rand(6, generator=g2))
+    x = torch.randn(1000) * 1e-3 + 1.0
+    # bf16 stochastic rounding from a stream: its integers are the stream's int16
+    assert torch.equal(Q.to_bf16(x, stochastic=True, generator=s),
+                       Q.to_bf16(x, stochastic=True, noise=s.uniform((1000,), "cpu")))
