@@ -271,7 +271,8 @@ def _slim_param(opt, p: torch.Tensor, group: dict) -> tuple[str, int, int, int]:
         if never:
             scratch = _scratch_bytes("state_free", p, group, 1)
         elif taco.owns(group, p.shape):
-            scratch = taco.scratch_bytes(p.shape, group, p.dtype) if group["fused"] else _scratch_bytes("taco", p, group)
+            scratch = (taco.scratch_bytes(p.shape, group, p.dtype, p.device.type) if group["fused"]
+                       else _scratch_bytes("taco", p, group))
         elif group["rule"] in ELEMENTWISE_RULES or group["rule"] == "taco":  # windowed.py
             scratch = _scratch_bytes(windowed.kind(codecs, group["rule"]), p, group, _align(codecs, p.shape))
             one_pass = native.scratch_per_element(codecs)

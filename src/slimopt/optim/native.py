@@ -41,7 +41,8 @@ from . import quant as Q
 from .codecs import Bf16Codec, BlockCodec, FactoredCodec, Fp32Codec, TernaryCodec, FactoredRows
 from .noise import CounterStream
 
-__all__ = ["library", "in_kernel", "scratch_per_element", "kernel_applies", "applies", "window_step"]
+__all__ = ["library", "in_kernel", "scratch_per_element", "kernel_applies", "applies", "window_step",
+           "column_best_applies", "column_best"]
 
 SOURCE = Path(__file__).parent / "kernels" / "elementwise_step.c"
 # -ffp-contract=off: only the fma() calls fuse, as torch's kernels do; -fno-math-errno lets sqrtf vectorize
@@ -136,6 +137,9 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib = ctypes.CDLL(str(target))
     lib.slimopt_elementwise_step.argtypes = [ctypes.POINTER(_Step)]
     lib.slimopt_elementwise_step.restype = ctypes.c_int
+    p = ctypes.c_void_p
+    lib.slimopt_column_best.argtypes = [p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, p, p, p, p]
+    lib.slimopt_column_best.restype = ctypes.c_int
     return lib, ""
 
 
@@ -339,3 +343,26 @@ def window_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[s
                            f"{[w[2].name for w in windows]}); run this group with fused=False and report it")
     for i, window, buf in buffers:
         window.encode(start, start + n, buf, stream(i, start) if window.codec.needs_generator else None)
+
+
+def column_best_applies(group: dict[str, Any], dtype: torch.dtype, device_type: str) -> bool:
+    """Whether TACO's one-candidate search of a `dtype` gradient on `device_type` runs through the kernel (a
+    fused group, a CPU fp32 or bf16 gradient), building it on first ask."""
+    return bool(group["fused"]) and device_type == "cpu" and dtype in _DTYPES and library() is not None
+
+
+def column_best(g: Tensor, hidden: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The row of largest |g| in each column of the 2-D contiguous CPU g (fp32 or bf16), leaving out row
+    hidden[c] of column c (hidden: (n,) int64, -1 for none; None: no row), the smaller row on ties: (rows (1, n)
+    int64, |g| there (1, n) fp32, -1 where no candidate is valid), as ``taco._window_candidates`` at kc = 1.
+    Allocates 16 bytes a column."""
+    m, n = g.shape
+    rows = torch.empty((1, n), dtype=torch.int64)
+    absval = torch.empty((1, n), dtype=torch.float32)
+    keys = torch.empty(n, dtype=torch.int32)
+    h = hidden.contiguous() if hidden is not None else None
+    rc = library().slimopt_column_best(g.data_ptr(), _DTYPES[g.dtype], m, n, h.data_ptr() if h is not None else None,
+                                       rows.data_ptr(), absval.data_ptr(), keys.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"slimopt: the native column search refused a {tuple(g.shape)} {g.dtype} gradient")
+    return rows, absval

@@ -70,6 +70,7 @@ from typing import Any, Mapping, MutableMapping
 import torch
 from torch import Tensor
 
+from . import native
 from .noise import CounterStream
 from .rules import decay, rounded, rounding_of, value_of, write
 from .windowed import ROUNDING_SCRATCH, window_elems
@@ -277,9 +278,13 @@ def sparse_update(state: MutableMapping[str, Tensor], g: Tensor, group: Mapping[
     c = float(group["taco_alpha"]) * dimension_factor(shape if shape is not None else g.shape, group["taco_norm"])
     k = group["taco_k"]
     m, n = g.shape
+    one_pass = native.column_best_applies(group, g.dtype, g.device.type) and g.is_contiguous()
     if k == 0:
-        no_rows = torch.zeros((0, n), dtype=torch.long, device=g.device)
-        rows, _ = _window_candidates(g, no_rows, no_rows.bool(), 1)  # (1, n); the first maximum
+        if one_pass:
+            rows, _ = native.column_best(g, None)
+        else:
+            no_rows = torch.zeros((0, n), dtype=torch.long, device=g.device)
+            rows, _ = _window_candidates(g, no_rows, no_rows.bool(), 1)  # (1, n); the first maximum
         return rows, g.gather(0, rows).float().sign(), c
     if "taco_rows" not in state or state["taco_rows"].shape != (k, n):
         state.update(init_state(g.shape, k, group["taco_format"], group["taco_scale_dtype"], g.device))
@@ -291,7 +296,11 @@ def sparse_update(state: MutableMapping[str, Tensor], g: Tensor, group: Mapping[
     values = torch.where(live, values.mul_(beta).add_(g.gather(0, rows).float(), alpha=1.0 - beta), 0.0)
     # 3. candidates among the rows not stored
     kc = min(k, m)
-    cand_rows, valid = _window_candidates(g, rows, live, kc)
+    if one_pass and k == 1:  # the one stored row of each column hidden, in one pass
+        cand_rows, cand_abs = native.column_best(g, torch.where(live[0], rows[0], -1))
+        valid = cand_abs >= 0
+    else:
+        cand_rows, valid = _window_candidates(g, rows, live, kc)
     cand_values = g.gather(0, cand_rows).float().mul_(1.0 - beta).masked_fill_(~valid, 0.0)
     # 4. keep the k largest |value| of stored + candidates (stable: stored first, earlier slots first)
     all_rows = torch.cat([rows, cand_rows])  # (k + kc, n)
@@ -311,21 +320,31 @@ def sparse_update(state: MutableMapping[str, Tensor], g: Tensor, group: Mapping[
 # whole and 2 MiB plus 100 bytes a column (k = 1; 376 at k = 4) in 2 MiB windows.
 _CANDIDATE_SCRATCH = 4
 _COLUMN_SCRATCH = 96
+# The decay pass of a bf16 weight written with Kahan compensation or stochastic rounding (``apply_sparse``): bytes
+# per element of its window of rows (the fp32 value, the rounding's temporaries) and per column (the chosen
+# entries' indices and values, alive across it); MemTracker on CPU, 1024- and 2048-wide weights (2026-12-02).
+_DECAY_SCRATCH = {"kahan": 10, "stochastic": 19}
+_DECAY_COLUMN_SCRATCH = 20
 
 
-def scratch_bytes(shape: torch.Size | tuple[int, ...], group: Mapping[str, Any], dtype: torch.dtype) -> int:
-    """What one fused TACO step (``sparse_update`` then ``apply_sparse``) of a `shape` weight allocates at most: a
-    window of the candidate search and its per-column bookkeeping, or, for a bf16 weight written with stochastic
-    rounding or Kahan compensation under weight decay, the decay pass's window if that is larger."""
+def scratch_bytes(shape: torch.Size | tuple[int, ...], group: Mapping[str, Any], dtype: torch.dtype,
+                  device_type: str) -> int:
+    """What one fused TACO step (``sparse_update`` then ``apply_sparse``) of a `shape` weight on `device_type`
+    allocates at most: a window of the candidate search (none in the CPU kernel's one-pass search) and its
+    per-column bookkeeping, or, for a bf16 weight written with stochastic rounding or Kahan compensation under
+    weight decay, the decay pass's window if that is larger."""
     m, n = shape
     rows = max(2 * max(1, min(group["taco_k"], m)) + 1,
                window_elems(m * n, n, _CANDIDATE_SCRATCH) // n)
-    search = _CANDIDATE_SCRATCH * min(m, rows) * n + (_COLUMN_SCRATCH * max(1, group["taco_k"]) + 8) * n
+    search = _CANDIDATE_SCRATCH * min(m, rows) * n
+    if group["taco_k"] <= 1 and native.column_best_applies(group, dtype, device_type):
+        search = 0
+    search += (_COLUMN_SCRATCH * max(1, group["taco_k"]) + 8) * n
     rounding = rounding_of(group, torch.empty(0, dtype=dtype, device="meta"))
     if rounding == "nearest" or float(group["weight_decay"]) == 0.0:
         return search
-    per = ROUNDING_SCRATCH[rounding]
-    return max(search, per * window_elems(m * n, n, per))
+    window = window_elems(m * n, n, ROUNDING_SCRATCH[rounding])  # the rows apply_sparse decays at a time
+    return max(search, _DECAY_SCRATCH[rounding] * window + _DECAY_COLUMN_SCRATCH * n)
 
 
 def _window_candidates(g: Tensor, rows: Tensor, live: Tensor, kc: int) -> tuple[Tensor, Tensor]:

@@ -20,6 +20,9 @@
  * integer answers of slimopt.optim.quant (count of decision points <= x, found through the same 65536-range
  * look-up table), so codes agree whenever the fp32 moment does.
  *
+ * slimopt_column_best is TACO's candidate search (arXiv 2610.02199; slimopt/optim/taco.py) at
+ * one candidate a column: one pass over the gradient instead of |g|, a scatter and a strided argmax.
+ *
  * Stochastic codecs draw their uniform [0, 1) numbers themselves, from the counter-based stream of
  * slimopt/optim/noise.py: the number of element j of the parameter is a hash of (key, j), so every tile computes
  * exactly what the eager encode draws for its elements, with nothing read from memory.
@@ -490,6 +493,51 @@ int slimopt_elementwise_step(step_t *s) {
         }
         encode(&s->codecs[0], t0, cnt, m);
         if (s->rule == RULE_ADAMW) encode(&s->codecs[1], t0, cnt, v);
+    }
+    return 0;
+}
+
+/* TACO's candidate search with one candidate a column (taco._window_candidates at kc = 1): for each column of
+ * the (m, n) row-major gradient g, the row of largest |g| among the rows not hidden (hidden[c], or -1 for none),
+ * the smaller row on ties, as torch's argmax takes the first maximum. |g| is compared as its int32 bit pattern
+ * (non-negative floats order like their patterns); every NaN becomes the canonical pattern above +inf, so the
+ * first NaN wins, as argmax's does; a hidden entry is -1, below every value. Writes rows[c] and absval[c]: |g| at
+ * that row, or -1 where no valid candidate (a NaN, or every row hidden). keys: (n,) scratch. */
+int slimopt_column_best(const void *g, int32_t dtype, int64_t m, int64_t n, const int64_t *hidden, int64_t *rows,
+                        float *absval, int32_t *keys) {
+    if (m < 1 || (dtype != D_FP32 && dtype != D_BF16)) return -1;
+    for (int64_t r = 0; r < m; r++) {
+        int32_t k[MAX_TILE];
+        for (int64_t c0 = 0; c0 < n; c0 += MAX_TILE) {
+            const int64_t len = n - c0 < MAX_TILE ? n - c0 : MAX_TILE;
+            if (dtype == D_FP32) {
+                const int32_t *src = (const int32_t *)g + r * n + c0;
+                for (int64_t i = 0; i < len; i++) k[i] = src[i] & 0x7FFFFFFF;
+            } else {
+                const uint16_t *src = (const uint16_t *)g + r * n + c0;
+                for (int64_t i = 0; i < len; i++) k[i] = ((int32_t)src[i] << 16) & 0x7FFFFFFF;
+            }
+            for (int64_t i = 0; i < len; i++) k[i] = k[i] > 0x7F800000 ? 0x7FC00000 : k[i];
+            if (hidden != NULL)
+                for (int64_t i = 0; i < len; i++) k[i] = hidden[c0 + i] == r ? -1 : k[i];
+            int32_t *best = keys + c0;
+            int64_t *at = rows + c0;
+            if (r == 0) {
+                for (int64_t i = 0; i < len; i++) { best[i] = k[i]; at[i] = 0; }
+                continue;
+            }
+            for (int64_t i = 0; i < len; i++) {
+                const int take = k[i] > best[i];
+                best[i] = take ? k[i] : best[i];
+                at[i] = take ? r : at[i];
+            }
+        }
+    }
+    for (int64_t c = 0; c < n; c++) {
+        const int32_t b = keys[c];
+        float f;
+        memcpy(&f, &b, 4);
+        absval[c] = (b >= 0 && b <= 0x7F800000) ? f : -1.0f;
     }
     return 0;
 }
