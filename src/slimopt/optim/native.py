@@ -71,7 +71,8 @@ class _Codec(ctypes.Structure):
                 ("key0", ctypes.c_uint32), ("key1", ctypes.c_uint32), ("counter", ctypes.c_int64),
                 ("scale_kind", ctypes.c_int32), ("scale_bf16", ctypes.c_int32),
                 ("row", ctypes.c_void_p), ("col", ctypes.c_void_p), ("col_sum", ctypes.c_void_p),
-                ("cols", ctypes.c_int64), ("denom", ctypes.c_float), ("row_acc", ctypes.c_double)]
+                ("cols", ctypes.c_int64), ("denom", ctypes.c_float), ("row_acc", ctypes.c_double),
+                ("pairs", ctypes.c_void_p)]
 
 
 class _Step(ctypes.Structure):

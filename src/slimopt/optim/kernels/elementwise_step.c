@@ -75,6 +75,7 @@ typedef struct {
     int64_t cols;
     float denom;           /* mean of the row means before the pass, clamped to the smallest normal */
     double row_acc;        /* the sum of the current row so far (rows span tiles) */
+    const float *pairs;    /* C_BLOCK4: (256, 2) the two map values of every byte, set by the step itself */
 } codec_t;
 
 typedef struct {
@@ -243,10 +244,8 @@ static void decode(const codec_t *c, int64_t off, int64_t cnt, float *out) {
     }
     case C_BLOCK4: {  /* a byte holds two codes, the first in its high half: both values from one look-up */
         const uint8_t *d = (const uint8_t *)c->data + off / 2;
-        float pair[256][2];
-        for (int b = 0; b < 256; b++) { pair[b][0] = c->qmap[b >> 4]; pair[b][1] = c->qmap[b & 15]; }
         float t[MAX_TILE + 2];
-        for (int64_t j = 0; 2 * j < cnt; j++) memcpy(t + 2 * j, pair[d[j]], 2 * sizeof(float));
+        for (int64_t j = 0; 2 * j < cnt; j++) memcpy(t + 2 * j, c->pairs + 2 * d[j], 2 * sizeof(float));
         for (int64_t b0 = 0; b0 < cnt; b0 += c->block) {
             const float scale = scale_at(c, (off + b0) / c->block);
             const int64_t e = cnt - b0 < c->block ? cnt - b0 : c->block;
@@ -305,25 +304,21 @@ static void pack_trits(const int32_t *digits, int64_t n, uint8_t *bytes) {
     }
 }
 
-/* The sum of |x| (or of x * x rounded to fp32) over n values, in fp64, in four chains: its order changes the
- * fp64 sum by an ulp of a double at most, which its fp32 rounding does not see. */
+/* The sum of |x| (or of x * x rounded to fp32) over n values, in fp64, in eight chains (one vector register):
+ * its order changes the fp64 sum by an ulp of a double at most, which its fp32 rounding does not see. */
 static double block_sum(const float *x, int64_t n, int squares) {
-    double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+    double a[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
     int64_t i = 0;
     if (squares) {
-        for (; i + 4 <= n; i += 4) {
-            a0 += (double)(x[i] * x[i]); a1 += (double)(x[i + 1] * x[i + 1]);
-            a2 += (double)(x[i + 2] * x[i + 2]); a3 += (double)(x[i + 3] * x[i + 3]);
-        }
-        for (; i < n; i++) a0 += (double)(x[i] * x[i]);
+        for (; i + 8 <= n; i += 8)
+            for (int j = 0; j < 8; j++) a[j] += (double)(x[i + j] * x[i + j]);
+        for (; i < n; i++) a[0] += (double)(x[i] * x[i]);
     } else {
-        for (; i + 4 <= n; i += 4) {
-            a0 += (double)fabsf(x[i]); a1 += (double)fabsf(x[i + 1]);
-            a2 += (double)fabsf(x[i + 2]); a3 += (double)fabsf(x[i + 3]);
-        }
-        for (; i < n; i++) a0 += (double)fabsf(x[i]);
+        for (; i + 8 <= n; i += 8)
+            for (int j = 0; j < 8; j++) a[j] += (double)fabsf(x[i + j]);
+        for (; i < n; i++) a[0] += (double)fabsf(x[i]);
     }
-    return (a0 + a1) + (a2 + a3);
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
 
 /* Encode x (cnt values; the rest of the last block is zero padding) as elements [off, ...) of the window.
@@ -440,6 +435,13 @@ int slimopt_elementwise_step(step_t *s) {
         align = align / gcd(align, a) * a;
     }
     if (align > MAX_TILE) return -1;
+    float pairs[2][256 * 2];
+    for (int k = 0; k < s->n_codecs; k++) {
+        codec_t *c = &s->codecs[k];
+        if (c->kind != C_BLOCK4) continue;
+        for (int b = 0; b < 256; b++) { pairs[k][2 * b] = c->qmap[b >> 4]; pairs[k][2 * b + 1] = c->qmap[b & 15]; }
+        c->pairs = pairs[k];
+    }
     const int64_t tile = align * (MAX_TILE / 4 > align ? MAX_TILE / 4 / align : 1);
     float m[MAX_TILE], v[MAX_TILE], d[MAX_TILE];
     const float w1 = s->w1, w2 = s->w2, beta2 = s->beta2, eps = s->eps, b2s = s->bias2_sqrt;
