@@ -240,7 +240,7 @@ def _packed(table: Any) -> Tensor | None:
 _TABLES: dict[str, tuple[Tensor, ...]] = {}
 
 
-def _map_tables(map_name: str) -> tuple[Tensor, Any, Tensor | None, Any, Tensor | None]:
+def map_tables(map_name: str) -> tuple[Tensor, Any, Tensor | None, Any, Tensor | None]:
     """A map, quant's two count tables of it (so that codes are quant's) and their packed forms, built once and
     kept alive for the kernel's pointers: (qmap, nearest, nearest packed, bracket, bracket packed)."""
     entry = _TABLES.get(map_name)
@@ -287,7 +287,7 @@ def _fill_codec(c: _Codec, codec: Any, key: str, part: dict[str, Tensor], noise:
             c.err = part[key + "_err"].data_ptr()
     c.block = codec.block_size
     c.scale = part[key + "_scale"].data_ptr()
-    qmap, nearest, nearest_packed, bracket, bracket_packed = _map_tables(map_name)
+    qmap, nearest, nearest_packed, bracket, bracket_packed = map_tables(map_name)
     c.qmap, c.qmap_n = qmap.data_ptr(), qmap.numel()
     c.nearest = _table(nearest, nearest_packed)
     c.bracket = _table(bracket, bracket_packed)

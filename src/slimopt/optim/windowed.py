@@ -38,6 +38,7 @@ from torch import Tensor
 
 from . import native
 from . import projectors as P
+from . import triton_step
 from .noise import CounterStream
 from .rules import PARAM_STREAM, apply_update, comp_of, direction, rounding_of
 
@@ -124,6 +125,8 @@ def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any
     p, grad: contiguous tensors of one shape; stream(i, start): the random stream of moment i (or of the weight,
     ``i = rules.PARAM_STREAM``) for the window starting at element `start`.
     """
+    if codecs and triton_step.applies(group, p, grad, codecs) and triton_step.step(p, grad, state, group, codecs, age):
+        return  # the whole tensor in one launch (a CUDA weight): the kernel allocates nothing
     n = p.numel()
     rounding = rounding_of(group, p)
     per = scratch_per_element(kind(codecs, group["rule"]), p.dtype, rounding)

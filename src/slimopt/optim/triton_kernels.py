@@ -1,0 +1,147 @@
+"""The Triton kernel of ``triton_step.py`` (imported only where triton is installed).
+
+One program steps TILE consecutive elements of one tensor. bf16 tensors are passed as int16 views and converted on
+their bit patterns (exact, and round-to-nearest-even as c10::BFloat16 on the way back), so that the interpreter
+and the GPU compute the same values. Shapes in the comments: n elements of the tensor, nb blocks of a moment.
+"""
+
+import triton
+import triton.language as tl
+
+K_FP32, K_BF16, K_INT8, K_INT4 = 0, 1, 2, 3
+
+
+@triton.jit
+def _load(ptr, offs, mask, BF16: tl.constexpr):
+    """fp32 values at offs (0 where masked) of an fp32 tensor, or of a bf16 one seen as int16."""
+    if BF16:
+        raw = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        return (raw << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _bf16_bits(x):
+    """x fp32 -> its bf16 rounding (nearest, ties to even; NaN -> the canonical NaN) as int32 bit patterns."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+    return tl.where(x != x, 0x7FC0, rounded)
+
+
+@triton.jit
+def _round_bf16(x):
+    return (_bf16_bits(x) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store(ptr, offs, x, mask, BF16: tl.constexpr):
+    if BF16:
+        tl.store(ptr + offs, _bf16_bits(x).to(tl.int16), mask=mask)
+    else:
+        tl.store(ptr + offs, x, mask=mask)
+
+
+@triton.jit
+def _lerp(a, b, w):
+    """torch's lerp: fma(w, b - a, a) for |w| < 0.5, else fma(w - 1, b - a, b)."""
+    diff = b - a
+    return tl.where(tl.abs(w) < 0.5, tl.fma(w, diff, a), tl.fma(w - 1.0, diff, b))
+
+
+@triton.jit
+def _decode(data, scale, qmap, offs, mask, KIND: tl.constexpr, BLOCK: tl.constexpr):
+    """A moment's fp32 values at offs. data: (n,) fp32 | (n,) bf16 as int16 | (nb * BLOCK,) uint8 codes |
+    (nb * BLOCK / 2,) uint8 code pairs (first in the high half); scale: (nb,) fp32; qmap: (2^bits,) fp32."""
+    if KIND == K_FP32:
+        x = _load(data, offs, mask, False)
+    elif KIND == K_BF16:
+        x = _load(data, offs, mask, True)
+    else:
+        if KIND == K_INT8:
+            code = tl.load(data + offs, mask=mask, other=0).to(tl.int32)
+        else:
+            byte = tl.load(data + offs // 2, mask=mask, other=0).to(tl.int32)
+            code = tl.where(offs % 2 == 0, byte >> 4, byte & 15)
+        s = tl.load(scale + offs // BLOCK, mask=mask, other=0.0)
+        x = tl.load(qmap + code, mask=mask, other=0.0) * s
+    return tl.where(mask, x, 0.0)
+
+
+@triton.jit
+def _encode(x, data, scale, table, offs, n, nblocks, KIND: tl.constexpr, BLOCK: tl.constexpr,
+            TILE: tl.constexpr):
+    """Store the tile's values x (TILE,) fp32, zero beyond the tensor, into a moment: blockwise absmax (an integer
+    max of |x|'s bit patterns: NaN wins, as torch's amax), x / absmax, the nearest code by the count table
+    (table: (65536,) int32, base << 17 | the low 16 bits of the range's decision point), codes and scales
+    written for every element of the tile's whole blocks."""
+    if KIND == K_FP32:
+        _store(data, offs, x, offs < n, False)
+    elif KIND == K_BF16:
+        _store(data, offs, x, offs < n, True)
+    else:
+        blocks = tl.reshape(x, (TILE // BLOCK, BLOCK))
+        amax_bits = tl.max(blocks.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+        amax = amax_bits.to(tl.float32, bitcast=True)  # (TILE // BLOCK,)
+        div = tl.where(amax != amax, amax, tl.maximum(amax, 1.17549435e-38))
+        normed = tl.reshape(tl.div_rn(blocks, div[:, None]), (TILE,))
+        y = normed + 0.0  # -0.0 -> +0.0
+        bits = y.to(tl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        inside = offs < nblocks * BLOCK
+        e = tl.load(table + (key >> 16) + 32768, mask=inside, other=0)
+        code = (e >> 17) + ((key & 0xFFFF) >= (e & 0x1FFFF)).to(tl.int32)
+        block0 = (offs // BLOCK)
+        first = tl.reshape(block0, (TILE // BLOCK, BLOCK))
+        tl.store(scale + tl.max(first, axis=1), amax, mask=tl.max(first, axis=1) < nblocks)
+        if KIND == K_INT8:
+            tl.store(data + offs, code.to(tl.uint8), mask=inside)
+        else:
+            pairs = tl.reshape(code, (TILE // 2, 2))
+            weight = 16 - 15 * tl.arange(0, 2)  # (16, 1): the first code in the high half
+            byte = tl.sum(pairs * weight[None, :], axis=1)
+            boffs = tl.reshape(offs, (TILE // 2, 2))
+            b0 = tl.min(boffs, axis=1) // 2
+            tl.store(data + b0, byte.to(tl.uint8), mask=b0 * 2 < nblocks * BLOCK)
+
+
+@triton.jit
+def elementwise_step(p, g, m_data, m_scale, m_qmap, m_table, v_data, v_scale, v_qmap, v_table,
+                     n, m_nblocks, v_nblocks, decay, alpha, w1, beta2, w2, b2s, eps, momentum,
+                     RULE: tl.constexpr, P_BF16: tl.constexpr, G_BF16: tl.constexpr, M_KIND: tl.constexpr,
+                     V_KIND: tl.constexpr, M_BLOCK: tl.constexpr, V_BLOCK: tl.constexpr, HAS_DECAY: tl.constexpr,
+                     EPS_BEFORE: tl.constexpr, TILE: tl.constexpr):
+    """p: (n,) weight (fp32, or bf16 as int16); g: (n,) gradient (the same); m_*, v_*: the moments (v unused by
+    Lion and SGDM); decay = 1 - lr wd; alpha = -lr / (1 - beta1^t) (AdamW) or -lr; w1 = 1 - beta1,
+    w2 = 1 - beta2, b2s = sqrt(1 - beta2^t)."""
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
+    mask = offs < n
+    grad = _load(g, offs, mask, G_BF16)
+    m = _decode(m_data, m_scale, m_qmap, offs, mask, M_KIND, M_BLOCK)
+    if RULE == 0:  # AdamW
+        v = _decode(v_data, v_scale, v_qmap, offs, mask, V_KIND, V_BLOCK)
+        m = _lerp(m, grad, w1)
+        v = tl.fma(w2 * grad, grad, v * beta2)  # addcmul_: fma(value * t1, t2, self)
+        if EPS_BEFORE:
+            d = tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v) + eps, b2s))
+        else:
+            d = tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), b2s) + eps)
+    elif RULE == 1:  # Lion
+        d = _lerp(m, grad, w1)
+        d = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
+        m = _lerp(m, grad, w2)
+        v = m
+    else:  # SGD momentum
+        m = m * momentum + grad
+        d = m
+        v = m
+    w = _load(p, offs, mask, P_BF16)
+    if HAS_DECAY:
+        w = w * decay
+        if P_BF16:
+            w = _round_bf16(w)
+    _store(p, offs, tl.fma(d, alpha, w), mask, P_BF16)
+    _encode(tl.where(mask, m, 0.0), m_data, m_scale, m_table, offs, n, m_nblocks, M_KIND, M_BLOCK, TILE)
+    if RULE == 0:
+        _encode(tl.where(mask, v, 0.0), v_data, v_scale, v_table, offs, n, v_nblocks, V_KIND, V_BLOCK, TILE)

@@ -1,0 +1,192 @@
+"""The element-wise step of one tensor as one Triton kernel launch: the GPU's counterpart of ``native.py``.
+
+The eager window step (``windowed.py``) launches a dozen kernels per tensor on a GPU (decode, the rule op by op,
+the block absmax, the code search, encode, the weight write), each a full pass over memory. This kernel reads
+the gradient, the weight and each coded moment once and writes the weight and the moments once: one program per
+tile of whole codec blocks, Adam's (or Lion's, or SGD momentum's) arithmetic in registers, the block absmax, the
+nearest code through the same 65,536-range count table as the C kernel and ``quant`` (so codes are quant's
+exactly where the fp32 moment agrees), the packing. Rules: AdamW (arXiv 1711.05101; eps after or before the bias
+correction), Lion (arXiv 2302.06675), heavy-ball SGD momentum; moments fp32, bf16 (nearest), int8 or int4
+blockwise absmax (arXiv 2110.02861, 2309.01507); weights fp32 or bf16 written with nearest rounding; gradients
+fp32 or bf16. Other moments (ternary, factored, stochastically rounded bf16) and other writes take the eager step.
+
+The arithmetic is the C kernel's, which follows torch's CPU kernels operation for operation (explicit fma where
+they fuse, correctly rounded division and square root, bf16 rounding done on the bit pattern): run on CPU tensors
+under ``TRITON_INTERPRET=1`` (how the tests run it: ``SLIMOPT_TRITON_CPU=1`` lets CPU tensors take this path) it
+equals the eager step bit for bit, as the C kernel does. On a GPU torch's own eager kernels contract other
+products into fma, so the eager CUDA step and this kernel agree within rounding; ``benchmarks/gpu_bench.sh``
+compares both with the CPU reference.
+
+The bias corrections and every other scalar come from host-side counters: a step launches kernels and reads no
+device value, so it can be captured in a CUDA graph. A kernel that fails to compile or launch (written where no
+GPU can run it) costs one warning naming it and its settings, and that setting falls back to the eager step for
+the rest of the process (``fallbacks()`` lists them).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import native
+from .codecs import Bf16Codec, BlockCodec, Fp32Codec
+
+__all__ = ["available", "applies", "step", "fallbacks"]
+
+_K_FP32, _K_BF16, _K_INT8, _K_INT4 = range(4)
+_RULES = {"adamw": 0, "taco": 0, "lion": 1, "sgdm": 2}
+_MOMENT_KEYS = native._MOMENT_KEYS
+_TILE = 256  # elements a program: a power of two holding whole int8 (256) and int4 (128) blocks
+
+_state: dict[str, Any] = {}
+_failed: dict[tuple, str] = {}  # kernel settings -> why their launch failed
+
+
+def _triton():
+    """The triton module, or None where it is not installed (imported once)."""
+    if "triton" not in _state:
+        try:
+            import triton  # noqa: F401
+
+            from . import triton_kernels
+            _state["triton"] = triton_kernels
+        except Exception as exc:  # ImportError, or a triton too old for the kernels' language
+            _state["triton"] = None
+            _state["why"] = f"{type(exc).__name__}: {exc}"
+    return _state["triton"]
+
+
+def available() -> bool:
+    """Whether the Triton kernels can be used in this process (triton importable)."""
+    return _triton() is not None
+
+
+def fallbacks() -> dict[tuple, str]:
+    """Kernel settings whose compile or launch failed in this process, with the reason: they run eagerly."""
+    return dict(_failed)
+
+
+def _kind(codec: Any) -> int | None:
+    if isinstance(codec, Fp32Codec):
+        return _K_FP32 if codec.dtype == torch.float32 else None
+    if isinstance(codec, Bf16Codec):
+        return None if codec.stochastic else _K_BF16
+    if isinstance(codec, BlockCodec) and _TILE % codec.block_size == 0:
+        if native.map_tables(codec.map_name)[2] is None:  # a map with two decision points in one range
+            return None
+        return _K_INT8 if codec.bits == 8 else _K_INT4
+    return None
+
+
+def _device_ok(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return True
+    # CPU tensors run the kernels only under the interpreter, for the tests
+    return (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+            and os.environ.get("SLIMOPT_TRITON_CPU") == "1")
+
+
+def applies(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[str, Any]]) -> bool:
+    """Whether p's element-wise step with these moment codecs runs as one Triton launch (see the module
+    docstring): a fused group, a CUDA weight (or a CPU one under the interpreter hook), a supported rule, codecs,
+    dtypes and write, triton installed, and no earlier failure of this kernel's settings."""
+    rule = group["rule"]
+    if not codecs or not group["fused"] or rule not in _RULES or not _device_ok(p.device):
+        return False
+    if p.dtype not in (torch.float32, torch.bfloat16) or grad.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if group["param_rounding"] != "nearest" and p.dtype != torch.float32:
+        return False
+    if rule in ("adamw", "taco") and group["eps_placement"] not in ("torch", "galore"):
+        return False
+    if [k for k, _ in codecs] != _MOMENT_KEYS[rule] or any(_kind(c) is None for _, c in codecs):
+        return False
+    if not (p.is_contiguous() and grad.is_contiguous() and type(p.data) is Tensor):
+        return False
+    return available() and _settings(group, p, grad, codecs) not in _failed
+
+
+def _settings(group, p, grad, codecs) -> tuple:
+    """What selects one compiled specialization of the kernel."""
+    return (group["rule"], p.dtype, grad.dtype, tuple(_kind(c) for _, c in codecs), group["eps_placement"],
+            p.device.type)
+
+
+_TABLES: dict[tuple[str, torch.device], tuple[Tensor, Tensor]] = {}
+
+
+def _tables(codec: Any, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(qmap fp32, packed nearest-count table int32 (65536,)) of a block codec's map on `device`, built once."""
+    key = (codec.map_name, device)
+    if key not in _TABLES:
+        qmap, _, packed, _, _ = native.map_tables(codec.map_name)
+        _TABLES[key] = (qmap.to(device), packed.to(device))
+    return _TABLES[key]
+
+
+def _moment_args(codec: Any, key: str, state: dict[str, Tensor], dummy: Tensor) -> tuple:
+    """(data, scale, qmap, table, kind, block, blocks) of one moment for the kernel."""
+    kind = _kind(codec)
+    data = state[key]
+    if kind == _K_BF16:
+        data = data.view(torch.int16)
+    if kind in (_K_FP32, _K_BF16):
+        return data, dummy, dummy, dummy, kind, 1, 0
+    qmap, table = _tables(codec, data.device)
+    scale = state[key + "_scale"]
+    return data, scale, qmap, table, kind, codec.block_size, scale.numel()
+
+
+def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], codecs: list[tuple[str, Any]],
+         age: int) -> bool:
+    """Step p (all of it) from grad against its coded moments in one launch; age: the moments' step count, already
+    counted. False (after one warning) where this kernel's settings failed to compile or launch: the caller then
+    runs the eager step, and so does every later step with these settings."""
+    kernels = _triton()
+    settings = _settings(group, p, grad, codecs)
+    rule = group["rule"]
+    lr, wd = float(group["lr"]), float(group["weight_decay"])
+    w1 = beta2 = w2 = b2s = eps = momentum = 0.0
+    coef = 1.0
+    if rule in ("adamw", "taco"):
+        beta1, beta2 = group["betas"]
+        w1, w2 = 1.0 - beta1, 1.0 - beta2
+        b2s = math.sqrt(1.0 - beta2 ** age)
+        eps = float(group["eps"])
+        coef = 1.0 / (1.0 - beta1 ** age)
+    elif rule == "lion":
+        beta1, beta2 = group["betas"]
+        w1, w2 = 1.0 - beta1, 1.0 - beta2
+    else:
+        momentum = float(group["momentum"])
+    n = p.numel()
+    dummy = p.new_empty((1,), dtype=torch.float32)
+    m_args = _moment_args(codecs[0][1], codecs[0][0], state, dummy)
+    v_args = _moment_args(codecs[1][1], codecs[1][0], state, dummy) if len(codecs) > 1 else m_args
+    weight = p.data.view(-1).view(torch.int16) if p.dtype == torch.bfloat16 else p.data.view(-1)
+    gradient = grad.view(-1).view(torch.int16) if grad.dtype == torch.bfloat16 else grad.view(-1)
+    try:
+        kernels.elementwise_step[(triton_cdiv(n, _TILE),)](
+            weight, gradient, *m_args[:4], *v_args[:4], n, m_args[6], v_args[6],
+            float(1.0 - lr * wd), float(-lr * coef), float(w1), float(beta2), float(w2), float(b2s), float(eps),
+            float(momentum),
+            RULE=_RULES[rule], P_BF16=p.dtype == torch.bfloat16, G_BF16=grad.dtype == torch.bfloat16,
+            M_KIND=m_args[4], V_KIND=v_args[4], M_BLOCK=m_args[5], V_BLOCK=v_args[5],
+            HAS_DECAY=wd != 0.0, EPS_BEFORE=group["eps_placement"] == "galore", TILE=_TILE)
+    except Exception as exc:  # a compile or launch failure on a device the kernel was never run on
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        _failed[settings] = why
+        warnings.warn(f"slimopt: the Triton element-wise step failed for rule {rule!r}, weight {p.dtype}, "
+                      f"codecs {[c.name for _, c in codecs]} ({why}); these settings run the eager step from now "
+                      "on", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

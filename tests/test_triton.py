@@ -1,0 +1,79 @@
+"""The Triton element-wise step (triton_step.py, triton_kernels.py): under the interpreter on CPU tensors it equals
+the eager step (tests/triton_worker.py, in a process of its own), a checkpoint switches path at resume, a failing
+kernel costs one warning and the eager step; without triton, or for what it does not cover, the eager step runs."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import slimopt
+from slimopt.optim import triton_step
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@pytest.fixture(scope="module")
+def report():
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed (pip install triton)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "SLIMOPT_TRITON_CPU": "1", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, os.path.join(HERE, "triton_worker.py")], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_every_rule_and_codec_equals_the_eager_step(report):
+    cases = {k: v for k, v in report.items() if "/" in k}
+    assert len(cases) == 16
+    for name, r in cases.items():
+        # the 2-D tensor every step (and, for bf16 weights, the fp32-moment ones); AdamW with moments in fp32
+        # weights' own dtype is torch's fused AdamW (multi_tensor.py), on CUDA as on CPU
+        expected = 0 if name == "adamw/fp32/fp32//float32" else 9 if name.endswith("bfloat16") else 3
+        assert r["launches"] >= expected and (expected or not r["launches"]), name
+        assert r["state"], name  # every moment, code and scale bit for bit
+        assert r["weights"], (name, r["max_weight_diff"])
+
+
+def test_a_checkpoint_switches_path_at_resume(report):
+    assert report["switch to eager at resume"]["weights"] and report["switch to eager at resume"]["state"]
+    back = report["switch to Triton at resume"]
+    assert back["weights"] and back["state"] and back["launches"] == 3
+
+
+def test_a_failing_kernel_costs_one_warning_and_runs_eagerly(report):
+    r = report["failed kernel"]
+    assert r["weights"] and r["state"]
+    assert r["warnings"] == 1 and r["names_kernel"] and r["fallbacks"] == 1
+
+
+def test_cpu_tensors_and_uncovered_settings_stay_off_the_kernel(monkeypatch):
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    w.grad = torch.randn(64, 64)
+    opt = slimopt.SlimOptimizer([w], state_bits=8)
+    group = opt.param_groups[0]
+    codecs = opt._moment_codecs(group, w.shape, w.dtype)
+    monkeypatch.delenv("SLIMOPT_TRITON_CPU", raising=False)
+    assert not triton_step.applies(group, w, w.grad, codecs)  # a CPU tensor outside the test hook
+    monkeypatch.setenv("SLIMOPT_TRITON_CPU", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setitem(triton_step._state, "triton", object())  # as if installed
+    assert triton_step.applies(group, w, w.grad, codecs)
+    assert not triton_step.applies({**group, "fused": False}, w, w.grad, codecs)
+    ternary = _group_and_codecs(codec="ternary")
+    assert not triton_step.applies(ternary[0], w, w.grad, ternary[1])  # ternary m, factored v: eager
+    monkeypatch.setitem(triton_step._state, "triton", None)  # not installed
+    assert not triton_step.applies(group, w, w.grad, codecs)
+
+
+def _group_and_codecs(**settings):
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    opt = slimopt.SlimOptimizer([w], **settings)
+    group = opt.param_groups[0]
+    return group, opt._moment_codecs(group, w.shape, w.dtype)

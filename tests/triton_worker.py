@@ -1,0 +1,153 @@
+"""The Triton kernels (slimopt/optim/triton_step.py) on CPU tensors under the interpreter, against the eager step.
+
+Run by tests/test_triton.py in a process of its own, with TRITON_INTERPRET=1 and SLIMOPT_TRITON_CPU=1 set before
+triton is imported (the interpreter is chosen when a kernel is defined); prints one JSON object: per case whether
+weights and every state tensor match, and how many launches ran.
+"""
+
+import io
+import json
+import os
+import sys
+import warnings
+
+assert os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("SLIMOPT_TRITON_CPU") == "1"
+
+import torch  # noqa: E402
+
+import slimopt  # noqa: E402
+from slimopt.optim import native, triton_step  # noqa: E402
+
+# 2-D with partial last blocks (the kernel), 1-D and small (fp32 moments: the kernel for bf16 weights, torch's fused
+# AdamW for fp32 ones, whose v may differ by an ulp from the eager step's)
+SHAPES = [(24, 300), (3000,), (30,)]
+CASES = [  # (rule, m codec, v codec, settings)
+    ("adamw", "fp32", "fp32", {}), ("adamw", "int8", "int8", {}), ("adamw", "int4", "int4", {}),
+    ("adamw", "bf16", "int8", {}), ("adamw", "int8", "int4", dict(eps_placement="galore")),
+    ("lion", "int8", None, {}), ("sgdm", "int4", None, dict(momentum=0.9)), ("sgdm", "bf16", None, dict(momentum=0.9)),
+]
+LRS = [1e-2, 6e-3, 4e-3]
+
+
+class Counting:
+    def __init__(self):
+        self.calls, self.inner = 0, triton_step.step
+
+    def __call__(self, *args, **kwargs):
+        ok = self.inner(*args, **kwargs)
+        self.calls += bool(ok)
+        return ok
+
+
+def params(dtype):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+
+
+def run(ps, opt, first, last):
+    for t in range(first, last):
+        gen = torch.Generator().manual_seed(100 + t)
+        for p in ps:
+            p.grad = (torch.randn(p.shape, generator=gen) * 0.1).to(p.dtype)
+        for group in opt.param_groups:
+            group["lr"] = LRS[t % len(LRS)]
+        opt.step()
+
+
+def settings(rule, m, v, extra):
+    kw = dict(lr=1e-2, weight_decay=0.1, rule=rule, m_codec=m, **extra)
+    if v is not None:
+        kw["v_codec"] = v
+    return kw
+
+
+def compare(a, b, oa, ob, dtype):
+    out = {"weights": True, "state": True, "max_weight_diff": 0.0}
+    for pa, pb in zip(a, b):
+        diff = (pa.float() - pb.float()).abs().max().item()
+        out["max_weight_diff"] = max(out["max_weight_diff"], diff)
+        if dtype == torch.bfloat16:
+            out["weights"] &= torch.equal(pa, pb)
+        else:  # the kernel's square root is correctly rounded, torch's CPU one not always: an ulp
+            out["weights"] &= bool(torch.allclose(pa, pb, rtol=1e-6, atol=1e-7))
+        sa, sb = oa.state[pa], ob.state[pb]
+        out["state"] &= sorted(sa) == sorted(sb)
+        for k in sa:
+            if pa.numel() >= 4096 or pa.dtype == torch.bfloat16 or not sa[k].is_floating_point():
+                out["state"] &= torch.equal(sa[k], sb[k])
+            else:
+                out["state"] &= bool(torch.allclose(sa[k], sb[k], rtol=1e-6, atol=1e-12))
+    return out
+
+
+def main():
+    native._state["lib"] = None  # the C kernel would take CPU tensors first
+    warnings.simplefilter("error", RuntimeWarning)  # a kernel failure must not pass silently here
+    counting = Counting()
+    triton_step.step = counting
+    import slimopt.optim.windowed as windowed
+    windowed.triton_step.step = counting
+    report = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for rule, m, v, extra in CASES:
+            kw = settings(rule, m, v, extra)
+            before = counting.calls
+            a, b = params(dtype), params(dtype)
+            fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
+            run(a, fast, 0, 3)
+            run(b, eager, 0, 3)
+            name = f"{rule}/{m}/{v}/{extra.get('eps_placement', '')}/{str(dtype)[6:]}"
+            report[name] = {**compare(a, b, fast, eager, dtype), "launches": counting.calls - before}
+    # a checkpoint written by the Triton path resumes on the eager one (and back) with the same results
+    kw = settings("adamw", "int8", "int4", {})
+    a, b = params(torch.bfloat16), params(torch.bfloat16)
+    fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
+    run(a, fast, 0, 2)
+    run(b, eager, 0, 2)
+    buf = io.BytesIO()
+    torch.save(fast.state_dict(), buf)
+    buf.seek(0)
+    switched = slimopt.SlimOptimizer(a, fused=False, **kw)
+    switched.load_state_dict(torch.load(buf, weights_only=True))
+    run(a, switched, 2, 4)
+    run(b, eager, 2, 4)
+    report["switch to eager at resume"] = compare(a, b, switched, eager, torch.bfloat16)
+    buf = io.BytesIO()
+    torch.save(eager.state_dict(), buf)
+    buf.seek(0)
+    back = slimopt.SlimOptimizer(b, **kw)
+    back.load_state_dict(torch.load(buf, weights_only=True))
+    before = counting.calls
+    run(b, back, 4, 5)
+    run(a, switched, 4, 5)
+    report["switch to Triton at resume"] = {**compare(b, a, back, switched, torch.bfloat16),
+                                            "launches": counting.calls - before}
+    # a kernel that fails to compile or launch: one warning, the eager step, and no second try
+    warnings.simplefilter("default", RuntimeWarning)
+    kernels = triton_step._triton()
+    real = kernels.elementwise_step
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("PTX assembly failed (a test's stand-in)")
+            return launch
+
+    kernels.elementwise_step = Broken()
+    kw = settings("adamw", "int8", "int8", {})
+    a, b = params(torch.float32), params(torch.float32)
+    broken, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(a, broken, 0, 3)
+    kernels.elementwise_step = real
+    run(b, eager, 0, 3)
+    messages = [str(w.message) for w in caught if "Triton element-wise step failed" in str(w.message)]
+    report["failed kernel"] = {**compare(a, b, broken, eager, torch.float32), "warnings": len(messages),
+                               "names_kernel": bool(messages) and "PTX assembly failed" in messages[0],
+                               "fallbacks": len(triton_step.fallbacks())}
+    json.dump(report, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
