@@ -16,7 +16,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("SLIMOPT_TRI
 import torch  # noqa: E402
 
 import slimopt  # noqa: E402
-from slimopt.optim import native, triton_step  # noqa: E402
+from slimopt.optim import multi_tensor, native, triton_step  # noqa: E402
 
 # 2-D with partial last blocks (the kernel), 1-D and small (fp32 moments: the kernel for bf16 weights, torch's fused
 # AdamW for fp32 ones, whose v may differ by an ulp from the eager step's)
@@ -25,6 +25,11 @@ CASES = [  # (rule, m codec, v codec, settings)
     ("adamw", "fp32", "fp32", {}), ("adamw", "int8", "int8", {}), ("adamw", "int4", "int4", {}),
     ("adamw", "bf16", "int8", {}), ("adamw", "int8", "int4", dict(eps_placement="galore")),
     ("lion", "int8", None, {}), ("sgdm", "int4", None, dict(momentum=0.9)), ("sgdm", "bf16", None, dict(momentum=0.9)),
+    # the state-free updates: signSGD everywhere, and FRUGAL's blocks (int8 moments on the active one, the sign step
+    # on the others, turns every 2 steps) and an SGD residual
+    ("adamw", "fp32", None, dict(projector="block", density=0.0, free_rule="sign")),
+    ("adamw", "int8", "int8", dict(projector="block", density=0.5, free_rule="sign", update_gap=2)),
+    ("adamw", "fp32", None, dict(projector="block", density=0.0, free_rule="sgd", free_scale=0.5)),
 ]
 LRS = [1e-2, 6e-3, 4e-3]
 
@@ -82,6 +87,7 @@ def compare(a, b, oa, ob, dtype):
 
 def main():
     native._state["lib"] = None  # the C kernel would take CPU tensors first
+    multi_tensor._DEVICES = ()  # and torch's fused AdamW and foreach residual step: route as on CUDA
     warnings.simplefilter("error", RuntimeWarning)  # a kernel failure must not pass silently here
     counting = Counting()
     triton_step.step = counting
@@ -96,7 +102,8 @@ def main():
             fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
             run(a, fast, 0, 3)
             run(b, eager, 0, 3)
-            name = f"{rule}/{m}/{v}/{extra.get('eps_placement', '')}/{str(dtype)[6:]}"
+            tag = extra.get("eps_placement") or extra.get("free_rule") or ""
+            name = f"{rule}/{m}/{v}/{tag}{extra.get('density', '')}/{str(dtype)[6:]}"
             report[name] = {**compare(a, b, fast, eager, dtype), "launches": counting.calls - before}
     # a checkpoint written by the Triton path resumes on the eager one (and back) with the same results
     kw = settings("adamw", "int8", "int4", {})

@@ -112,13 +112,15 @@ def elementwise_step(p, g, m_data, m_scale, m_qmap, m_table, v_data, v_scale, v_
                      V_KIND: tl.constexpr, M_BLOCK: tl.constexpr, V_BLOCK: tl.constexpr, HAS_DECAY: tl.constexpr,
                      EPS_BEFORE: tl.constexpr, TILE: tl.constexpr):
     """p: (n,) weight (fp32, or bf16 as int16); g: (n,) gradient (the same); m_*, v_*: the moments (v unused by
-    Lion and SGDM); decay = 1 - lr wd; alpha = -lr / (1 - beta1^t) (AdamW) or -lr; w1 = 1 - beta1,
+    Lion and SGDM; none read by the state-free rules 3, sign, and 4, sgd); decay = 1 - lr wd;
+    alpha = -lr / (1 - beta1^t) (AdamW), -lr free_scale (state-free) or -lr; w1 = 1 - beta1,
     w2 = 1 - beta2, b2s = sqrt(1 - beta2^t)."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
     mask = offs < n
     grad = _load(g, offs, mask, G_BF16)
-    m = _decode(m_data, m_scale, m_qmap, offs, mask, M_KIND, M_BLOCK)
+    if RULE < 3:
+        m = _decode(m_data, m_scale, m_qmap, offs, mask, M_KIND, M_BLOCK)
     if RULE == 0:  # AdamW
         v = _decode(v_data, v_scale, v_qmap, offs, mask, V_KIND, V_BLOCK)
         m = _lerp(m, grad, w1)
@@ -132,16 +134,21 @@ def elementwise_step(p, g, m_data, m_scale, m_qmap, m_table, v_data, v_scale, v_
         d = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
         m = _lerp(m, grad, w2)
         v = m
-    else:  # SGD momentum
+    elif RULE == 2:  # SGD momentum
         m = m * momentum + grad
         d = m
         v = m
+    elif RULE == 3:  # the state-free sign step (FRUGAL's residual, signSGD): torch.sign, 0 for NaN
+        d = tl.where(grad > 0, 1.0, tl.where(grad < 0, -1.0, 0.0))
+    else:  # the state-free SGD step
+        d = grad
     w = _load(p, offs, mask, P_BF16)
     if HAS_DECAY:
         w = w * decay
         if P_BF16:
             w = _round_bf16(w)
     _store(p, offs, tl.fma(d, alpha, w), mask, P_BF16)
-    _encode(tl.where(mask, m, 0.0), m_data, m_scale, m_table, offs, n, m_nblocks, M_KIND, M_BLOCK, TILE)
+    if RULE < 3:
+        _encode(tl.where(mask, m, 0.0), m_data, m_scale, m_table, offs, n, m_nblocks, M_KIND, M_BLOCK, TILE)
     if RULE == 0:
         _encode(tl.where(mask, v, 0.0), v_data, v_scale, v_table, offs, n, v_nblocks, V_KIND, V_BLOCK, TILE)

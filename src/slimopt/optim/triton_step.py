@@ -7,7 +7,8 @@ tile of whole codec blocks, Adam's (or Lion's, or SGD momentum's) arithmetic in 
 nearest code through the same 65,536-range count table as the C kernel and ``quant`` (so codes are quant's
 exactly where the fp32 moment agrees), the packing. Rules: AdamW (arXiv 1711.05101; eps after or before the bias
 correction), Lion (arXiv 2302.06675), heavy-ball SGD momentum; moments fp32, bf16 (nearest), int8 or int4
-blockwise absmax (arXiv 2110.02861, 2309.01507); weights fp32 or bf16 written with nearest rounding; gradients
+blockwise absmax (arXiv 2110.02861, 2309.01507); and the state-free sign or SGD update (FRUGAL's residual,
+arXiv 2411.07837, an inactive block, signSGD); weights fp32 or bf16 written with nearest rounding; gradients
 fp32 or bf16. Other moments (ternary, factored, stochastically rounded bf16) and other writes take the eager step.
 
 The arithmetic is the C kernel's, which follows torch's CPU kernels operation for operation (explicit fma where
@@ -40,6 +41,7 @@ __all__ = ["available", "applies", "step", "fallbacks"]
 
 _K_FP32, _K_BF16, _K_INT8, _K_INT4 = range(4)
 _RULES = {"adamw": 0, "taco": 0, "lion": 1, "sgdm": 2}
+_FREE_RULES = {"sign": 3, "sgd": 4}  # the state-free update of a residual or an inactive block (no codecs)
 _MOMENT_KEYS = native._MOMENT_KEYS
 _TILE = 256  # elements a program: a power of two holding whole int8 (256) and int4 (128) blocks
 
@@ -94,9 +96,18 @@ def _device_ok(device: torch.device) -> bool:
 def applies(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[str, Any]]) -> bool:
     """Whether p's element-wise step with these moment codecs runs as one Triton launch (see the module
     docstring): a fused group, a CUDA weight (or a CPU one under the interpreter hook), a supported rule, codecs,
-    dtypes and write, triton installed, and no earlier failure of this kernel's settings."""
+    dtypes and write, triton installed, and no earlier failure of this kernel's settings. No codecs: the state-free
+    update (``free_rule`` sign or sgd)."""
     rule = group["rule"]
-    if not codecs or not group["fused"] or rule not in _RULES or not _device_ok(p.device):
+    if not group["fused"] or not _device_ok(p.device):
+        return False
+    if not codecs:
+        return (group["free_rule"] in _FREE_RULES and p.dtype in (torch.float32, torch.bfloat16)
+                and grad.dtype in (torch.float32, torch.bfloat16) and (group["param_rounding"] == "nearest"
+                                                                       or p.dtype == torch.float32)
+                and p.is_contiguous() and grad.is_contiguous() and type(p.data) is Tensor and available()
+                and _settings(group, p, grad, codecs) not in _failed)
+    if rule not in _RULES:
         return False
     if p.dtype not in (torch.float32, torch.bfloat16) or grad.dtype not in (torch.float32, torch.bfloat16):
         return False
@@ -113,8 +124,8 @@ def applies(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[s
 
 def _settings(group, p, grad, codecs) -> tuple:
     """What selects one compiled specialization of the kernel."""
-    return (group["rule"], p.dtype, grad.dtype, tuple(_kind(c) for _, c in codecs), group["eps_placement"],
-            p.device.type)
+    rule = group["rule"] if codecs else group["free_rule"]
+    return (rule, p.dtype, grad.dtype, tuple(_kind(c) for _, c in codecs), group["eps_placement"], p.device.type)
 
 
 _TABLES: dict[tuple[str, torch.device], tuple[Tensor, Tensor]] = {}
@@ -144,16 +155,18 @@ def _moment_args(codec: Any, key: str, state: dict[str, Tensor], dummy: Tensor) 
 
 def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], codecs: list[tuple[str, Any]],
          age: int) -> bool:
-    """Step p (all of it) from grad against its coded moments in one launch; age: the moments' step count, already
-    counted. False (after one warning) where this kernel's settings failed to compile or launch: the caller then
+    """Step p (all of it) from grad against its coded moments in one launch (no codecs: the state-free update);
+    age: the moments' step count, already counted. False (after one warning) where this kernel's settings failed to compile or launch: the caller then
     runs the eager step, and so does every later step with these settings."""
     kernels = _triton()
     settings = _settings(group, p, grad, codecs)
-    rule = group["rule"]
+    rule = group["rule"] if codecs else group["free_rule"]
     lr, wd = float(group["lr"]), float(group["weight_decay"])
     w1 = beta2 = w2 = b2s = eps = momentum = 0.0
     coef = 1.0
-    if rule in ("adamw", "taco"):
+    if not codecs:
+        coef = float(group["free_scale"])
+    elif rule in ("adamw", "taco"):
         beta1, beta2 = group["betas"]
         w1, w2 = 1.0 - beta1, 1.0 - beta2
         b2s = math.sqrt(1.0 - beta2 ** age)
@@ -166,7 +179,9 @@ def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any
         momentum = float(group["momentum"])
     n = p.numel()
     dummy = p.new_empty((1,), dtype=torch.float32)
-    m_args = _moment_args(codecs[0][1], codecs[0][0], state, dummy)
+    m_args = (dummy, dummy, dummy, dummy, _K_FP32, 1, 0)
+    if codecs:
+        m_args = _moment_args(codecs[0][1], codecs[0][0], state, dummy)
     v_args = _moment_args(codecs[1][1], codecs[1][0], state, dummy) if len(codecs) > 1 else m_args
     weight = p.data.view(-1).view(torch.int16) if p.dtype == torch.bfloat16 else p.data.view(-1)
     gradient = grad.view(-1).view(torch.int16) if grad.dtype == torch.bfloat16 else grad.view(-1)
@@ -175,7 +190,7 @@ def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any
             weight, gradient, *m_args[:4], *v_args[:4], n, m_args[6], v_args[6],
             float(1.0 - lr * wd), float(-lr * coef), float(w1), float(beta2), float(w2), float(b2s), float(eps),
             float(momentum),
-            RULE=_RULES[rule], P_BF16=p.dtype == torch.bfloat16, G_BF16=grad.dtype == torch.bfloat16,
+            RULE=_RULES[rule] if codecs else _FREE_RULES[rule], P_BF16=p.dtype == torch.bfloat16, G_BF16=grad.dtype == torch.bfloat16,
             M_KIND=m_args[4], V_KIND=v_args[4], M_BLOCK=m_args[5], V_BLOCK=v_args[5],
             HAS_DECAY=wd != 0.0, EPS_BEFORE=group["eps_placement"] == "galore", TILE=_TILE)
     except Exception as exc:  # a compile or launch failure on a device the kernel was never run on

@@ -125,7 +125,7 @@ def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any
     p, grad: contiguous tensors of one shape; stream(i, start): the random stream of moment i (or of the weight,
     ``i = rules.PARAM_STREAM``) for the window starting at element `start`.
     """
-    if codecs and triton_step.applies(group, p, grad, codecs) and triton_step.step(p, grad, state, group, codecs, age):
+    if triton_step.applies(group, p, grad, codecs) and triton_step.step(p, grad, state, group, codecs, age):
         return  # the whole tensor in one launch (a CUDA weight): the kernel allocates nothing
     n = p.numel()
     rounding = rounding_of(group, p)
