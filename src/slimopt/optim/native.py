@@ -11,8 +11,8 @@ or bf16, rule adamw (and TACO's AdamW fallback), lion or sgdm, each moment store
 int4, any ternary form (``codecs.TERNARY_SPECS``) or factored (a window of whole rows: row and column means
 read, new row means and fp64 column sums written, as ``codecs.FactoredRows``); stochastically rounded bf16
 moments go through an fp32 buffer around the kernel. Everything else (stochastically rounded or Kahan-compensated
-weights, fp64, CUDA tensors) takes the eager window step, which stays the reference; ``fused=False`` on a group
-selects it everywhere.
+weights, fp64) takes the eager window step, which stays the reference; CUDA tensors take ``triton_step.py`` where
+it applies, else the eager step; ``fused=False`` on a group selects the eager step everywhere.
 
 The kernel is built with the system C compiler (``$CC``, else ``cc``) into a cache folder (``$SLIMOPT_CACHE``,
 else ``$XDG_CACHE_HOME/slimopt``, else ``~/.cache/slimopt``) under a name that hashes the source, the flags and
