@@ -202,3 +202,21 @@ def test_native_off_by_environment(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert native.library() is None
+
+
+@pytest.mark.parametrize("settings", [dict(projector="svd", rank=8, state_bits=8),
+                                      dict(projector="columns", density=0.25, free_rule="sign"),
+                                      dict(projector="random", rank=8, rule="lion", m_codec="int8"),
+                                      dict(projector="svd", rank=8, v_codec="factored", m_codec="ternary_sr_rms64")])
+def test_projected_steps_run_their_subspace_rule_in_the_kernel(counted, settings):
+    # the subspace rule of GaLore / FRUGAL's projections writes its direction through the kernel: the same state,
+    # weights within the square root's rounding (amplified by the projection back)
+    kw = dict(lr=1e-2, weight_decay=0.1, update_gap=2, **settings)
+    a = [torch.nn.Parameter(p.data) for p in _params(torch.bfloat16)[:1]]
+    b = [torch.nn.Parameter(p.data.clone()) for p in a]
+    fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
+    grads = [[g[0]] for g in _grads(torch.bfloat16, 4)]
+    _run(a, fast, grads)
+    assert counted.calls >= 4
+    _run(b, eager, grads)
+    _assert_same(fast, eager, a, b, torch.bfloat16, 4)

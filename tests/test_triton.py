@@ -31,7 +31,7 @@ def report():
 
 def test_every_rule_and_codec_equals_the_eager_step(report):
     cases = {k: v for k, v in report.items() if "/" in k}
-    assert len(cases) == 22
+    assert len(cases) == 26
     for name, r in cases.items():
         assert r["launches"] == 3 * 3, name  # every tensor, every step, on the kernel (routed as on CUDA)
         assert r["state"], name  # every moment, code and scale bit for bit

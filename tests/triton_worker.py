@@ -30,6 +30,9 @@ CASES = [  # (rule, m codec, v codec, settings)
     ("adamw", "fp32", None, dict(projector="block", density=0.0, free_rule="sign")),
     ("adamw", "int8", "int8", dict(projector="block", density=0.5, free_rule="sign", update_gap=2)),
     ("adamw", "fp32", None, dict(projector="block", density=0.0, free_rule="sgd", free_scale=0.5)),
+    # projected steps: the subspace rule writes its direction through the kernel (GaLore; FRUGAL's columns)
+    ("adamw", "int8", "int8", dict(projector="svd", rank=8, update_gap=2)),
+    ("adamw", "fp32", "fp32", dict(projector="columns", density=0.25, free_rule="sign", update_gap=2)),
 ]
 LRS = [1e-2, 6e-3, 4e-3]
 
@@ -40,7 +43,7 @@ class Counting:
 
     def __call__(self, *args, **kwargs):
         ok = self.inner(*args, **kwargs)
-        self.calls += bool(ok)
+        self.calls += ok is not None
         return ok
 
 
@@ -103,7 +106,7 @@ def main():
             run(a, fast, 0, 3)
             run(b, eager, 0, 3)
             tag = extra.get("eps_placement") or extra.get("free_rule") or ""
-            name = f"{rule}/{m}/{v}/{tag}{extra.get('density', '')}/{str(dtype)[6:]}"
+            name = f"{rule}/{m}/{v}/{extra.get('projector', '')}{tag}{extra.get('density', '')}/{str(dtype)[6:]}"
             report[name] = {**compare(a, b, fast, eager, dtype), "launches": counting.calls - before}
     # a checkpoint written by the Triton path resumes on the eager one (and back) with the same results
     kw = settings("adamw", "int8", "int4", {})

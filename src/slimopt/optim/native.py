@@ -81,7 +81,8 @@ class _Step(ctypes.Structure):
                 ("has_decay", ctypes.c_int32), ("decay", ctypes.c_float), ("alpha", ctypes.c_float),
                 ("w1", ctypes.c_float), ("beta2", ctypes.c_float), ("w2", ctypes.c_float),
                 ("bias2_sqrt", ctypes.c_float), ("eps", ctypes.c_float), ("eps_before", ctypes.c_int32),
-                ("momentum", ctypes.c_float), ("n_codecs", ctypes.c_int32), ("codecs", _Codec * 2)]
+                ("momentum", ctypes.c_float), ("n_codecs", ctypes.c_int32), ("direction_only", ctypes.c_int32),
+                ("codecs", _Codec * 2)]
 
 
 _lock = threading.Lock()
@@ -294,11 +295,13 @@ def _fill_codec(c: _Codec, codec: Any, key: str, part: dict[str, Tensor], noise:
 
 
 def window_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], windows: list,
-                start: int, age: int, stream: Callable[[int, int], CounterStream]) -> None:
+                start: int, age: int, stream: Callable[[int, int], CounterStream], direction: bool = False) -> float:
     """Elements [start, start + p.numel()) of a parameter stepped in one pass: p, grad are that window's flat
     views; state the whole parameter's state; windows the rule's moments as ``windowed.step`` opened them
     ((index, key, codec, codecs.Window) each); age the moments' step count; stream(i, start) the random stream of
-    moment i for this window (stochastic codecs draw from it exactly what the eager encode draws)."""
+    moment i for this window (stochastic codecs draw from it exactly what the eager encode draws). direction: p is
+    an fp32 buffer that receives the rule's direction d instead (``windowed.directions``). Returns the rule's
+    coefficient c (the update is lr c d)."""
     rule = group["rule"]
     n = p.numel()
     s = _Step()
@@ -322,6 +325,7 @@ def window_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[s
         s.momentum = float(group["momentum"])
     s.alpha = -lr * coef
     s.n_codecs = len(windows)
+    s.direction_only = int(direction)
     keep: list[Tensor] = []  # what the kernel's pointers point into, alive until it returns
     buffers: list[tuple[int, Any, Tensor]] = []  # moments stepped through an fp32 buffer: (index, window, buffer)
     for i, key, codec, window in windows:
@@ -344,6 +348,7 @@ def window_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[s
                            f"{[w[2].name for w in windows]}); run this group with fused=False and report it")
     for i, window, buf in buffers:
         window.encode(start, start + n, buf, stream(i, start) if window.codec.needs_generator else None)
+    return coef
 
 
 def column_best_applies(group: dict[str, Any], dtype: torch.dtype, device_type: str) -> bool:

@@ -110,11 +110,11 @@ def elementwise_step(p, g, m_data, m_scale, m_qmap, m_table, v_data, v_scale, v_
                      n, m_nblocks, v_nblocks, decay, alpha, w1, beta2, w2, b2s, eps, momentum,
                      RULE: tl.constexpr, P_BF16: tl.constexpr, G_BF16: tl.constexpr, M_KIND: tl.constexpr,
                      V_KIND: tl.constexpr, M_BLOCK: tl.constexpr, V_BLOCK: tl.constexpr, HAS_DECAY: tl.constexpr,
-                     EPS_BEFORE: tl.constexpr, TILE: tl.constexpr):
+                     EPS_BEFORE: tl.constexpr, DIRECTION: tl.constexpr, TILE: tl.constexpr):
     """p: (n,) weight (fp32, or bf16 as int16); g: (n,) gradient (the same); m_*, v_*: the moments (v unused by
     Lion and SGDM; none read by the state-free rules 3, sign, and 4, sgd); decay = 1 - lr wd;
     alpha = -lr / (1 - beta1^t) (AdamW), -lr free_scale (state-free) or -lr; w1 = 1 - beta1,
-    w2 = 1 - beta2, b2s = sqrt(1 - beta2^t)."""
+    w2 = 1 - beta2, b2s = sqrt(1 - beta2^t). DIRECTION: write the direction d into p (fp32) instead of stepping it."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
     mask = offs < n
@@ -142,12 +142,15 @@ def elementwise_step(p, g, m_data, m_scale, m_qmap, m_table, v_data, v_scale, v_
         d = tl.where(grad > 0, 1.0, tl.where(grad < 0, -1.0, 0.0))
     else:  # the state-free SGD step
         d = grad
-    w = _load(p, offs, mask, P_BF16)
-    if HAS_DECAY:
-        w = w * decay
-        if P_BF16:
-            w = _round_bf16(w)
-    _store(p, offs, tl.fma(d, alpha, w), mask, P_BF16)
+    if DIRECTION:  # p is an fp32 buffer for the direction (a projected step's subspace rule)
+        tl.store(p + offs, d, mask=mask)
+    else:
+        w = _load(p, offs, mask, P_BF16)
+        if HAS_DECAY:
+            w = w * decay
+            if P_BF16:
+                w = _round_bf16(w)
+        _store(p, offs, tl.fma(d, alpha, w), mask, P_BF16)
     if RULE < 3:
         _encode(tl.where(mask, m, 0.0), m_data, m_scale, m_table, offs, n, m_nblocks, M_KIND, M_BLOCK, TILE)
     if RULE == 0:

@@ -154,10 +154,12 @@ def _moment_args(codec: Any, key: str, state: dict[str, Tensor], dummy: Tensor) 
 
 
 def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], codecs: list[tuple[str, Any]],
-         age: int) -> bool:
+         age: int, direction: bool = False) -> float | None:
     """Step p (all of it) from grad against its coded moments in one launch (no codecs: the state-free update);
-    age: the moments' step count, already counted. False (after one warning) where this kernel's settings failed to compile or launch: the caller then
-    runs the eager step, and so does every later step with these settings."""
+    age: the moments' step count, already counted; direction: p is an fp32 buffer that receives the rule's
+    direction d instead (``windowed.directions``). Returns the rule's coefficient c (the update is lr c d), or
+    None (after one warning) where this kernel's settings failed to compile or launch: the caller then runs the
+    eager step, and so does every later step with these settings."""
     kernels = _triton()
     settings = _settings(group, p, grad, codecs)
     rule = group["rule"] if codecs else group["free_rule"]
@@ -192,15 +194,15 @@ def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any
             float(momentum),
             RULE=_RULES[rule] if codecs else _FREE_RULES[rule], P_BF16=p.dtype == torch.bfloat16, G_BF16=grad.dtype == torch.bfloat16,
             M_KIND=m_args[4], V_KIND=v_args[4], M_BLOCK=m_args[5], V_BLOCK=v_args[5],
-            HAS_DECAY=wd != 0.0, EPS_BEFORE=group["eps_placement"] == "galore", TILE=_TILE)
+            HAS_DECAY=wd != 0.0, EPS_BEFORE=group["eps_placement"] == "galore", DIRECTION=direction, TILE=_TILE)
     except Exception as exc:  # a compile or launch failure on a device the kernel was never run on
         why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         _failed[settings] = why
         warnings.warn(f"slimopt: the Triton element-wise step failed for rule {rule!r}, weight {p.dtype}, "
                       f"codecs {[c.name for _, c in codecs]} ({why}); these settings run the eager step from now "
                       "on", RuntimeWarning, stacklevel=3)
-        return False
-    return True
+        return None
+    return coef
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -125,7 +125,8 @@ def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any
     p, grad: contiguous tensors of one shape; stream(i, start): the random stream of moment i (or of the weight,
     ``i = rules.PARAM_STREAM``) for the window starting at element `start`.
     """
-    if triton_step.applies(group, p, grad, codecs) and triton_step.step(p, grad, state, group, codecs, age):
+    if triton_step.applies(group, p, grad, codecs) and \
+            triton_step.step(p, grad, state, group, codecs, age) is not None:
         return  # the whole tensor in one launch (a CUDA weight): the kernel allocates nothing
     n = p.numel()
     rounding = rounding_of(group, p)
@@ -310,6 +311,11 @@ def directions(low: Tensor, out: Tensor, state: dict[str, Tensor], group: dict[s
     `low`'s shape that `codecs` store (those of a `dtype` weight); the direction goes to `out` (low's shape; `low`
     itself is fine: each window reads its gradient before it writes); `held`: what the caller keeps allocated.
     Returns the rule's coefficient c (the same for every window)."""
+    if out.dtype == torch.float32 and out.is_contiguous() and low.is_contiguous() and \
+            triton_step.applies(group, out, low, codecs):
+        c = triton_step.step(out, low, state, group, codecs, age, direction=True)  # one launch (CUDA)
+        if c is not None:
+            return c
     n = low.numel()
     per = rule_scratch(kind(codecs, group["rule"]), dtype)
     align = math.lcm(1, *(codec.align(low.shape) for _, codec in codecs))
@@ -319,14 +325,18 @@ def directions(low: Tensor, out: Tensor, state: dict[str, Tensor], group: dict[s
     c = 1.0
     for start in range(0, n, size):
         stop = min(n, start + size)
-        c = _direction(src[start:stop], dst[start:stop], group, windows, start, age, stream)
+        c = _direction(src[start:stop], dst[start:stop], state, group, windows, start, age, stream)
     for _, _, _, w in windows:
         w.close()
     return c
 
 
-def _direction(g: Tensor, out: Tensor, group: dict[str, Any], windows: list, start: int, age: int,
-               stream: Callable[[int, int], CounterStream]) -> float:
+def _direction(g: Tensor, out: Tensor, state: dict[str, Tensor], group: dict[str, Any], windows: list, start: int,
+               age: int, stream: Callable[[int, int], CounterStream]) -> float:
+    codecs = [(key, codec) for _, key, codec, _ in windows]
+    if out.dtype == torch.float32 and out.is_contiguous() and native.applies(group, out, g, codecs):
+        # the one-pass kernel, writing the direction where it would write a weight
+        return native.window_step(out, g, state, group, windows, start, age, stream, direction=True)
     d, c = _rule(g, group, windows, start, age, stream)
     out.copy_(d)
     return c

@@ -96,6 +96,8 @@ typedef struct {
     int32_t eps_before;    /* adamw: galore-torch's placement (sqrt(v) + eps) / bias2_sqrt */
     float momentum;        /* sgdm */
     int32_t n_codecs;      /* moments of the rule: adamw 2 (m, v), lion and sgdm 1 */
+    int32_t direction_only; /* param is an fp32 (n,) buffer that receives the direction d (a projected step's
+                             * subspace rule, windowed.directions): no decay, no weight update */
     codec_t codecs[2];
 } step_t;
 
@@ -479,7 +481,9 @@ int slimopt_elementwise_step(step_t *s) {
         } else {
             return -1;
         }
-        if (s->param_dtype == D_FP32) {
+        if (s->direction_only) {
+            memcpy((float *)s->param + t0, d, (size_t)cnt * 4);
+        } else if (s->param_dtype == D_FP32) {
             float *p = (float *)s->param + t0;
             for (int64_t i = 0; i < cnt; i++) {
                 float w = s->has_decay ? p[i] * s->decay : p[i];
