@@ -64,6 +64,9 @@ def test_cpu_tensors_and_uncovered_settings_stay_off_the_kernel(monkeypatch):
     monkeypatch.setitem(triton_step._state, "triton", object())  # as if installed
     assert triton_step.applies(group, w, w.grad, codecs)
     assert not triton_step.applies({**group, "fused": False}, w, w.grad, codecs)
+    monkeypatch.setenv("SLIMOPT_TRITON", "0")
+    assert not triton_step.applies(group, w, w.grad, codecs)
+    monkeypatch.setenv("SLIMOPT_TRITON", "1")
     ternary = _group_and_codecs(codec="ternary")
     assert not triton_step.applies(ternary[0], w, w.grad, ternary[1])  # ternary m, factored v: eager
     monkeypatch.setitem(triton_step._state, "triton", None)  # not installed

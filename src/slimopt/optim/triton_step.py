@@ -21,7 +21,8 @@ compares both with the CPU reference.
 The bias corrections and every other scalar come from host-side counters: a step launches kernels and reads no
 device value, so it can be captured in a CUDA graph. A kernel that fails to compile or launch (written where no
 GPU can run it) costs one warning naming it and its settings, and that setting falls back to the eager step for
-the rest of the process (``fallbacks()`` lists them).
+the rest of the process (``fallbacks()`` lists them). ``SLIMOPT_TRITON=0`` turns the kernels off; ``fused=False``
+on a group selects the eager step everywhere.
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ def _triton():
 
 
 def available() -> bool:
-    """Whether the Triton kernels can be used in this process (triton importable)."""
-    return _triton() is not None
+    """Whether the Triton kernels can be used in this process: triton importable, and not turned off by
+    ``SLIMOPT_TRITON=0`` (read at each ask, so a process can switch)."""
+    return os.environ.get("SLIMOPT_TRITON", "1") != "0" and _triton() is not None
 
 
 def fallbacks() -> dict[tuple, str]:
