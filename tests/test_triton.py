@@ -30,12 +30,19 @@ def report():
 
 
 def test_every_rule_and_codec_equals_the_eager_step(report):
-    cases = {k: v for k, v in report.items() if "/" in k}
+    cases = {k: v for k, v in report.items() if "/" in k and not k.startswith("taco")}
     assert len(cases) == 26
     for name, r in cases.items():
         assert r["launches"] == 3 * 3, name  # every tensor, every step, on the kernel (routed as on CUDA)
         assert r["state"], name  # every moment, code and scale bit for bit
         assert r["weights"], (name, r["max_weight_diff"])
+
+
+def test_taco_column_search_equals_the_torch_search(report):
+    for k in (0, 1):
+        for dtype in ("float32", "bfloat16"):
+            r = report[f"taco k={k} {dtype}"]
+            assert r["searches"] == 3 and r["weights"] and r["state"], (k, dtype, r)
 
 
 def test_a_checkpoint_switches_path_at_resume(report):

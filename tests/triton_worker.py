@@ -108,6 +108,31 @@ def main():
             tag = extra.get("eps_placement") or extra.get("free_rule") or ""
             name = f"{rule}/{m}/{v}/{extra.get('projector', '')}{tag}{extra.get('density', '')}/{str(dtype)[6:]}"
             report[name] = {**compare(a, b, fast, eager, dtype), "launches": counting.calls - before}
+    # TACO's one-candidate search as a Triton kernel (k = 1, the stored row hidden; k = 0), against the torch search
+    # of the eager step; gradients rounded to a few levels so that ties across the row chunks are common
+    searches = {"n": 0}
+    search = triton_step.column_best
+
+    def counted_search(*args):
+        searches["n"] += 1
+        return search(*args)
+
+    triton_step.column_best = counted_search
+    for dtype in (torch.float32, torch.bfloat16):
+        for k in (1, 0):
+            kw = dict(lr=1e-2, weight_decay=0.1, rule="taco", taco_k=k)
+            a, b = params(dtype), params(dtype)
+            fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
+            before = searches["n"]
+            for t in range(3):
+                gen = torch.Generator().manual_seed(200 + t)
+                for pa, pb in zip(a, b):
+                    g = torch.randint(-4, 5, pa.shape, generator=gen).to(dtype)
+                    pa.grad, pb.grad = g.clone(), g.clone()
+                fast.step()
+                eager.step()
+            report[f"taco k={k} {str(dtype)[6:]}"] = {**compare(a, b, fast, eager, dtype),
+                                                      "searches": searches["n"] - before}
     # a checkpoint written by the Triton path resumes on the eager one (and back) with the same results
     kw = settings("adamw", "int8", "int4", {})
     a, b = params(torch.bfloat16), params(torch.bfloat16)

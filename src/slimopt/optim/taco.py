@@ -71,6 +71,7 @@ import torch
 from torch import Tensor
 
 from . import native
+from . import triton_step
 from .noise import CounterStream
 from .rules import decay, rounded, rounding_of, value_of, write
 from .windowed import ROUNDING_SCRATCH, window_elems
@@ -278,10 +279,10 @@ def sparse_update(state: MutableMapping[str, Tensor], g: Tensor, group: Mapping[
     c = float(group["taco_alpha"]) * dimension_factor(shape if shape is not None else g.shape, group["taco_norm"])
     k = group["taco_k"]
     m, n = g.shape
-    one_pass = native.column_best_applies(group, g.dtype, g.device.type) and g.is_contiguous()
     if k == 0:
-        if one_pass:
-            rows, _ = native.column_best(g, None)
+        best = _one_pass_best(g, None, group)
+        if best is not None:
+            rows = best[0]
         else:
             no_rows = torch.zeros((0, n), dtype=torch.long, device=g.device)
             rows, _ = _window_candidates(g, no_rows, no_rows.bool(), 1)  # (1, n); the first maximum
@@ -296,8 +297,9 @@ def sparse_update(state: MutableMapping[str, Tensor], g: Tensor, group: Mapping[
     values = torch.where(live, values.mul_(beta).add_(g.gather(0, rows).float(), alpha=1.0 - beta), 0.0)
     # 3. candidates among the rows not stored
     kc = min(k, m)
-    if one_pass and k == 1:  # the one stored row of each column hidden, in one pass
-        cand_rows, cand_abs = native.column_best(g, torch.where(live[0], rows[0], -1))
+    best = _one_pass_best(g, torch.where(live[0], rows[0], -1), group) if k == 1 else None
+    if best is not None:  # the one stored row of each column hidden, in one pass
+        cand_rows, cand_abs = best
         valid = cand_abs >= 0
     else:
         cand_rows, valid = _window_candidates(g, rows, live, kc)
@@ -345,6 +347,18 @@ def scratch_bytes(shape: torch.Size | tuple[int, ...], group: Mapping[str, Any],
         return search
     window = window_elems(m * n, n, ROUNDING_SCRATCH[rounding])  # the rows apply_sparse decays at a time
     return max(search, _DECAY_SCRATCH[rounding] * window + _DECAY_COLUMN_SCRATCH * n)
+
+
+def _one_pass_best(g: Tensor, hidden: Tensor | None, group: Mapping[str, Any]) -> tuple[Tensor, Tensor] | None:
+    """The one-candidate search in one pass over g where a kernel applies (the C kernel for a CPU gradient, Triton
+    for a CUDA one; fused groups): (rows (1, n), |g| there (1, n), -1 where none is valid), else None."""
+    if not g.is_contiguous():
+        return None
+    if native.column_best_applies(group, g.dtype, g.device.type):
+        return native.column_best(g, hidden)
+    if triton_step.column_best_applies(group, g):
+        return triton_step.column_best(g, hidden)
+    return None
 
 
 def _window_candidates(g: Tensor, rows: Tensor, live: Tensor, kc: int) -> tuple[Tensor, Tensor]:

@@ -155,3 +155,35 @@ def elementwise_step(p, g, m_data, m_scale, m_qmap, m_table, v_data, v_scale, v_
         _encode(tl.where(mask, m, 0.0), m_data, m_scale, m_table, offs, n, m_nblocks, M_KIND, M_BLOCK, TILE)
     if RULE == 0:
         _encode(tl.where(mask, v, 0.0), v_data, v_scale, v_table, offs, n, v_nblocks, V_KIND, V_BLOCK, TILE)
+
+
+@triton.jit
+def column_best(g, hidden, out, m, n, CHUNK: tl.constexpr, HAS_HIDDEN: tl.constexpr, G_BF16: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """TACO's one-candidate search, rows [CHUNK * pid1, CHUNK * (pid1 + 1)) of columns [BLOCK_N * pid0, ...) of
+    g (m, n) row-major (fp32 as int32, or bf16 as int16): the largest |g| of each column among the rows not hidden
+    (hidden: (n,) int64, -1 for none), as the key (|g|'s bit pattern, every NaN the canonical one above +inf, -1
+    for a hidden entry) << 32 | (2^32 - 1 - row), so that the largest key over all chunks is the largest |g| and,
+    on ties, the smallest row (the first maximum, as torch's argmax). out: (chunks, n) int64."""
+    pid0 = tl.program_id(0)
+    pid1 = tl.program_id(1)
+    cols = pid0 * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < n
+    hid = tl.full((BLOCK_N,), -1, tl.int64)
+    if HAS_HIDDEN:
+        hid = tl.load(hidden + cols, mask=cmask, other=-1)
+    best = tl.full((BLOCK_N,), -1, tl.int64) * 4294967296 - 1  # below every entry, hidden ones included
+    r0 = pid1 * CHUNK
+    for i in range(0, CHUNK):
+        r = (r0 + i).to(tl.int64)
+        rmask = cmask & ((tl.zeros_like(cols) + r) < m)  # a vector compare: a scalar mask confuses the interpreter
+        if G_BF16:
+            raw = tl.load(g + r * n + cols, mask=rmask, other=0).to(tl.int32) & 0xFFFF
+            k = (raw << 16) & 0x7FFFFFFF
+        else:
+            k = tl.load(g + r * n + cols, mask=rmask, other=0) & 0x7FFFFFFF
+        k = tl.where(k > 0x7F800000, 0x7FC00000, k).to(tl.int64)
+        k = tl.where(hid == r, -1, k)
+        key = k * 4294967296 + (4294967295 - r)
+        best = tl.where(rmask & (key > best), key, best)
+    tl.store(out + pid1.to(tl.int64) * n + cols, best, mask=cmask)

@@ -38,7 +38,7 @@ from torch import Tensor
 from . import native
 from .codecs import Bf16Codec, BlockCodec, Fp32Codec
 
-__all__ = ["available", "applies", "step", "fallbacks"]
+__all__ = ["available", "applies", "step", "fallbacks", "column_best_applies", "column_best"]
 
 _K_FP32, _K_BF16, _K_INT8, _K_INT4 = range(4)
 _RULES = {"adamw": 0, "taco": 0, "lion": 1, "sgdm": 2}
@@ -205,6 +205,43 @@ def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any
                       "on", RuntimeWarning, stacklevel=3)
         return None
     return coef
+
+
+def column_best_applies(group: dict[str, Any], g: Tensor) -> bool:
+    """Whether TACO's one-candidate search of the 2-D gradient g runs as a Triton kernel (``column_best``)."""
+    return (bool(group["fused"]) and _device_ok(g.device) and g.dtype in (torch.float32, torch.bfloat16)
+            and g.dim() == 2 and g.is_contiguous() and available()
+            and ("column_best", g.dtype, g.device.type) not in _failed)
+
+
+_CHUNK, _BLOCK_N = 64, 128  # rows and columns a program of the column search
+
+
+def column_best(g: Tensor, hidden: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    """``native.column_best`` on the GPU: (rows (1, n) int64, |g| there (1, n) fp32, -1 where no candidate is
+    valid), from one launch over (column blocks, row chunks) and a max over the chunks' packed (|g|, row) keys;
+    None (after one warning) where the kernel failed to compile or launch."""
+    kernels = _triton()
+    m, n = g.shape
+    chunks = triton_cdiv(m, _CHUNK)
+    out = torch.empty((chunks, n), dtype=torch.int64, device=g.device)
+    view = g.view(torch.int16) if g.dtype == torch.bfloat16 else g.view(torch.int32)
+    h = hidden.contiguous() if hidden is not None else out  # a placeholder pointer when nothing is hidden
+    try:
+        kernels.column_best[(triton_cdiv(n, _BLOCK_N), chunks)](
+            view, h, out, m, n, CHUNK=_CHUNK, HAS_HIDDEN=hidden is not None, G_BF16=g.dtype == torch.bfloat16,
+            BLOCK_N=_BLOCK_N)
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        _failed[("column_best", g.dtype, g.device.type)] = why
+        warnings.warn(f"slimopt: the Triton column search of TACO failed for a {g.dtype} gradient ({why}); it runs "
+                      "as torch ops from now on", RuntimeWarning, stacklevel=3)
+        return None
+    best = out.amax(dim=0, keepdim=True)  # (1, n): the largest |g|, then the smallest row
+    key = best >> 32
+    rows = 4294967295 - (best & 4294967295)
+    absval = torch.where((key >= 0) & (key <= 0x7F800000), key.to(torch.int32).view(torch.float32), -1.0)
+    return rows, absval
 
 
 def triton_cdiv(a: int, b: int) -> int:
