@@ -18,6 +18,7 @@ resolution of torch.rand's fp32), a 16-bit integer (bf16 stochastic rounding) it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +47,7 @@ _C1, _C2 = 0x7FEB352D, 0x846CA68B
 
 
 def mix32_int(x: int) -> int:
-    """mix32 of one Python integer (the same function as ``_mix32`` on tensors)."""
+    """mix32 of one Python integer (the same function as ``_mix32_`` on tensors)."""
     x &= _M32
     x ^= x >> 16
     x = (x * _C1) & _M32
@@ -119,14 +120,8 @@ class CounterStream:
 
     def uniform(self, shape: torch.Size | tuple[int, ...], device: torch.device | str) -> Tensor:
         """Uniform [0, 1) fp32 of `shape`, element j of its row-major order from counter offset + j."""
-        n = 1
-        for s in shape:
-            n *= int(s)
-        return (self.bits(n, device) >> 8).bitwise_and_(0xFFFFFF).float().mul_(2.0 ** -24).view(shape)
+        return (self.bits(math.prod(shape), device) >> 8).bitwise_and_(0xFFFFFF).float().mul_(2.0 ** -24).view(shape)
 
     def int16(self, shape: torch.Size | tuple[int, ...], device: torch.device | str) -> Tensor:
         """Uniform integers in [0, 65536) as int32 of `shape` (floor(uniform * 2^16) of the same elements)."""
-        n = 1
-        for s in shape:
-            n *= int(s)
-        return (self.bits(n, device) >> 16).bitwise_and_(0xFFFF).view(shape)
+        return (self.bits(math.prod(shape), device) >> 16).bitwise_and_(0xFFFF).view(shape)

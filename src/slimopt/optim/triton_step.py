@@ -44,6 +44,7 @@ _K_FP32, _K_BF16, _K_INT8, _K_INT4 = range(4)
 _RULES = {"adamw": 0, "taco": 0, "lion": 1, "sgdm": 2}
 _FREE_RULES = {"sign": 3, "sgd": 4}  # the state-free update of a residual or an inactive block (no codecs)
 _MOMENT_KEYS = native._MOMENT_KEYS
+_DTYPES = (torch.float32, torch.bfloat16)
 _TILE = 256  # elements a program: a power of two holding whole int8 (256) and int4 (128) blocks
 
 _state: dict[str, Any] = {}
@@ -100,26 +101,22 @@ def applies(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[s
     docstring): a fused group, a CUDA weight (or a CPU one under the interpreter hook), a supported rule, codecs,
     dtypes and write, triton installed, and no earlier failure of this kernel's settings. No codecs: the state-free
     update (``free_rule`` sign or sgd)."""
-    rule = group["rule"]
     if not group["fused"] or not _device_ok(p.device):
         return False
-    if not codecs:
-        return (group["free_rule"] in _FREE_RULES and p.dtype in (torch.float32, torch.bfloat16)
-                and grad.dtype in (torch.float32, torch.bfloat16) and (group["param_rounding"] == "nearest"
-                                                                       or p.dtype == torch.float32)
-                and p.is_contiguous() and grad.is_contiguous() and type(p.data) is Tensor and available()
-                and _settings(group, p, grad, codecs) not in _failed)
-    if rule not in _RULES:
-        return False
-    if p.dtype not in (torch.float32, torch.bfloat16) or grad.dtype not in (torch.float32, torch.bfloat16):
+    if p.dtype not in _DTYPES or grad.dtype not in _DTYPES:
         return False
     if group["param_rounding"] != "nearest" and p.dtype != torch.float32:
         return False
-    if rule in ("adamw", "taco") and group["eps_placement"] not in ("torch", "galore"):
-        return False
-    if [k for k, _ in codecs] != _MOMENT_KEYS[rule] or any(_kind(c) is None for _, c in codecs):
-        return False
     if not (p.is_contiguous() and grad.is_contiguous() and type(p.data) is Tensor):
+        return False
+    rule = group["rule"]
+    if not codecs:
+        if group["free_rule"] not in _FREE_RULES:
+            return False
+    elif rule not in _RULES or [k for k, _ in codecs] != _MOMENT_KEYS[rule] or \
+            any(_kind(c) is None for _, c in codecs):
+        return False
+    elif rule in ("adamw", "taco") and group["eps_placement"] not in ("torch", "galore"):
         return False
     return available() and _settings(group, p, grad, codecs) not in _failed
 
@@ -131,6 +128,15 @@ def _settings(group, p, grad, codecs) -> tuple:
 
 
 _TABLES: dict[tuple[str, torch.device], tuple[Tensor, Tensor]] = {}
+_PLACEHOLDERS: dict[torch.device, Tensor] = {}
+
+
+def _placeholder(device: torch.device) -> Tensor:
+    """A one-element fp32 tensor on `device` for the kernel's pointers that a specialization never reads (made
+    once: no allocation inside a step)."""
+    if device not in _PLACEHOLDERS:
+        _PLACEHOLDERS[device] = torch.zeros(1, dtype=torch.float32, device=device)
+    return _PLACEHOLDERS[device]
 
 
 def _tables(codec: Any, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -182,7 +188,7 @@ def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any
     else:
         momentum = float(group["momentum"])
     n = p.numel()
-    dummy = p.new_empty((1,), dtype=torch.float32)
+    dummy = _placeholder(p.device)
     m_args = (dummy, dummy, dummy, dummy, _K_FP32, 1, 0)
     if codecs:
         m_args = _moment_args(codecs[0][1], codecs[0][0], state, dummy)
@@ -190,7 +196,7 @@ def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any
     weight = p.data.view(-1).view(torch.int16) if p.dtype == torch.bfloat16 else p.data.view(-1)
     gradient = grad.view(-1).view(torch.int16) if grad.dtype == torch.bfloat16 else grad.view(-1)
     try:
-        kernels.elementwise_step[(triton_cdiv(n, _TILE),)](
+        kernels.elementwise_step[(_cdiv(n, _TILE),)](
             weight, gradient, *m_args[:4], *v_args[:4], n, m_args[6], v_args[6],
             float(1.0 - lr * wd), float(-lr * coef), float(w1), float(beta2), float(w2), float(b2s), float(eps),
             float(momentum),
@@ -209,7 +215,7 @@ def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any
 
 def column_best_applies(group: dict[str, Any], g: Tensor) -> bool:
     """Whether TACO's one-candidate search of the 2-D gradient g runs as a Triton kernel (``column_best``)."""
-    return (bool(group["fused"]) and _device_ok(g.device) and g.dtype in (torch.float32, torch.bfloat16)
+    return (bool(group["fused"]) and _device_ok(g.device) and g.dtype in _DTYPES
             and g.dim() == 2 and g.is_contiguous() and available()
             and ("column_best", g.dtype, g.device.type) not in _failed)
 
@@ -223,12 +229,12 @@ def column_best(g: Tensor, hidden: Tensor | None) -> tuple[Tensor, Tensor] | Non
     None (after one warning) where the kernel failed to compile or launch."""
     kernels = _triton()
     m, n = g.shape
-    chunks = triton_cdiv(m, _CHUNK)
+    chunks = _cdiv(m, _CHUNK)
     out = torch.empty((chunks, n), dtype=torch.int64, device=g.device)
     view = g.view(torch.int16) if g.dtype == torch.bfloat16 else g.view(torch.int32)
     h = hidden.contiguous() if hidden is not None else out  # a placeholder pointer when nothing is hidden
     try:
-        kernels.column_best[(triton_cdiv(n, _BLOCK_N), chunks)](
+        kernels.column_best[(_cdiv(n, _BLOCK_N), chunks)](
             view, h, out, m, n, CHUNK=_CHUNK, HAS_HIDDEN=hidden is not None, G_BF16=g.dtype == torch.bfloat16,
             BLOCK_N=_BLOCK_N)
     except Exception as exc:
@@ -244,5 +250,5 @@ def column_best(g: Tensor, hidden: Tensor | None) -> tuple[Tensor, Tensor] | Non
     return rows, absval
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)

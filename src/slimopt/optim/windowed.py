@@ -311,8 +311,7 @@ def directions(low: Tensor, out: Tensor, state: dict[str, Tensor], group: dict[s
     `low`'s shape that `codecs` store (those of a `dtype` weight); the direction goes to `out` (low's shape; `low`
     itself is fine: each window reads its gradient before it writes); `held`: what the caller keeps allocated.
     Returns the rule's coefficient c (the same for every window)."""
-    if out.dtype == torch.float32 and out.is_contiguous() and low.is_contiguous() and \
-            triton_step.applies(group, out, low, codecs):
+    if triton_step.applies(group, out, low, codecs):  # out, low: fp32 (or fp64: no kernel), contiguous
         c = triton_step.step(out, low, state, group, codecs, age, direction=True)  # one launch (CUDA)
         if c is not None:
             return c
@@ -334,7 +333,7 @@ def directions(low: Tensor, out: Tensor, state: dict[str, Tensor], group: dict[s
 def _direction(g: Tensor, out: Tensor, state: dict[str, Tensor], group: dict[str, Any], windows: list, start: int,
                age: int, stream: Callable[[int, int], CounterStream]) -> float:
     codecs = [(key, codec) for _, key, codec, _ in windows]
-    if out.dtype == torch.float32 and out.is_contiguous() and native.applies(group, out, g, codecs):
+    if native.applies(group, out, g, codecs):
         # the one-pass kernel, writing the direction where it would write a weight
         return native.window_step(out, g, state, group, windows, start, age, stream, direction=True)
     d, c = _rule(g, group, windows, start, age, stream)
