@@ -69,22 +69,30 @@ def settings(rule, m, v, extra):
     return kw
 
 
-def compare(a, b, oa, ob, dtype):
-    out = {"weights": True, "state": True, "max_weight_diff": 0.0}
+def compare(a, b, oa, ob, dtype, steps=5):
+    """Weights and state of two runs of at most `steps` steps, with test_native's criteria (the arithmetic is the C
+    kernel's): "exact" whether every tensor is equal (it is on the machines tried), "weights" and "state" within
+    what another processor's torch may round differently: fp32 weights an ulp (torch's CPU square root is not
+    always correctly rounded), bf16 weights one bf16 step a step, float state 1e-6 relative, codes 1e-3 of them."""
+    out = {"weights": True, "state": True, "exact": True, "max_weight_diff": 0.0}
     for pa, pb in zip(a, b):
-        diff = (pa.float() - pb.float()).abs().max().item()
-        out["max_weight_diff"] = max(out["max_weight_diff"], diff)
+        diff = (pa.float() - pb.float()).abs()
+        out["max_weight_diff"] = max(out["max_weight_diff"], diff.max().item())
+        out["exact"] &= torch.equal(pa, pb)
         if dtype == torch.bfloat16:
-            out["weights"] &= torch.equal(pa, pb)
-        else:  # the kernel's square root is correctly rounded, torch's CPU one not always: an ulp
+            ulp = torch.finfo(torch.bfloat16).eps * (pb.float().abs() + 2 * sum(LRS))
+            out["weights"] &= bool((diff <= steps * ulp).all())
+        else:
             out["weights"] &= bool(torch.allclose(pa, pb, rtol=1e-6, atol=1e-7))
         sa, sb = oa.state[pa], ob.state[pb]
         out["state"] &= sorted(sa) == sorted(sb)
         for k in sa:
-            if pa.numel() >= 4096 or pa.dtype == torch.bfloat16 or not sa[k].is_floating_point():
-                out["state"] &= torch.equal(sa[k], sb[k])
+            x, y = sa[k], sb[k]
+            out["exact"] &= torch.equal(x, y)
+            if x.is_floating_point():
+                out["state"] &= bool(torch.allclose(x.float(), y.float(), rtol=1e-6, atol=1e-12))
             else:
-                out["state"] &= bool(torch.allclose(sa[k], sb[k], rtol=1e-6, atol=1e-12))
+                out["state"] &= x.shape == y.shape and (x != y).float().mean().item() <= 1e-3
     return out
 
 
