@@ -173,6 +173,33 @@ def test_packed_tables_count_as_quant(name):
         assert torch.equal(count, table.count_le(x).long())
 
 
+# the kernel built for fewer instruction sets than this machine has: each of its vector paths (AVX-512 permutes
+# and comparisons, AVX2 gathers, plain C) against the eager step; on a machine without one the build is the same
+ISA_LEVELS = {"no-avx512": ["-march=native", "-mno-avx512f"], "portable": []}
+ISA_CASES = [("adamw", "int8", "int8"), ("adamw", "int4", "int4"), ("adamw", "ternary_ef", "int4"),
+             ("adamw", "ternary_sr", "factored"), ("lion", "int4", None), ("sgdm", "ternary_ef_mean64", None)]
+
+
+@pytest.mark.parametrize("level", ISA_LEVELS)
+@pytest.mark.parametrize("rule,m,v", ISA_CASES, ids=lambda x: x if isinstance(x, str) else "-")
+def test_every_instruction_set_path_equals_the_eager_step(monkeypatch, level, rule, m, v):
+    if native.library() is None:
+        pytest.skip("the kernel cannot be built here (no C compiler)")
+    lib, why = native._build(ISA_LEVELS[level])
+    assert lib is not None, why
+    counting = _Counting(lib)
+    monkeypatch.setitem(native._state, "lib", counting)
+    kw = dict(lr=1e-2, weight_decay=0.1, rule=rule, m_codec=m, **({"v_codec": v} if v else {}),
+              **({"momentum": 0.9} if rule == "sgdm" else {}))
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = _params(dtype), _params(dtype)
+        fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
+        _run(a, fast, _grads(dtype, 3))
+        _run(b, eager, _grads(dtype, 3))
+        _assert_same(fast, eager, a, b, dtype, 3)
+    assert counting.calls >= 2 * 3 * 2
+
+
 def test_the_kernel_builds_where_a_compiler_is():
     if native._state.get("lib") is None and not shutil.which(os.environ.get("CC") or "cc"):
         pytest.skip("no C compiler on this machine")

@@ -61,7 +61,7 @@ _SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 class _CountTable(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("points", ctypes.c_void_p), ("extra", ctypes.c_int32),
-                ("packed", ctypes.c_void_p)]
+                ("packed", ctypes.c_void_p), ("n_points", ctypes.c_int32)]
 
 
 class _Codec(ctypes.Structure):
@@ -109,13 +109,14 @@ def _machine() -> str:
     return f"{platform.machine()} {flags}"
 
 
-def _build() -> tuple[ctypes.CDLL | None, str]:
-    """(library, "") or (None, why)."""
+def _build(native_flags: list[str] = NATIVE_FLAGS) -> tuple[ctypes.CDLL | None, str]:
+    """(library, "") or (None, why). native_flags: what targets this machine (without them if the compiler
+    refuses them); tests build the kernel with fewer instruction sets too, to run each of its code paths."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
         return None, "no C compiler found (set CC, or install gcc or clang)"
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([cc, *FLAGS, *NATIVE_FLAGS, _machine()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([cc, *FLAGS, *native_flags, _machine()]).encode()).hexdigest()[:16]
     target = _cache_dir() / "native" / f"elementwise_step-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -123,7 +124,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         os.close(fd)
         try:
             error = ""
-            for extra in (NATIVE_FLAGS, []):
+            for extra in (native_flags, []):
                 proc = subprocess.run([cc, *FLAGS, *extra, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
                                       text=True)
                 if proc.returncode == 0:
@@ -255,7 +256,7 @@ def map_tables(map_name: str) -> tuple[Tensor, Any, Tensor | None, Any, Tensor |
 
 def _table(table: Any, packed: Tensor | None) -> _CountTable:
     return _CountTable(table.base.data_ptr(), table.padded.data_ptr(), table.extra,
-                       packed.data_ptr() if packed is not None else None)
+                       packed.data_ptr() if packed is not None else None, table.padded.numel() - table.extra)
 
 
 def _fill_factored(c: _Codec, window: Any, start: int) -> None:

@@ -52,6 +52,7 @@ typedef struct {
      * order key of the point in range r (65536 if none), so that count = (packed >> 17) + (low16(key) >= t):
      * one look-up instead of two dependent ones */
     const int32_t *packed;
+    int32_t n_points;     /* the points before the NaN padding */
 } count_table_t;
 
 typedef struct {
@@ -157,10 +158,39 @@ static inline int32_t count_le(const count_table_t *t, float x) {
     return count;
 }
 
+#ifdef __AVX512F__
+/* count_le for n values against at most 16 points, sixteen values at a time: the sum of x >= point over the
+ * points. That is the table's count for every x but a NaN, which compares false with every point: the table
+ * counts a NaN with the sign bit clear above every point and one with it set below every point (its order key),
+ * so the first kind is set to n_points. */
+static void count_le_compare(const count_table_t *t, const float *x, int32_t *out, int64_t n) {
+    const int32_t np = t->n_points;
+    __m512 pts[16];
+    for (int32_t k = 0; k < np; k++) pts[k] = _mm512_set1_ps(t->points[k]);
+    const __m512i one = _mm512_set1_epi32(1), inf_bits = _mm512_set1_epi32(0x7F800000), all = _mm512_set1_epi32(np);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        __m512i count = _mm512_setzero_si512();
+        for (int32_t k = 0; k < np; k++)
+            count = _mm512_mask_add_epi32(count, _mm512_cmp_ps_mask(v, pts[k], _CMP_GE_OQ), count, one);
+        const __mmask16 high_nan = _mm512_cmpgt_epi32_mask(_mm512_castps_si512(v), inf_bits);
+        _mm512_storeu_si512(out + i, _mm512_mask_mov_epi32(count, high_nan, all));
+    }
+    for (; i < n; i++) out[i] = count_le(t, x[i]);
+}
+#endif
+
 /* count_le for n values at once; the common case of at most one point per range (every map here) as a loop
  * the compiler vectorizes (a gather from the table, one from the points, one comparison). */
 static void count_le_many(const count_table_t *t, const float *x, int32_t *out, int64_t n) {
     const int32_t *packed = t->packed;
+#ifdef __AVX512F__
+    if (t->n_points <= 16) {  /* a 4-bit or ternary map: compare with every point, in registers, no look-up */
+        count_le_compare(t, x, out, n);
+        return;
+    }
+#endif
     if (packed == NULL) {
         for (int64_t i = 0; i < n; i++) out[i] = count_le(t, x[i]);
         return;
@@ -205,6 +235,20 @@ static void ternary_values(const codec_t *c, const uint8_t *packed, int64_t off,
     }
 }
 
+#ifdef __AVX512F__
+/* tab[code] for sixteen codes in [0, 256), tab the map in sixteen registers of sixteen entries */
+static inline __m512 map256(const __m512 *tab, __m512i code) {
+    __m512 r[8];
+    for (int k = 0; k < 8; k++) r[k] = _mm512_permutex2var_ps(tab[2 * k], code, tab[2 * k + 1]);
+    const __mmask16 b5 = _mm512_test_epi32_mask(code, _mm512_set1_epi32(32));
+    const __mmask16 b6 = _mm512_test_epi32_mask(code, _mm512_set1_epi32(64));
+    const __mmask16 b7 = _mm512_test_epi32_mask(code, _mm512_set1_epi32(128));
+    for (int k = 0; k < 4; k++) r[k] = _mm512_mask_blend_ps(b5, r[2 * k], r[2 * k + 1]);
+    for (int k = 0; k < 2; k++) r[k] = _mm512_mask_blend_ps(b6, r[2 * k], r[2 * k + 1]);
+    return _mm512_mask_blend_ps(b7, r[0], r[1]);
+}
+#endif
+
 /* Decode elements [off, off + cnt) of the window into out. */
 static void decode(const codec_t *c, int64_t off, int64_t cnt, float *out) {
     switch (c->kind) {
@@ -229,10 +273,23 @@ static void decode(const codec_t *c, int64_t off, int64_t cnt, float *out) {
     }
     case C_BLOCK8: {  /* off and the tile are whole blocks */
         const uint8_t *d = (const uint8_t *)c->data + off;
+#ifdef __AVX512F__
+        /* the 256-entry map in sixteen registers: two-source permutes pick among 32 entries by the code's low five
+         * bits, three rounds of blends by its high three; faster than a gather, and the same values */
+        __m512 tab[16];
+        for (int k = 0; k < 16; k++) tab[k] = _mm512_loadu_ps(c->qmap + 16 * k);
+#endif
         for (int64_t b0 = 0; b0 < cnt; b0 += c->block) {
             const float scale = scale_at(c, (off + b0) / c->block);
             const int64_t e = cnt - b0 < c->block ? cnt - b0 : c->block;
             int64_t i = 0;
+#ifdef __AVX512F__
+            const __m512 sz = _mm512_set1_ps(scale);
+            for (; i + 16 <= e; i += 16) {
+                const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(d + b0 + i)));
+                _mm512_storeu_ps(out + b0 + i, _mm512_mul_ps(map256(tab, code), sz));
+            }
+#endif
 #ifdef __AVX2__
             const __m256 sv = _mm256_set1_ps(scale);
             for (; i + 8 <= e; i += 8) {
@@ -246,6 +303,34 @@ static void decode(const codec_t *c, int64_t off, int64_t cnt, float *out) {
     }
     case C_BLOCK4: {  /* a byte holds two codes, the first in its high half: both values from one look-up */
         const uint8_t *d = (const uint8_t *)c->data + off / 2;
+#ifdef __AVX512F__
+        if (c->block % 32 == 0 && c->qmap_n == 16) {  /* the 16-entry map in one register: a permute is the look-up */
+            const __m512 tab = _mm512_loadu_ps(c->qmap);
+            const __m512i nib = _mm512_set1_epi32(15);
+            /* the values of 16 bytes' high codes (h) and low codes (l) interleaved: h0 l0 h1 l1 ... */
+            const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+            const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+            for (int64_t b0 = 0; b0 < cnt; b0 += c->block) {
+                const __m512 sz = _mm512_set1_ps(scale_at(c, (off + b0) / c->block));
+                const int64_t e = cnt - b0 < c->block ? cnt - b0 : c->block;  /* a whole block but the last */
+                int64_t i = 0;
+                for (; i + 32 <= e; i += 32) {
+                    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(d + (b0 + i) / 2)));
+                    const __m512 h = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), tab);
+                    const __m512 l = _mm512_permutexvar_ps(_mm512_and_si512(b, nib), tab);
+                    _mm512_storeu_ps(out + b0 + i, _mm512_mul_ps(_mm512_permutex2var_ps(h, first, l), sz));
+                    _mm512_storeu_ps(out + b0 + i + 16, _mm512_mul_ps(_mm512_permutex2var_ps(h, second, l), sz));
+                }
+                const float scale = scale_at(c, (off + b0) / c->block);
+                for (; i < e; i += 2) {
+                    const uint8_t byte = d[(b0 + i) / 2];
+                    out[b0 + i] = c->qmap[byte >> 4] * scale;
+                    if (i + 1 < e) out[b0 + i + 1] = c->qmap[byte & 15] * scale;
+                }
+            }
+            break;
+        }
+#endif
         float t[MAX_TILE + 2];
         for (int64_t j = 0; 2 * j < cnt; j++) memcpy(t + 2 * j, c->pairs + 2 * d[j], 2 * sizeof(float));
         for (int64_t b0 = 0; b0 < cnt; b0 += c->block) {
