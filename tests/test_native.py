@@ -200,6 +200,62 @@ def test_every_instruction_set_path_equals_the_eager_step(monkeypatch, level, ru
     assert counting.calls >= 2 * 3 * 2
 
 
+TACO_CASES = [dict(), dict(taco_format="int8"), dict(taco_scale_dtype="fp32"),
+              dict(taco_format="int8", taco_scale_dtype="fp32", weight_decay=0.0), dict(taco_decay=0.0)]
+
+
+@pytest.mark.parametrize("settings", TACO_CASES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "default")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_taco_one_component_step_equals_the_tensor_operations(monkeypatch, dtype, settings):
+    """TACO's whole k = 1 step in the kernel against the sparse tensor-operation step (the kernel off) and the
+    dense eager step (fused=False), bit for bit on the weight and every state tensor: 300 rows (int16 row
+    indices) and 8 (uint8), ties, zero columns, tiny gradients (subnormal fp8 codes) and a NaN gradient entry."""
+    from slimopt.optim import taco
+
+    if native.library() is None:
+        pytest.skip("the kernel cannot be built here (no C compiler)")
+    calls = []
+    one, applies = native.taco_one, native.taco_applies
+    monkeypatch.setattr(native, "taco_one", lambda *a: calls.append(1) or one(*a))
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(300, 40), (8, 33)]
+    grads = []
+    for step in range(5):
+        gs = [torch.randint(-6, 7, s, generator=gen).float() * 0.5 ** torch.randint(0, 30, s, generator=gen)
+              for s in shapes]
+        gs[0][:, 3] = 0.0  # a zero column: nothing stored, no move
+        gs[0][:, 7] = torch.randint(-6, 7, (300,), generator=gen) * 1e-43  # subnormal values: subnormal codes
+        if step == 3:
+            gs[1][2, 5] = float("nan")  # a NaN kept: encoded and applied by the tensor operations
+        grads.append([g.to(dtype) for g in gs])
+
+    def run(fused, kernel):
+        monkeypatch.setattr(native, "taco_applies", applies if kernel else lambda *a: False)
+        ws = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(1)).to(dtype)) for s in shapes]
+        kw = {**dict(lr=1e-2, weight_decay=0.1, rule="taco", taco_alpha=1.0, fused=fused), **settings}
+        opt = slimopt.SlimOptimizer(ws, **kw)
+        for gs in grads:
+            for w, g in zip(ws, gs):
+                w.grad = g.clone()
+            opt.step()
+        return ws, opt
+
+    ref_w, ref = run(True, False)
+    for fused in (True, False):
+        calls.clear()
+        ws, opt = run(fused, True)
+        assert len(calls) == (10 if fused else 0)
+        for a, b in zip(ws, ref_w):
+            assert torch.equal(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                               b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+            sa, sb = opt.state[a], ref.state[b]
+            assert sorted(sa) == sorted(sb)
+            for key in sa:
+                x, y = sa[key], sb[key]
+                assert x.dtype == y.dtype and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), key
+    assert taco.DEFAULTS["taco_k"] == 1  # the default is what the kernel serves
+
+
 def test_the_kernel_builds_where_a_compiler_is():
     if native._state.get("lib") is None and not shutil.which(os.environ.get("CC") or "cc"):
         pytest.skip("no C compiler on this machine")

@@ -142,6 +142,23 @@ def test_history_update_matches_a_plain_per_column_reference():
             assert int(rows[0, 1]) == 4 and int(rows[1, 1]) == 7
 
 
+def test_one_slot_keep_equals_the_stable_sort():
+    """At k = 1 step 4 picks the larger |value| of the stored and the candidate component without a sort: the
+    same pick as the stable descending sort of the two, on ties (the stored one), zeros and NaN (first)."""
+    gen = torch.Generator().manual_seed(3)
+    pool = torch.tensor([0.0, -0.0, 1.0, -1.0, 0.5, float("nan"), -float("nan"), float("inf")])
+    stored = pool[torch.randint(0, len(pool), (1, 4000), generator=gen)]
+    cand = pool[torch.randint(0, len(pool), (1, 4000), generator=gen)]
+    stored[0, :1000] = torch.randn(1000, generator=gen)
+    cand[0, 1000:2000] = torch.randn(1000, generator=gen)
+    rows, cand_rows = torch.zeros(1, 4000, dtype=torch.long), torch.ones(1, 4000, dtype=torch.long)
+    both_rows, both = torch.cat([rows, cand_rows]), torch.cat([stored, cand])
+    order = both.abs().sort(dim=0, descending=True, stable=True).indices[:1]
+    kept_rows, kept = taco._keep_larger(rows, stored, cand_rows, cand)
+    assert torch.equal(kept_rows, both_rows.gather(0, order))
+    assert torch.equal(kept.view(torch.int32), both.gather(0, order).view(torch.int32))  # NaN and -0.0 too
+
+
 def test_history_follows_a_persistent_signal_as_dense_momentum_does():
     # Each column has one row with a steady gradient of 1 in noise of std 1.5. The bare direction picks it about
     # as often as chance (1/32); the k = 4 sketch picks it as often as the argmax of the dense EMA momentum does

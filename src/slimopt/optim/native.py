@@ -75,6 +75,18 @@ class _Codec(ctypes.Structure):
                 ("pairs", ctypes.c_void_p)]
 
 
+class _Taco(ctypes.Structure):
+    p = ctypes.c_void_p
+    _fields_ = [("m", ctypes.c_int64), ("n", ctypes.c_int64), ("g", p), ("g_dtype", ctypes.c_int32),
+                ("rows", p), ("rows_bytes", ctypes.c_int32), ("codes", p), ("fp8", ctypes.c_int32),
+                ("fp8_values", p), ("absmax", p), ("scale_bf16", ctypes.c_int32), ("top", ctypes.c_float),
+                ("beta", ctypes.c_float), ("w", ctypes.c_float), ("param", p), ("param_dtype", ctypes.c_int32),
+                ("has_decay", ctypes.c_int32), ("decay", ctypes.c_float), ("alpha", ctypes.c_float),
+                ("out_rows", p), ("out_values", p), ("out_signs", p), ("hidden", p), ("cand_rows", p),
+                ("cand_abs", p), ("keys", p)]
+    del p
+
+
 class _Step(ctypes.Structure):
     _fields_ = [("n", ctypes.c_int64), ("param", ctypes.c_void_p), ("param_dtype", ctypes.c_int32),
                 ("grad", ctypes.c_void_p), ("grad_dtype", ctypes.c_int32), ("rule", ctypes.c_int32),
@@ -143,6 +155,8 @@ def _build(native_flags: list[str] = NATIVE_FLAGS) -> tuple[ctypes.CDLL | None, 
     p = ctypes.c_void_p
     lib.slimopt_column_best.argtypes = [p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, p, p, p, p]
     lib.slimopt_column_best.restype = ctypes.c_int
+    lib.slimopt_taco_one.argtypes = [ctypes.POINTER(_Taco)]
+    lib.slimopt_taco_one.restype = ctypes.c_int
     return lib, ""
 
 
@@ -373,3 +387,65 @@ def column_best(g: Tensor, hidden: Tensor | None) -> tuple[Tensor, Tensor]:
     if rc != 0:
         raise RuntimeError(f"slimopt: the native column search refused a {tuple(g.shape)} {g.dtype} gradient")
     return rows, absval
+
+
+def taco_kernel_applies(group: dict[str, Any], dtype: torch.dtype, device_type: str) -> bool:
+    """Whether TACO's whole one-component step of a `dtype` weight on `device_type` runs through the kernel
+    (``taco_one``): a fused group at taco_k 1, a CPU fp32 or bf16 weight written to nearest."""
+    if not (group["fused"] and group["taco_k"] == 1 and device_type == "cpu" and dtype in _DTYPES):
+        return False
+    if group["param_rounding"] != "nearest" and dtype != torch.float32:
+        return False
+    return library() is not None
+
+
+def taco_applies(group: dict[str, Any], p: Tensor, grad: Tensor) -> bool:
+    """``taco_kernel_applies`` for this 2-D weight and its gradient (fp32 or bf16, contiguous, plain tensors)."""
+    if p.dim() != 2 or grad.dtype not in _DTYPES or grad.shape != p.shape:
+        return False
+    if not (p.is_contiguous() and grad.is_contiguous() and type(p.data) is Tensor):
+        return False
+    return taco_kernel_applies(group, p.dtype, p.device.type)
+
+
+TACO_COLUMN_SCRATCH = 40  # what taco_one allocates a column: its (2, n) int64, (4, n) fp32 and (n,) int64
+_FP8_VALUES: list[Tensor] = []
+
+
+def _fp8_values() -> Tensor:
+    """(256,) fp32: the value of every float8_e4m3fn code, as torch decodes it."""
+    if not _FP8_VALUES:
+        _FP8_VALUES.append(torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float())
+    return _FP8_VALUES[0]
+
+
+def taco_one(p: Tensor, grad: Tensor, state: dict[str, Tensor], beta: float, lr: float, weight_decay: float,
+             coef: float) -> tuple[Tensor, Tensor] | None:
+    """TACO's step at taco_k 1 on p (``taco.sparse_update`` then ``taco.apply_sparse`` at nearest rounding), the
+    state's three tensors updated in place. Returns None when done; where a kept value is NaN nothing is written
+    and it returns (kept rows (1, n) int64, kept values (1, n) fp32) for the caller to encode and apply eagerly.
+    Allocates ``TACO_COLUMN_SCRATCH`` bytes a column."""
+    m, n = p.shape
+    rows, codes, absmax = state["taco_rows"], state["taco_values"], state["taco_absmax"]
+    out = torch.empty((2, n), dtype=torch.int64)  # the kept rows; the stored rows hidden from the search
+    work = torch.empty((4, n), dtype=torch.float32)  # kept values, signs, candidates' |g|, the search's keys
+    cand = torch.empty(n, dtype=torch.int64)
+    t = _Taco()
+    t.m, t.n = m, n
+    t.g, t.g_dtype = grad.data_ptr(), _DTYPES[grad.dtype]
+    t.rows, t.rows_bytes = rows.data_ptr(), rows.element_size()
+    t.fp8 = int(codes.dtype == torch.float8_e4m3fn)
+    t.codes, t.fp8_values = codes.data_ptr(), _fp8_values().data_ptr()
+    t.absmax, t.scale_bf16 = absmax.data_ptr(), int(absmax.dtype == torch.bfloat16)
+    t.top = 448.0 if t.fp8 else 127.0
+    t.beta, t.w = beta, 1.0 - beta
+    t.param, t.param_dtype = p.data_ptr(), _DTYPES[p.dtype]
+    t.has_decay, t.decay, t.alpha = int(weight_decay != 0.0), 1.0 - lr * weight_decay, -lr * coef
+    t.out_rows, t.hidden, t.cand_rows = out[0].data_ptr(), out[1].data_ptr(), cand.data_ptr()
+    t.out_values, t.out_signs, t.cand_abs, t.keys = (work[i].data_ptr() for i in range(4))
+    rc = library().slimopt_taco_one(ctypes.byref(t))
+    if rc == 1:
+        return out[:1], work[:1]
+    if rc != 0:
+        raise RuntimeError(f"slimopt: the native TACO step refused a {tuple(p.shape)} {p.dtype} weight")
+    return None

@@ -252,6 +252,15 @@ def _candidates(a: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return rows, valid
 
 
+def _keep_larger(rows: Tensor, values: Tensor, cand_rows: Tensor, cand_values: Tensor) -> tuple[Tensor, Tensor]:
+    """Step 4 at k = 1: what the stable descending sort of [stored, candidate] by |value| keeps first, without
+    the sort: the candidate where its |value| is larger, or NaN (the sort puts NaN first) while the stored one's
+    is not; the stored one on ties."""
+    stored, cand = values.abs(), cand_values.abs()
+    take = (cand > stored) | (cand.isnan() & ~stored.isnan())
+    return torch.where(take, cand_rows, rows), torch.where(take, cand_values, values)
+
+
 def update(state: MutableMapping[str, Tensor], g: Tensor, group: Mapping[str, Any],
            shape: torch.Size | tuple[int, ...] | None = None) -> tuple[Tensor, float]:
     """One TACO step for a 2-D gradient; returns (d, c): the update is lr * c * d.
@@ -305,10 +314,13 @@ def sparse_update(state: MutableMapping[str, Tensor], g: Tensor, group: Mapping[
         cand_rows, valid = _window_candidates(g, rows, live, kc)
     cand_values = g.gather(0, cand_rows).float().mul_(1.0 - beta).masked_fill_(~valid, 0.0)
     # 4. keep the k largest |value| of stored + candidates (stable: stored first, earlier slots first)
-    all_rows = torch.cat([rows, cand_rows])  # (k + kc, n)
-    all_values = torch.cat([values, cand_values])
-    order = all_values.abs().sort(dim=0, descending=True, stable=True).indices[:k]
-    kept_rows, kept_values = all_rows.gather(0, order), all_values.gather(0, order)
+    if k == 1 and kc == 1:
+        kept_rows, kept_values = _keep_larger(rows, values, cand_rows, cand_values)
+    else:
+        all_rows = torch.cat([rows, cand_rows])  # (k + kc, n)
+        all_values = torch.cat([values, cand_values])
+        order = all_values.abs().sort(dim=0, descending=True, stable=True).indices[:k]
+        kept_rows, kept_values = all_rows.gather(0, order), all_values.gather(0, order)
     # 5. the direction: the sign of the largest kept component (slot 0 after the sort), at its row
     rows, signs = kept_rows[:1], kept_values[:1].sign()
     # 6. store
@@ -332,10 +344,13 @@ _DECAY_COLUMN_SCRATCH = 20
 def scratch_bytes(shape: torch.Size | tuple[int, ...], group: Mapping[str, Any], dtype: torch.dtype,
                   device_type: str) -> int:
     """What one fused TACO step (``sparse_update`` then ``apply_sparse``) of a `shape` weight on `device_type`
-    allocates at most: a window of the candidate search (none in the CPU kernel's one-pass search) and its
+    allocates at most: in the CPU kernel (``one_pass_step``) its per-column buffers (a step that keeps a NaN
+    adds the tensor operations' few per-column ones); otherwise a window of the candidate search (none in the CPU kernel's one-pass search) and its
     per-column bookkeeping, or, for a bf16 weight written with stochastic rounding or Kahan compensation under
     weight decay, the decay pass's window if that is larger."""
     m, n = shape
+    if native.taco_kernel_applies(group, dtype, device_type):  # the whole step in the kernel (one_pass_step)
+        return native.TACO_COLUMN_SCRATCH * n
     rows = max(2 * max(1, min(group["taco_k"], m)) + 1,
                window_elems(m * n, n, _CANDIDATE_SCRATCH) // n)
     search = _CANDIDATE_SCRATCH * min(m, rows) * n
@@ -401,6 +416,25 @@ def _window_best(g: Tensor, r0: int, r1: int, rows: Tensor, live: Tensor, kc: in
     del a
     cand_abs = g[r0:r1].gather(0, cand).float().abs_().masked_fill_(~valid, -1.0)
     return cand + r0, cand_abs
+
+
+def one_pass_step(p: Tensor, grad: Tensor, state: MutableMapping[str, Tensor], group: Mapping[str, Any]) -> bool:
+    """``sparse_update`` then ``apply_sparse`` of a (m, n) weight in the C kernel where it applies (a fused CPU
+    group at taco_k 1, the weight written to nearest: ``native.taco_applies``): one pass over the gradient, one
+    over the weight, the same arithmetic. Returns False where it does not apply."""
+    if not native.taco_applies(group, p, grad):
+        return False
+    m, n = p.shape
+    if "taco_rows" not in state or state["taco_rows"].shape != (1, n):
+        state.update(init_state(p.shape, 1, group["taco_format"], group["taco_scale_dtype"], p.device))
+    c = float(group["taco_alpha"]) * dimension_factor(p.shape, group["taco_norm"])
+    lr, wd = float(group["lr"]), float(group["weight_decay"])
+    kept = native.taco_one(p, grad, state, float(group["taco_decay"]), lr, wd, c)
+    if kept is not None:  # a NaN kept value: stored and applied as the tensor operations do
+        rows, values = kept
+        _encode(state, rows, values)
+        apply_sparse(p, rows, values.sign(), c, group)
+    return True
 
 
 def apply_sparse(p: Tensor, rows: Tensor, signs: Tensor, coef: float, group: Mapping[str, Any],

@@ -21,7 +21,8 @@
  * look-up table), so codes agree whenever the fp32 moment does.
  *
  * slimopt_column_best is TACO's candidate search (arXiv 2610.02199; slimopt/optim/taco.py) at
- * one candidate a column: one pass over the gradient instead of |g|, a scatter and a strided argmax.
+ * one candidate a column: one pass over the gradient instead of |g|, a scatter and a strided argmax;
+ * slimopt_taco_one is TACO's whole step at one stored component a column, that search included.
  *
  * Stochastic codecs draw their uniform [0, 1) numbers themselves, from the counter-based stream of
  * slimopt/optim/noise.py: the number of element j of the parameter is a hash of (key, j), so every tile computes
@@ -629,6 +630,143 @@ int slimopt_column_best(const void *g, int32_t dtype, int64_t m, int64_t n, cons
         float f;
         memcpy(&f, &b, 4);
         absval[c] = (b >= 0 && b <= 0x7F800000) ? f : -1.0f;
+    }
+    return 0;
+}
+
+/* TACO's whole step at one stored component a column (taco.sparse_update then taco.apply_sparse, k = 1, the
+ * weight rounded to nearest), with the same arithmetic op for op: decode the stored component, its EMA with the
+ * gradient at its row, the best other row (slimopt_column_best), the larger of the two kept, re-encoded, and the
+ * weight decayed and moved at the kept row by -lr c sign. One pass over the gradient (the search) and one over
+ * the weight (the decay) instead of some thirty small tensor operations a weight. */
+typedef struct {
+    int64_t m, n;
+    const void *g;            /* (m, n) D_FP32 / D_BF16, row-major */
+    int32_t g_dtype;
+    void *rows;               /* (n,) the stored rows: uint8, int16, int32 or int64 (rows_bytes 1, 2, 4, 8) */
+    int32_t rows_bytes;
+    void *codes;              /* (n,) int8 codes, or float8_e4m3fn ones (fp8) */
+    int32_t fp8;
+    const float *fp8_values;  /* (256,) every fp8 code's value (fp8 only) */
+    void *absmax;             /* (n,) the column scales: fp32, or bf16 where scale_bf16 */
+    int32_t scale_bf16;
+    float top;                /* the largest code: 448 (fp8) or 127 (int8) */
+    float beta, w;            /* the decay of the history, and (float)(1 - beta) */
+    void *param;              /* (m, n) D_FP32 / D_BF16: decayed, then moved at the kept rows */
+    int32_t param_dtype;
+    int32_t has_decay;
+    float decay;              /* 1 - lr * weight_decay */
+    float alpha;              /* -lr * c */
+    int64_t *out_rows;        /* (n,) the kept rows */
+    float *out_values;        /* (n,) the kept values (fp32, before encoding) */
+    float *out_signs;         /* (n,) the direction's sign at the kept row */
+    int64_t *hidden;          /* (n,) scratch: the stored row of a live column, else -1 */
+    int64_t *cand_rows;       /* (n,) scratch */
+    float *cand_abs;          /* (n,) scratch */
+    int32_t *keys;            /* (n,) scratch */
+} taco_t;
+
+static inline float g_at(const taco_t *t, int64_t r, int64_t c) {
+    const int64_t i = r * t->n + c;
+    return t->g_dtype == D_FP32 ? ((const float *)t->g)[i] : bf16_to_f32(((const uint16_t *)t->g)[i]);
+}
+
+static inline int64_t stored_row(const taco_t *t, int64_t c) {
+    switch (t->rows_bytes) {
+    case 1: return ((const uint8_t *)t->rows)[c];
+    case 2: return ((const int16_t *)t->rows)[c];
+    case 4: return ((const int32_t *)t->rows)[c];
+    default: return ((const int64_t *)t->rows)[c];
+    }
+}
+
+static inline void store_row(const taco_t *t, int64_t c, int64_t r) {
+    switch (t->rows_bytes) {
+    case 1: ((uint8_t *)t->rows)[c] = (uint8_t)r; break;
+    case 2: ((int16_t *)t->rows)[c] = (int16_t)r; break;
+    case 4: ((int32_t *)t->rows)[c] = (int32_t)r; break;
+    default: ((int64_t *)t->rows)[c] = r;
+    }
+}
+
+/* fp32 -> float8_e4m3fn, round to nearest even, for |x| <= 448 and not NaN (what the encode gives it): normal
+ * values keep 3 of the 23 mantissa bits, rounded on the integer pattern; below 2^-6 the code is the number of
+ * 2^-9 steps (subnormals, and 8 for the smallest normal). */
+static inline uint8_t fp8_e4m3fn(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    const uint8_t sign = (uint8_t)((bits >> 24) & 0x80);
+    const uint32_t a = bits & 0x7FFFFFFFu;
+    if (a < (121u << 23)) return sign | (uint8_t)nearbyintf(fabsf(x) * 512.0f);
+    const uint32_t r = a + 0x7FFFFu + ((a >> 20) & 1u);
+    return sign | (uint8_t)((r >> 20) - (120u << 3));
+}
+
+/* Returns 0; 1 where a kept value is NaN (nothing written: the caller encodes and applies it as the eager step
+ * does, from out_rows and out_values); -1 for arguments it does not know. */
+int slimopt_taco_one(const taco_t *t) {
+    const int64_t m = t->m, n = t->n;
+    if (m < 1 || n < 1 || (t->g_dtype != D_FP32 && t->g_dtype != D_BF16)) return -1;
+    if (t->param_dtype != D_FP32 && t->param_dtype != D_BF16) return -1;
+    float *stored = t->out_values;  /* the stored components' values, until step 4 overwrites them */
+    for (int64_t c = 0; c < n; c++) {  /* 1-2. decode; the EMA of the live ones at their row */
+        const float code = t->fp8 ? t->fp8_values[((const uint8_t *)t->codes)[c]] : (float)((const int8_t *)t->codes)[c];
+        const float scale = t->scale_bf16 ? bf16_to_f32(((const uint16_t *)t->absmax)[c]) : ((const float *)t->absmax)[c];
+        const float v = code * (scale / t->top);
+        const int64_t r = stored_row(t, c);
+        const int live = v != 0.0f;
+        stored[c] = live ? fmaf(g_at(t, r, c), t->w, v * t->beta) : 0.0f;
+        t->hidden[c] = live ? r : -1;
+    }
+    /* 3. the best row not stored */
+    int rc = slimopt_column_best(t->g, t->g_dtype, m, n, t->hidden, t->cand_rows, t->cand_abs, t->keys);
+    if (rc != 0) return rc;
+    int nan = 0;
+    for (int64_t c = 0; c < n; c++) {  /* 4. the larger |value| kept (taco._keep_larger) */
+        const int valid = t->cand_abs[c] >= 0.0f;
+        const float cv = valid ? g_at(t, t->cand_rows[c], c) * t->w : 0.0f;
+        const float sa = fabsf(stored[c]), ca = fabsf(cv);
+        const int take = (ca > sa) | ((ca != ca) & (sa == sa));
+        t->out_rows[c] = take ? t->cand_rows[c] : stored_row(t, c);
+        stored[c] = take ? cv : stored[c];
+        nan |= stored[c] != stored[c];
+    }
+    if (nan) return 1;
+    const float tiny = 1.17549435e-38f;
+    for (int64_t c = 0; c < n; c++) {  /* 5-6. the sign, and the store (taco._encode at k = 1) */
+        const float v = stored[c];
+        t->out_signs[c] = sign(v);
+        float scale = fabsf(v);
+        if (t->scale_bf16) {
+            const uint16_t h = f32_to_bf16(scale);
+            ((uint16_t *)t->absmax)[c] = h;
+            scale = bf16_to_f32(h);
+        } else {
+            ((float *)t->absmax)[c] = scale;
+        }
+        float normed = scale > 0.0f ? v / (scale > tiny ? scale : tiny) : 0.0f;
+        normed = normed < -1.0f ? -1.0f : normed > 1.0f ? 1.0f : normed;
+        normed = normed * t->top;
+        if (t->fp8) ((uint8_t *)t->codes)[c] = fp8_e4m3fn(normed);
+        else ((int8_t *)t->codes)[c] = (int8_t)nearbyintf(normed);
+        store_row(t, c, t->out_rows[c]);
+    }
+    /* apply_sparse: the decay over the whole weight, then the kept entries */
+    const int64_t total = m * n;
+    if (t->param_dtype == D_FP32) {
+        float *p = (float *)t->param;
+        if (t->has_decay) for (int64_t i = 0; i < total; i++) p[i] = p[i] * t->decay;
+        for (int64_t c = 0; c < n; c++) {
+            float *e = p + t->out_rows[c] * n + c;
+            *e = fmaf(t->out_signs[c], t->alpha, *e);
+        }
+    } else {
+        uint16_t *p = (uint16_t *)t->param;
+        if (t->has_decay) for (int64_t i = 0; i < total; i++) p[i] = f32_to_bf16(bf16_to_f32(p[i]) * t->decay);
+        for (int64_t c = 0; c < n; c++) {
+            uint16_t *e = p + t->out_rows[c] * n + c;
+            *e = f32_to_bf16(fmaf(t->out_signs[c], t->alpha, bf16_to_f32(*e)));
+        }
     }
     return 0;
 }
