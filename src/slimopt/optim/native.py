@@ -268,6 +268,20 @@ def map_tables(map_name: str) -> tuple[Tensor, Any, Tensor | None, Any, Tensor |
     return entry
 
 
+_STRUCTS: dict[str, tuple[int, int, _CountTable, _CountTable]] = {}
+
+
+def _map_structs(map_name: str) -> tuple[int, int, _CountTable, _CountTable]:
+    """A map's pointer, its size and its two count tables as the kernel reads them, made once a map (the tensors
+    stay alive in map_tables' cache): (qmap, n, nearest, bracket)."""
+    entry = _STRUCTS.get(map_name)
+    if entry is None:
+        qmap, nearest, nearest_packed, bracket, bracket_packed = map_tables(map_name)
+        entry = _STRUCTS[map_name] = (qmap.data_ptr(), qmap.numel(), _table(nearest, nearest_packed),
+                                      _table(bracket, bracket_packed))
+    return entry
+
+
 def _table(table: Any, packed: Tensor | None) -> _CountTable:
     return _CountTable(table.base.data_ptr(), table.padded.data_ptr(), table.extra,
                        packed.data_ptr() if packed is not None else None, table.padded.numel() - table.extra)
@@ -303,10 +317,7 @@ def _fill_codec(c: _Codec, codec: Any, key: str, part: dict[str, Tensor], noise:
             c.err = part[key + "_err"].data_ptr()
     c.block = codec.block_size
     c.scale = part[key + "_scale"].data_ptr()
-    qmap, nearest, nearest_packed, bracket, bracket_packed = map_tables(map_name)
-    c.qmap, c.qmap_n = qmap.data_ptr(), qmap.numel()
-    c.nearest = _table(nearest, nearest_packed)
-    c.bracket = _table(bracket, bracket_packed)
+    c.qmap, c.qmap_n, c.nearest, c.bracket = _map_structs(map_name)
 
 
 def window_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], windows: list,
