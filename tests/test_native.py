@@ -200,6 +200,28 @@ def test_every_instruction_set_path_equals_the_eager_step(monkeypatch, level, ru
     assert counting.calls >= 2 * 3 * 2
 
 
+@pytest.mark.parametrize("free_rule", ["sign", "sgd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_state_free_step_equals_the_eager_step(counted, dtype, free_rule):
+    """The state-free update (density 0) on fp32 gradients of fp32 and bf16 weights, which the windowed step takes
+    (torch's residual kernels want the weight's dtype): zeros and a NaN in the gradient, bit for bit."""
+    kw = dict(lr=1e-2, weight_decay=0.1, projector="block", density=0.0, free_rule=free_rule, free_scale=0.5)
+    a, b = _params(dtype), _params(dtype)
+    for p in a + b:
+        p.grad_dtype = None  # fp32 gradients of bf16 weights (mixed-precision training keeps them so)
+    fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
+    grads = _grads(torch.float32, 3)
+    for gs in grads:
+        gs[0][0, :7] = 0.0
+        gs[1][5] = float("nan")
+    _run(a, fast, grads)
+    assert counted.calls >= 3 * len(SHAPES)
+    _run(b, eager, [[g.clone() for g in gs] for gs in grads])
+    for pa, pb in zip(a, b):
+        assert torch.equal(pa.view(-1)[pa.view(-1) == pa.view(-1)], pb.view(-1)[pb.view(-1) == pb.view(-1)])
+        assert torch.equal(pa.isnan(), pb.isnan())
+
+
 TACO_CASES = [dict(), dict(taco_format="int8"), dict(taco_scale_dtype="fp32"),
               dict(taco_format="int8", taco_scale_dtype="fp32", weight_decay=0.0), dict(taco_decay=0.0)]
 

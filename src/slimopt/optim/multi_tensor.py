@@ -10,9 +10,10 @@ already ships, fused over every tensor of a list:
   computes in fp32 and writes the weight and the moments once; decoupled weight decay is applied to the weight
   first, as ``rules.apply_update`` does. It covers ``adamw`` and every method's AdamW groups (embeddings, norms
   and head of GaLore, FRUGAL, BAdam, TACO), and FRUGAL's and BAdam's active blocks.
-- **The state-free residual of an inactive FRUGAL block** (``free_rule`` ``sign`` or ``sgd``): decay for all of
-  them in one foreach call, then ``p -= lr * free_scale * sign(g)`` tensor by tensor, the direction in fp32 as
-  in the eager step (one temporary at a time).
+- **The state-free residual of an inactive FRUGAL block** (``free_rule`` ``sign`` or ``sgd``): on a CPU with
+  the one-pass kernel (``native.py``), one pass a weight (decay, sign, the fp32 update, one write); otherwise
+  decay for all of them in one foreach call, then ``p -= lr * free_scale * sign(g)`` tensor by tensor, the
+  direction in fp32 as in the eager step (one temporary at a time).
 
 The optimizer queues such parameters while it walks the group (``Batch.adamw`` / ``Batch.residual``, after the
 same per-parameter bookkeeping as the eager step: step counters, block turns, moment resets) and runs the queue
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import native
 from .codecs import Bf16Codec, Fp32Codec
 from .rules import decay_factor
 
@@ -68,8 +70,10 @@ def _rounds_nearest(group: dict[str, Any], dtype: torch.dtype) -> bool:
 
 
 def residual_scratch_bytes(group: dict[str, Any], p: Tensor) -> int:
-    """What the residual step allocates at most for p (its gradient has p's dtype): sign(grad) and its fp32 copy
-    for a narrower gradient, or the fp32 copy alone for sgd."""
+    """What the residual step allocates at most for p (its gradient has p's dtype): nothing in the one-pass C
+    kernel, else sign(grad) and its fp32 copy for a narrower gradient, or the fp32 copy alone for sgd."""
+    if native.kernel_applies(group, p.dtype, p.device.type, []):
+        return 0
     fp32 = 4 * p.numel() if p.dtype != torch.float32 else 0
     sign = p.numel() * p.element_size() if group["free_rule"] == "sign" else 0
     return sign + fp32
@@ -88,6 +92,10 @@ def adamw_applies(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[t
 def residual_applies(group: dict[str, Any], p: Tensor, grad: Tensor) -> bool:
     """``residual_kernel_applies`` for this weight and gradient (same dtype, dense, contiguous)."""
     return _plain_tensors(p, grad) and residual_kernel_applies(group, p.dtype, p.device.type)
+
+
+def _no_stream(i: int, start: int):
+    raise AssertionError("the state-free step draws no random numbers")
 
 
 class Batch:
@@ -124,6 +132,10 @@ class Batch:
                                 grad_scale=None, found_inf=None)
         for (gid, _), (params, grads) in self._resid.items():
             group = self._groups[gid]
+            if native.kernel_applies(group, params[0].dtype, params[0].device.type, []):
+                for p, g in zip(params, grads):  # one pass a weight, the same arithmetic
+                    native.window_step(p.view(-1), g.view(-1), {}, group, [], 0, 0, _no_stream)
+                continue
             lr, wd = float(group["lr"]), float(group["weight_decay"])
             if wd != 0.0:
                 torch._foreach_mul_(params, decay_factor(group))

@@ -52,6 +52,7 @@ NATIVE_FLAGS = ["-march=native"]  # dropped when the compiler does not know it
 _RULES = {"adamw": 0, "taco": 0, "lion": 1, "sgdm": 2}
 _MOMENT_KEYS = {"adamw": ["exp_avg", "exp_avg_sq"], "taco": ["exp_avg", "exp_avg_sq"], "lion": ["exp_avg"],
                 "sgdm": ["momentum_buffer"]}
+_FREE_RULES = {"sign": 3, "sgd": 4}  # the state-free update, no moments
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _C_FP32, _C_BF16, _C_BLOCK8, _C_BLOCK4, _C_TERNARY_SR, _C_TERNARY_EF, _C_FACTORED = range(7)
 _MAX_TILE = 4096
@@ -219,12 +220,16 @@ def scratch_per_element(codecs: list[tuple[str, Any]]) -> int | None:
 def kernel_applies(group: dict[str, Any], dtype: torch.dtype, device_type: str,
                    codecs: list[tuple[str, Any]]) -> bool:
     """Whether a `dtype` weight's element-wise steps on `device_type` with these moment codecs run through the
-    kernel (see the module docstring), building it on first ask. (The planner asks this for weights it only
-    describes.)"""
+    kernel (see the module docstring), building it on first ask; no codecs: the state-free update of the group's
+    ``free_rule``. (The planner asks this for weights it only describes.)"""
     rule = group["rule"]
-    if not codecs or not group["fused"] or rule not in _RULES or device_type != "cpu" or dtype not in _DTYPES:
+    if not group["fused"] or device_type != "cpu" or dtype not in _DTYPES:
         return False
     if group["param_rounding"] != "nearest" and dtype != torch.float32:
+        return False
+    if not codecs:
+        return group["free_rule"] in _FREE_RULES and library() is not None
+    if rule not in _RULES:
         return False
     if rule in ("adamw", "taco") and group["eps_placement"] not in ("torch", "galore"):
         return False
@@ -334,20 +339,24 @@ def window_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[s
     s.n = n
     s.param, s.param_dtype = p.data_ptr(), _DTYPES[p.dtype]
     s.grad, s.grad_dtype = grad.data_ptr(), _DTYPES[grad.dtype]
-    s.rule = _RULES[rule]
     lr, wd = float(group["lr"]), float(group["weight_decay"])
     s.has_decay, s.decay = int(wd != 0.0), 1.0 - lr * wd
     coef = 1.0
-    if rule in ("adamw", "taco"):
+    if not windows:  # the state-free update: weight -= lr free_scale free_rule(grad)
+        s.rule, coef = _FREE_RULES[group["free_rule"]], float(group["free_scale"])
+    elif rule in ("adamw", "taco"):
+        s.rule = _RULES[rule]
         beta1, beta2 = group["betas"]
         s.w1, s.beta2, s.w2 = 1 - beta1, beta2, 1 - beta2
         s.bias2_sqrt = (1 - beta2 ** age) ** 0.5
         s.eps, s.eps_before = float(group["eps"]), int(group["eps_placement"] == "galore")
         coef = 1.0 / (1 - beta1 ** age)
     elif rule == "lion":
+        s.rule = _RULES[rule]
         beta1, beta2 = group["betas"]
         s.w1, s.w2 = 1 - beta1, 1 - beta2
     else:
+        s.rule = _RULES[rule]
         s.momentum = float(group["momentum"])
     s.alpha = -lr * coef
     s.n_codecs = len(windows)

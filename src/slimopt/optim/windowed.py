@@ -135,7 +135,7 @@ def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any
     size = window_elems(n, align, per)
     weight, gradient = p.view(-1), grad.view(-1)
     windows = [(i, key, codec, codec.open(key, state, p.shape)) for i, (key, codec) in enumerate(codecs)]
-    one_pass = bool(codecs) and native.applies(group, p, grad, codecs)  # the same windows, one pass each
+    one_pass = native.applies(group, p, grad, codecs)  # the same windows, one pass each
     comp = comp_of(state, p, rounding)
     for start in range(0, n, size):
         stop = min(n, start + size)

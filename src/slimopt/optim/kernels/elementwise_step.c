@@ -36,7 +36,8 @@
 #include <immintrin.h>
 #endif
 
-enum { RULE_ADAMW = 0, RULE_LION = 1, RULE_SGDM = 2 };
+/* RULE_SIGN, RULE_SGD: the state-free update (no moments) of FRUGAL's residual, an inactive block, signSGD */
+enum { RULE_ADAMW = 0, RULE_LION = 1, RULE_SGDM = 2, RULE_SIGN = 3, RULE_SGD = 4 };
 enum { C_FP32 = 0, C_BF16 = 1, C_BLOCK8 = 2, C_BLOCK4 = 3, C_TERNARY_SR = 4, C_TERNARY_EF = 5, C_FACTORED = 6 };
 enum { D_FP32 = 0, D_BF16 = 1 };
 enum { S_ABSMAX = 0, S_MEAN = 1, S_RMS = 2 };
@@ -97,7 +98,7 @@ typedef struct {
     float eps;
     int32_t eps_before;    /* adamw: galore-torch's placement (sqrt(v) + eps) / bias2_sqrt */
     float momentum;        /* sgdm */
-    int32_t n_codecs;      /* moments of the rule: adamw 2 (m, v), lion and sgdm 1 */
+    int32_t n_codecs;      /* moments of the rule: adamw 2 (m, v), lion and sgdm 1, sign and sgd 0 */
     int32_t direction_only; /* param is an fp32 (n,) buffer that receives the direction d (a projected step's
                              * subspace rule, windowed.directions): no decay, no weight update */
     codec_t codecs[2];
@@ -518,7 +519,8 @@ static inline float sign(float x) { return (float)((x > 0.0f) - (x < 0.0f)); }
 /* The step of one window. Returns 0, or -1 for arguments it does not know. */
 int slimopt_elementwise_step(step_t *s) {
     if (!trits_ready) init_trits();
-    if (s->n_codecs < 1 || s->n_codecs > 2) return -1;
+    const int state_free = s->rule == RULE_SIGN || s->rule == RULE_SGD;
+    if (s->n_codecs < (state_free ? 0 : 1) || s->n_codecs > (state_free ? 0 : 2)) return -1;
     int64_t align = 1;  /* a tile holds whole blocks of every codec (and whole bytes of five trits) */
     for (int k = 0; k < s->n_codecs; k++) {
         int64_t a = s->codecs[k].block;
@@ -541,7 +543,7 @@ int slimopt_elementwise_step(step_t *s) {
         float g[MAX_TILE];
         if (s->grad_dtype == D_FP32) memcpy(g, (const float *)s->grad + t0, (size_t)cnt * 4);
         else for (int64_t i = 0; i < cnt; i++) g[i] = bf16_to_f32(((const uint16_t *)s->grad)[t0 + i]);
-        decode(&s->codecs[0], t0, cnt, m);
+        if (!state_free) decode(&s->codecs[0], t0, cnt, m);
         if (s->rule == RULE_ADAMW) {
             decode(&s->codecs[1], t0, cnt, v);
             if (s->eps_before) {
@@ -567,6 +569,10 @@ int slimopt_elementwise_step(step_t *s) {
                 m[i] = m[i] * s->momentum + g[i];
                 d[i] = m[i];
             }
+        } else if (s->rule == RULE_SIGN) {
+            for (int64_t i = 0; i < cnt; i++) d[i] = sign(g[i]);  /* torch's sign: 0 for NaN, as for zero */
+        } else if (s->rule == RULE_SGD) {
+            memcpy(d, g, (size_t)cnt * 4);
         } else {
             return -1;
         }
@@ -586,7 +592,7 @@ int slimopt_elementwise_step(step_t *s) {
                 p[i] = f32_to_bf16(fmaf(d[i], s->alpha, w));
             }
         }
-        encode(&s->codecs[0], t0, cnt, m);
+        if (!state_free) encode(&s->codecs[0], t0, cnt, m);
         if (s->rule == RULE_ADAMW) encode(&s->codecs[1], t0, cnt, v);
     }
     return 0;
