@@ -268,8 +268,9 @@ def _slim_param(opt, p: torch.Tensor, group: dict) -> tuple[str, int, int, int]:
     if layout in ("none", "block"):
         never = layout == "block" and (group["rank"] == 0 or (group["rank"] is None and group["density"] == 0))
         codecs = opt._moment_codecs(group, p.shape, p.dtype)
+        free_in_kernel = native.kernel_applies(group, p.dtype, p.device.type, [])  # the state-free update
         if never:
-            scratch = _scratch_bytes("state_free", p, group, 1)
+            scratch = 0 if free_in_kernel else _scratch_bytes("state_free", p, group, 1)
         elif taco.owns(group, p.shape):
             scratch = (taco.scratch_bytes(p.shape, group, p.dtype, p.device.type) if group["fused"]
                        else _scratch_bytes("taco", p, group))
@@ -289,7 +290,7 @@ def _slim_param(opt, p: torch.Tensor, group: dict) -> tuple[str, int, int, int]:
         if layout == "block" and multi_tensor.residual_kernel_applies(group, p.dtype, p.device.type):
             # an inactive block's sign() temporary; the active step's own scratch when it has one
             scratch = max(0 if never else scratch, multi_tensor.residual_scratch_bytes(group, p))
-        elif layout == "block" and not never:
+        elif layout == "block" and not never and not free_in_kernel:
             scratch = max(scratch, _scratch_bytes("state_free", p, group, 1))  # its turns without moments
         return layout, _slim_moments(opt, p, group, p.shape), 0, scratch
     side = P.side_for(p.shape, group["proj_side"]) if layout in P.ORTHO_PROJECTORS else None

@@ -54,10 +54,12 @@ _MOMENT_KEYS = {"adamw": ["exp_avg", "exp_avg_sq"], "taco": ["exp_avg", "exp_avg
                 "sgdm": ["momentum_buffer"]}
 _FREE_RULES = {"sign": 3, "sgd": 4}  # the state-free update, no moments
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_ROUNDINGS = {"nearest": 0, "stochastic": 1, "kahan": 2}  # W_* of the kernel: how a bf16 weight is written
 _C_FP32, _C_BF16, _C_BLOCK8, _C_BLOCK4, _C_TERNARY_SR, _C_TERNARY_EF, _C_FACTORED = range(7)
 _MAX_TILE = 4096
 _SCALES = {"absmax": 0, "mean": 1, "rms": 2}  # S_* of the kernel
 _SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_ROUNDINGS = {"nearest": 0, "stochastic": 1, "kahan": 2}  # W_* of the kernel: how a bf16 weight is written
 
 
 class _CountTable(ctypes.Structure):
@@ -95,7 +97,8 @@ class _Step(ctypes.Structure):
                 ("w1", ctypes.c_float), ("beta2", ctypes.c_float), ("w2", ctypes.c_float),
                 ("bias2_sqrt", ctypes.c_float), ("eps", ctypes.c_float), ("eps_before", ctypes.c_int32),
                 ("momentum", ctypes.c_float), ("n_codecs", ctypes.c_int32), ("direction_only", ctypes.c_int32),
-                ("codecs", _Codec * 2)]
+                ("rounding", ctypes.c_int32), ("comp", ctypes.c_void_p), ("wkey0", ctypes.c_uint32),
+                ("wkey1", ctypes.c_uint32), ("wcounter", ctypes.c_int64), ("codecs", _Codec * 2)]
 
 
 _lock = threading.Lock()
@@ -225,7 +228,7 @@ def kernel_applies(group: dict[str, Any], dtype: torch.dtype, device_type: str,
     rule = group["rule"]
     if not group["fused"] or device_type != "cpu" or dtype not in _DTYPES:
         return False
-    if group["param_rounding"] != "nearest" and dtype != torch.float32:
+    if group["param_rounding"] not in _ROUNDINGS:
         return False
     if not codecs:
         return group["free_rule"] in _FREE_RULES and library() is not None
@@ -326,13 +329,16 @@ def _fill_codec(c: _Codec, codec: Any, key: str, part: dict[str, Tensor], noise:
 
 
 def window_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], windows: list,
-                start: int, age: int, stream: Callable[[int, int], CounterStream], direction: bool = False) -> float:
+                start: int, age: int, stream: Callable[[int, int], CounterStream], direction: bool = False,
+                comp: Tensor | None = None, gen: CounterStream | None = None) -> float:
     """Elements [start, start + p.numel()) of a parameter stepped in one pass: p, grad are that window's flat
     views; state the whole parameter's state; windows the rule's moments as ``windowed.step`` opened them
-    ((index, key, codec, codecs.Window) each); age the moments' step count; stream(i, start) the random stream of
-    moment i for this window (stochastic codecs draw from it exactly what the eager encode draws). direction: p is
-    an fp32 buffer that receives the rule's direction d instead (``windowed.directions``). Returns the rule's
-    coefficient c (the update is lr c d)."""
+    ((index, key, codec, codecs.Window) each; none: the state-free update); age the moments' step count;
+    stream(i, start) the random stream of moment i for this window (stochastic codecs draw from it exactly what
+    the eager encode draws). direction: p is an fp32 buffer that receives the rule's direction d instead
+    (``windowed.directions``). A bf16 weight under ``param_rounding`` ``kahan`` needs comp (its compensation's
+    window, bf16), under ``stochastic`` gen (its rounding's stream at the window). Returns the rule's coefficient
+    c (the update is lr c d)."""
     rule = group["rule"]
     n = p.numel()
     s = _Step()
@@ -361,6 +367,16 @@ def window_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[s
     s.alpha = -lr * coef
     s.n_codecs = len(windows)
     s.direction_only = int(direction)
+    rounding = "nearest" if direction or p.dtype == torch.float32 else group["param_rounding"]
+    s.rounding = _ROUNDINGS[rounding]
+    if rounding == "kahan":
+        if comp is None or comp.dtype != torch.bfloat16 or not comp.is_contiguous():
+            raise ValueError("param_rounding='kahan' needs the window's bf16 compensation (rules.comp_of)")
+        s.comp = comp.data_ptr()
+    elif rounding == "stochastic":
+        if gen is None:
+            raise ValueError("param_rounding='stochastic' needs the window's random stream")
+        (s.wkey0, s.wkey1), s.wcounter = gen.key_words, gen.offset
     keep: list[Tensor] = []  # what the kernel's pointers point into, alive until it returns
     buffers: list[tuple[int, Any, Tensor]] = []  # moments stepped through an fp32 buffer: (index, window, buffer)
     for i, key, codec, window in windows:

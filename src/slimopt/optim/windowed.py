@@ -139,12 +139,13 @@ def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any
     comp = comp_of(state, p, rounding)
     for start in range(0, n, size):
         stop = min(n, start + size)
-        if one_pass:
-            native.window_step(weight[start:stop], gradient[start:stop], state, group, windows, start, age, stream)
-            continue
         gen = stream(PARAM_STREAM, start) if rounding == "stochastic" else None
-        _window(weight[start:stop], gradient[start:stop], comp.view(-1)[start:stop] if comp is not None else None,
-                group, windows, start, age, stream, gen)
+        part = comp.view(-1)[start:stop] if comp is not None else None
+        if one_pass:
+            native.window_step(weight[start:stop], gradient[start:stop], state, group, windows, start, age, stream,
+                               comp=part, gen=gen)
+            continue
+        _window(weight[start:stop], gradient[start:stop], part, group, windows, start, age, stream, gen)
     for _, _, _, w in windows:
         w.close()
 

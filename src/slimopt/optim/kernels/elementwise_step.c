@@ -40,6 +40,7 @@
 enum { RULE_ADAMW = 0, RULE_LION = 1, RULE_SGDM = 2, RULE_SIGN = 3, RULE_SGD = 4 };
 enum { C_FP32 = 0, C_BF16 = 1, C_BLOCK8 = 2, C_BLOCK4 = 3, C_TERNARY_SR = 4, C_TERNARY_EF = 5, C_FACTORED = 6 };
 enum { D_FP32 = 0, D_BF16 = 1 };
+enum { W_NEAREST = 0, W_STOCHASTIC = 1, W_KAHAN = 2 };
 enum { S_ABSMAX = 0, S_MEAN = 1, S_RMS = 2 };
 
 #define MAX_TILE 4096
@@ -101,6 +102,10 @@ typedef struct {
     int32_t n_codecs;      /* moments of the rule: adamw 2 (m, v), lion and sgdm 1, sign and sgd 0 */
     int32_t direction_only; /* param is an fp32 (n,) buffer that receives the direction d (a projected step's
                              * subspace rule, windowed.directions): no decay, no weight update */
+    int32_t rounding;      /* W_*: how a bf16 weight is written (rules.rounded); fp32 weights: W_NEAREST */
+    uint16_t *comp;        /* W_KAHAN: (n,) bf16, what the weight's rounding lost, read and rewritten */
+    uint32_t wkey0, wkey1; /* W_STOCHASTIC: the weight's stream (noise.CounterStream), key words */
+    int64_t wcounter;      /* W_STOCHASTIC: the stream's counter of the window's first element */
     codec_t codecs[2];
 } step_t;
 
@@ -365,6 +370,19 @@ static void uniform_many(uint32_t key0, uint32_t key1, int64_t j0, float *u, int
     }
 }
 
+/* quant.to_bf16(stochastic=True) on the stream (key0, key1) from counter j0: the top 16 bits of element j's
+ * hash added to the low half of the fp32 pattern (int32 arithmetic), truncated; inf and NaN rounded to nearest */
+static void stochastic_bf16(uint32_t key0, uint32_t key1, int64_t j0, const float *y, uint16_t *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint64_t j = (uint64_t)(j0 + i);
+        const uint32_t h = mix32(mix32((uint32_t)j ^ key0) ^ (uint32_t)(j >> 32) ^ key1);
+        uint32_t bits;
+        memcpy(&bits, &y[i], 4);
+        const int finite = (bits & 0x7F800000u) != 0x7F800000u;
+        out[i] = finite ? (uint16_t)((bits + (h >> 16)) >> 16) : f32_to_bf16(y[i]);
+    }
+}
+
 /* stochastic_code on the ternary map (-1, 0, 1), n values at once, in a form the compiler vectorizes: the
  * bracketing pair from three comparisons (NaN counts above every point, as quant's search), and
  * (x - lo) / (hi - lo) = x - lo exactly, the spacing being 1. */
@@ -584,12 +602,30 @@ int slimopt_elementwise_step(step_t *s) {
                 float w = s->has_decay ? p[i] * s->decay : p[i];
                 p[i] = fmaf(d[i], s->alpha, w);
             }
-        } else {
+        } else if (s->rounding == W_NEAREST) {  /* decay rounded to bf16 (p.mul_), then the update */
             uint16_t *p = (uint16_t *)s->param + t0;
             for (int64_t i = 0; i < cnt; i++) {
                 float w = bf16_to_f32(p[i]);
                 if (s->has_decay) w = round_bf16(w * s->decay);
                 p[i] = f32_to_bf16(fmaf(d[i], s->alpha, w));
+            }
+        } else {  /* the fp32 value (plus the compensation), decayed and updated in fp32, written once */
+            uint16_t *p = (uint16_t *)s->param + t0;
+            float y[MAX_TILE];
+            for (int64_t i = 0; i < cnt; i++) {
+                float w = bf16_to_f32(p[i]);
+                if (s->rounding == W_KAHAN) w = w + bf16_to_f32(s->comp[t0 + i]);
+                if (s->has_decay) w = w * s->decay;
+                y[i] = fmaf(d[i], s->alpha, w);
+            }
+            if (s->rounding == W_KAHAN) {
+                for (int64_t i = 0; i < cnt; i++) {
+                    const uint16_t h = f32_to_bf16(y[i]);
+                    p[i] = h;
+                    s->comp[t0 + i] = f32_to_bf16(y[i] - bf16_to_f32(h));  /* exact in fp32 */
+                }
+            } else {
+                stochastic_bf16(s->wkey0, s->wkey1, s->wcounter + t0, y, p, cnt);
             }
         }
         if (!state_free) encode(&s->codecs[0], t0, cnt, m);
