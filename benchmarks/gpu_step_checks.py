@@ -27,7 +27,7 @@ import slimopt
 from slimopt.optim import triton_step
 
 METHODS = ["adamw", "adamw8bit", "adamw4bit", "ternary_adamw", "frugal", "frugal_ternary", "taco", "galore",
-           "lion8bit"]
+           "lion8bit", "frugal_head"]  # frugal_head: the 7B recipe's stochastic-rounding weight write
 SETTINGS = {"lion8bit": ("adamw", dict(rule="lion", state_bits=8, lr=1e-4))}
 
 

@@ -33,6 +33,11 @@ CASES = [  # (rule, m codec, v codec, settings)
     # projected steps: the subspace rule writes its direction through the kernel (GaLore; FRUGAL's columns)
     ("adamw", "int8", "int8", dict(projector="svd", rank=8, update_gap=2)),
     ("adamw", "fp32", "fp32", dict(projector="columns", density=0.25, free_rule="sign", update_gap=2)),
+    # bf16 weights written with stochastic rounding (the weight's stream hashed in the kernel) or a Kahan
+    # compensation (rules whose arithmetic has no square root: bit for bit); fp32 weights write to nearest
+    ("lion", "int8", None, dict(param_rounding="stochastic")),
+    ("adamw", "fp32", None, dict(projector="block", density=0.0, free_rule="sign", param_rounding="stochastic")),
+    ("sgdm", "int4", None, dict(momentum=0.9, param_rounding="kahan")),
 ]
 LRS = [1e-2, 6e-3, 4e-3]
 
@@ -113,7 +118,7 @@ def main():
             fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
             run(a, fast, 0, 3)
             run(b, eager, 0, 3)
-            tag = extra.get("eps_placement") or extra.get("free_rule") or ""
+            tag = (extra.get("eps_placement") or extra.get("free_rule") or "") + extra.get("param_rounding", "")
             name = f"{rule}/{m}/{v}/{extra.get('projector', '')}{tag}{extra.get('density', '')}/{str(dtype)[6:]}"
             report[name] = {**compare(a, b, fast, eager, dtype), "launches": counting.calls - before}
     # TACO's one-candidate search as a Triton kernel (k = 1, the stored row hidden; k = 0), against the torch search

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 K_FP32, K_BF16, K_INT8, K_INT4 = 0, 1, 2, 3
+W_NEAREST, W_STOCHASTIC, W_KAHAN = 0, 1, 2  # how a bf16 weight is written (rules.rounded)
 
 
 @triton.jit
@@ -40,6 +41,27 @@ def _store(ptr, offs, x, mask, BF16: tl.constexpr):
         tl.store(ptr + offs, _bf16_bits(x).to(tl.int16), mask=mask)
     else:
         tl.store(ptr + offs, x, mask=mask)
+
+
+@triton.jit
+def _mix32(x):
+    """noise._mix32_ on int64 values in [0, 2^32) (the products' low 32 bits kept: exact under wraparound)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _stochastic_bf16_bits(y, j, key0, key1):
+    """quant.to_bf16(y, stochastic=True) with the counter-based stream (key0, key1) at counters j (int64): the top
+    16 bits of hash(j) added to the low half of y's pattern, truncated; inf and NaN rounded to nearest."""
+    h = _mix32(_mix32((j & 0xFFFFFFFF) ^ key0) ^ ((j >> 32) & 0xFFFFFFFF) ^ key1)
+    bits = y.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    rounded = ((bits + (h >> 16)) >> 16) & 0xFFFF
+    finite = (bits & 0x7F800000) != 0x7F800000
+    return tl.where(finite, rounded.to(tl.int32), _bf16_bits(y))
 
 
 @triton.jit
@@ -108,13 +130,17 @@ def _encode(x, data, scale, table, offs, n, nblocks, KIND: tl.constexpr, BLOCK: 
 @triton.jit
 def elementwise_step(p, g, m_data, m_scale, m_qmap, m_table, v_data, v_scale, v_qmap, v_table,
                      n, m_nblocks, v_nblocks, decay, alpha, w1, beta2, w2, b2s, eps, momentum,
+                     comp, wkey0, wkey1, wcounter,
                      RULE: tl.constexpr, P_BF16: tl.constexpr, G_BF16: tl.constexpr, M_KIND: tl.constexpr,
                      V_KIND: tl.constexpr, M_BLOCK: tl.constexpr, V_BLOCK: tl.constexpr, HAS_DECAY: tl.constexpr,
-                     EPS_BEFORE: tl.constexpr, DIRECTION: tl.constexpr, TILE: tl.constexpr):
+                     EPS_BEFORE: tl.constexpr, DIRECTION: tl.constexpr, ROUNDING: tl.constexpr,
+                     TILE: tl.constexpr):
     """p: (n,) weight (fp32, or bf16 as int16); g: (n,) gradient (the same); m_*, v_*: the moments (v unused by
     Lion and SGDM; none read by the state-free rules 3, sign, and 4, sgd); decay = 1 - lr wd;
     alpha = -lr / (1 - beta1^t) (AdamW), -lr free_scale (state-free) or -lr; w1 = 1 - beta1,
-    w2 = 1 - beta2, b2s = sqrt(1 - beta2^t). DIRECTION: write the direction d into p (fp32) instead of stepping it."""
+    w2 = 1 - beta2, b2s = sqrt(1 - beta2^t). DIRECTION: write the direction d into p (fp32) instead of stepping it.
+    ROUNDING (bf16 weights): W_NEAREST; W_STOCHASTIC with the weight's stream (wkey0, wkey1: its key words,
+    wcounter: the counter of element 0); W_KAHAN with comp: (n,) bf16 as int16, the compensation."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
     mask = offs < n
@@ -144,13 +170,27 @@ def elementwise_step(p, g, m_data, m_scale, m_qmap, m_table, v_data, v_scale, v_
         d = grad
     if DIRECTION:  # p is an fp32 buffer for the direction (a projected step's subspace rule)
         tl.store(p + offs, d, mask=mask)
-    else:
+    elif ROUNDING == W_NEAREST:
         w = _load(p, offs, mask, P_BF16)
         if HAS_DECAY:
             w = w * decay
             if P_BF16:
                 w = _round_bf16(w)
         _store(p, offs, tl.fma(d, alpha, w), mask, P_BF16)
+    else:  # a bf16 weight's fp32 value (plus its compensation), decayed and updated in fp32, written once
+        w = _load(p, offs, mask, True)
+        if ROUNDING == W_KAHAN:
+            w = w + _load(comp, offs, mask, True)
+        if HAS_DECAY:
+            w = w * decay
+        y = tl.fma(d, alpha, w)
+        if ROUNDING == W_KAHAN:
+            new = _bf16_bits(y)
+            tl.store(p + offs, new.to(tl.int16), mask=mask)
+            _store(comp, offs, y - (new << 16).to(tl.float32, bitcast=True), mask, True)  # exact in fp32
+        else:
+            # scalars enter tensor expressions only (Triton makes an integer argument of 1 a constant)
+            tl.store(p + offs, _stochastic_bf16_bits(y, offs + wcounter, wkey0, wkey1).to(tl.int16), mask=mask)
     if RULE < 3:
         _encode(tl.where(mask, m, 0.0), m_data, m_scale, m_table, offs, n, m_nblocks, M_KIND, M_BLOCK, TILE)
     if RULE == 0:

@@ -8,8 +8,10 @@ nearest code through the same 65,536-range count table as the C kernel and ``qua
 exactly where the fp32 moment agrees), the packing. Rules: AdamW (arXiv 1711.05101; eps after or before the bias
 correction), Lion (arXiv 2302.06675), heavy-ball SGD momentum; moments fp32, bf16 (nearest), int8 or int4
 blockwise absmax (arXiv 2110.02861, 2309.01507); and the state-free sign or SGD update (FRUGAL's residual,
-arXiv 2411.07837, an inactive block, signSGD); weights fp32 or bf16 written with nearest rounding; gradients
-fp32 or bf16. Other moments (ternary, factored, stochastically rounded bf16) and other writes take the eager step.
+arXiv 2411.07837, an inactive block, signSGD); weights fp32, or bf16 written with nearest rounding, with
+stochastic rounding (the weight's counter-based stream, ``noise.py``, hashed in the kernel) or with a Kahan
+compensation; gradients fp32 or bf16. Other moments (ternary, factored, stochastically rounded bf16) take the
+eager step.
 
 The arithmetic is the C kernel's, which follows torch's CPU kernels operation for operation (explicit fma where
 they fuse, correctly rounded division and square root, bf16 rounding done on the bit pattern): run on CPU tensors
@@ -45,6 +47,7 @@ _RULES = {"adamw": 0, "taco": 0, "lion": 1, "sgdm": 2}
 _FREE_RULES = {"sign": 3, "sgd": 4}  # the state-free update of a residual or an inactive block (no codecs)
 _MOMENT_KEYS = native._MOMENT_KEYS
 _DTYPES = (torch.float32, torch.bfloat16)
+_ROUNDINGS = {"nearest": 0, "stochastic": 1, "kahan": 2}  # W_* of the kernel: how a bf16 weight is written
 _TILE = 256  # elements a program: a power of two holding whole int8 (256) and int4 (128) blocks
 
 _state: dict[str, Any] = {}
@@ -105,7 +108,7 @@ def applies(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[s
         return False
     if p.dtype not in _DTYPES or grad.dtype not in _DTYPES:
         return False
-    if group["param_rounding"] != "nearest" and p.dtype != torch.float32:
+    if group["param_rounding"] not in _ROUNDINGS:
         return False
     if not (p.is_contiguous() and grad.is_contiguous() and type(p.data) is Tensor):
         return False
@@ -124,7 +127,12 @@ def applies(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[s
 def _settings(group, p, grad, codecs) -> tuple:
     """What selects one compiled specialization of the kernel."""
     rule = group["rule"] if codecs else group["free_rule"]
-    return (rule, p.dtype, grad.dtype, tuple(_kind(c) for _, c in codecs), group["eps_placement"], p.device.type)
+    return (rule, p.dtype, grad.dtype, tuple(_kind(c) for _, c in codecs), group["eps_placement"], p.device.type,
+            _rounding(group, p))
+
+
+def _rounding(group: dict[str, Any], p: Tensor) -> str:
+    return group["param_rounding"] if p.dtype == torch.bfloat16 else "nearest"
 
 
 _TABLES: dict[tuple[str, torch.device], tuple[Tensor, Tensor]] = {}
@@ -162,12 +170,14 @@ def _moment_args(codec: Any, key: str, state: dict[str, Tensor], dummy: Tensor) 
 
 
 def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], codecs: list[tuple[str, Any]],
-         age: int, direction: bool = False) -> float | None:
+         age: int, direction: bool = False, comp: Tensor | None = None, gen: Any = None) -> float | None:
     """Step p (all of it) from grad against its coded moments in one launch (no codecs: the state-free update);
     age: the moments' step count, already counted; direction: p is an fp32 buffer that receives the rule's
-    direction d instead (``windowed.directions``). Returns the rule's coefficient c (the update is lr c d), or
-    None (after one warning) where this kernel's settings failed to compile or launch: the caller then runs the
-    eager step, and so does every later step with these settings."""
+    direction d instead (``windowed.directions``); a bf16 weight under ``param_rounding`` ``kahan`` needs comp
+    (its bf16 compensation), under ``stochastic`` gen (its rounding's counter-based stream at element 0).
+    Returns the rule's coefficient c (the update is lr c d), or None (after one warning) where this kernel's
+    settings failed to compile or launch: the caller then runs the eager step, and so does every later step with
+    these settings."""
     kernels = _triton()
     settings = _settings(group, p, grad, codecs)
     rule = group["rule"] if codecs else group["free_rule"]
@@ -193,16 +203,24 @@ def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any
     if codecs:
         m_args = _moment_args(codecs[0][1], codecs[0][0], state, dummy)
     v_args = _moment_args(codecs[1][1], codecs[1][0], state, dummy) if len(codecs) > 1 else m_args
+    rounding = "nearest" if direction else _rounding(group, p)
+    if rounding == "kahan" and (comp is None or comp.dtype != torch.bfloat16 or not comp.is_contiguous()):
+        raise ValueError("param_rounding='kahan' needs the weight's bf16 compensation (rules.comp_of)")
+    if rounding == "stochastic" and gen is None:
+        raise ValueError("param_rounding='stochastic' needs the weight's random stream")
+    (key0, key1), counter = gen.key_words if gen is not None else (0, 0), gen.offset if gen is not None else 0
+    comp_arg = comp.view(-1).view(torch.int16) if rounding == "kahan" else dummy
     weight = p.data.view(-1).view(torch.int16) if p.dtype == torch.bfloat16 else p.data.view(-1)
     gradient = grad.view(-1).view(torch.int16) if grad.dtype == torch.bfloat16 else grad.view(-1)
     try:
         kernels.elementwise_step[(_cdiv(n, _TILE),)](
             weight, gradient, *m_args[:4], *v_args[:4], n, m_args[6], v_args[6],
             float(1.0 - lr * wd), float(-lr * coef), float(w1), float(beta2), float(w2), float(b2s), float(eps),
-            float(momentum),
+            float(momentum), comp_arg, key0, key1, counter,
             RULE=_RULES[rule] if codecs else _FREE_RULES[rule], P_BF16=p.dtype == torch.bfloat16, G_BF16=grad.dtype == torch.bfloat16,
             M_KIND=m_args[4], V_KIND=v_args[4], M_BLOCK=m_args[5], V_BLOCK=v_args[5],
-            HAS_DECAY=wd != 0.0, EPS_BEFORE=group["eps_placement"] == "galore", DIRECTION=direction, TILE=_TILE)
+            HAS_DECAY=wd != 0.0, EPS_BEFORE=group["eps_placement"] == "galore", DIRECTION=direction,
+            ROUNDING=_ROUNDINGS[rounding], TILE=_TILE)
     except Exception as exc:  # a compile or launch failure on a device the kernel was never run on
         why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         _failed[settings] = why

@@ -125,18 +125,19 @@ def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any
     p, grad: contiguous tensors of one shape; stream(i, start): the random stream of moment i (or of the weight,
     ``i = rules.PARAM_STREAM``) for the window starting at element `start`.
     """
-    if triton_step.applies(group, p, grad, codecs) and \
-            triton_step.step(p, grad, state, group, codecs, age) is not None:
+    rounding = rounding_of(group, p)
+    comp = comp_of(state, p, rounding)
+    if triton_step.applies(group, p, grad, codecs) and triton_step.step(
+            p, grad, state, group, codecs, age, comp=comp,
+            gen=stream(PARAM_STREAM, 0) if rounding == "stochastic" else None) is not None:
         return  # the whole tensor in one launch (a CUDA weight): the kernel allocates nothing
     n = p.numel()
-    rounding = rounding_of(group, p)
     per = scratch_per_element(kind(codecs, group["rule"]), p.dtype, rounding)
     align = math.lcm(1, *(codec.align(p.shape) for _, codec in codecs))
     size = window_elems(n, align, per)
     weight, gradient = p.view(-1), grad.view(-1)
     windows = [(i, key, codec, codec.open(key, state, p.shape)) for i, (key, codec) in enumerate(codecs)]
     one_pass = native.applies(group, p, grad, codecs)  # the same windows, one pass each
-    comp = comp_of(state, p, rounding)
     for start in range(0, n, size):
         stop = min(n, start + size)
         gen = stream(PARAM_STREAM, start) if rounding == "stochastic" else None
