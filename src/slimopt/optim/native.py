@@ -6,13 +6,20 @@ CPU. The C kernel does the same arithmetic in one pass, a few hundred elements (
 stack buffers; its results equal the eager step's (tests/test_native.py: bit for bit on the cases tested, the
 quantized codes exactly where the fp32 moments agree).
 
-Where it applies (``applies``): a CPU parameter of fp32 or bf16 written with nearest rounding, a gradient of fp32
-or bf16, rule adamw (and TACO's AdamW fallback), lion or sgdm, each moment stored fp32, bf16 (nearest), int8,
+Where it applies (``applies``): a CPU parameter of fp32 or bf16 (a bf16 one written with nearest rounding,
+stochastic rounding from the weight's own counter-based stream, or a Kahan compensation), a gradient of fp32 or
+bf16, rule adamw (and TACO's AdamW fallback), lion or sgdm, each moment stored fp32, bf16 (nearest), int8,
 int4, any ternary form (``codecs.TERNARY_SPECS``) or factored (a window of whole rows: row and column means
-read, new row means and fp64 column sums written, as ``codecs.FactoredRows``); stochastically rounded bf16
-moments go through an fp32 buffer around the kernel. Everything else (stochastically rounded or Kahan-compensated
-weights, fp64) takes the eager window step, which stays the reference; CUDA tensors take ``triton_step.py`` where
-it applies, else the eager step; ``fused=False`` on a group selects the eager step everywhere.
+read, new row means and fp64 column sums written, as ``codecs.FactoredRows``), or no moments: the state-free
+sign or SGD update (signSGD, FRUGAL's inactive blocks and residual-only weights); stochastically rounded bf16
+moments go through an fp32 buffer around the kernel. TACO's whole step at one component a column
+(``taco_one``) and its candidate search (``column_best``) are the same library's. fp64 weights take the eager
+window step, which stays the reference; CUDA tensors take ``triton_step.py`` where it applies, else the eager
+step; ``fused=False`` on a group selects the eager step everywhere.
+
+The kernel is built for this machine (``-march=native``): the int8 and int4 maps decode through AVX-512
+permutes where the processor has them, AVX2 gathers where not, plain C elsewhere; tests build it without
+AVX-512 and without ``-march`` too, so that every path stays checked against the eager step.
 
 The kernel is built with the system C compiler (``$CC``, else ``cc``) into a cache folder (``$SLIMOPT_CACHE``,
 else ``$XDG_CACHE_HOME/slimopt``, else ``~/.cache/slimopt``) under a name that hashes the source, the flags and
@@ -328,6 +335,45 @@ def _fill_codec(c: _Codec, codec: Any, key: str, part: dict[str, Tensor], noise:
     c.qmap, c.qmap_n, c.nearest, c.bracket = _map_structs(map_name)
 
 
+def _set_write(s: _Step, p: Tensor, group: dict[str, Any], direction: bool, comp: Tensor | None,
+               gen: CounterStream | None) -> None:
+    """How the kernel writes the weight p: its rounding, and the compensation or the stream that needs."""
+    rounding = "nearest" if direction or p.dtype == torch.float32 else group["param_rounding"]
+    s.rounding = _ROUNDINGS[rounding]
+    if rounding == "kahan":
+        if comp is None or comp.dtype != torch.bfloat16 or not comp.is_contiguous():
+            raise ValueError("param_rounding='kahan' needs the window's bf16 compensation (rules.comp_of)")
+        s.comp = comp.data_ptr()
+    elif rounding == "stochastic":
+        if gen is None:
+            raise ValueError("param_rounding='stochastic' needs the window's random stream")
+        (s.wkey0, s.wkey1), s.wcounter = gen.key_words, gen.offset
+
+
+def add_applies(group: dict[str, Any], p: Tensor, d: Tensor) -> bool:
+    """Whether ``add_update`` takes p (a contiguous CPU fp32 or bf16 weight or window of one) and d (contiguous
+    fp32 of p's size)."""
+    return (d.dtype == torch.float32 and d.is_contiguous() and d.numel() == p.numel()
+            and kernel_applies({**group, "free_rule": "sgd"}, p.dtype, p.device.type, [])
+            and p.is_contiguous() and type(p.data) is Tensor)
+
+
+def add_update(p: Tensor, d: Tensor, group: dict[str, Any], coef: float, comp: Tensor | None = None,
+               gen: CounterStream | None = None) -> None:
+    """``rules.apply_update(p, d, coef, None, group, comp, gen)`` in one pass: p decayed, p -= lr coef d, written
+    as the group's ``param_rounding`` says (comp: the compensation's window; gen: the rounding's stream)."""
+    lr, wd = float(group["lr"]), float(group["weight_decay"])
+    s = _Step()
+    s.n = p.numel()
+    s.param, s.param_dtype = p.data_ptr(), _DTYPES[p.dtype]
+    s.grad, s.grad_dtype = d.data_ptr(), _DTYPES[torch.float32]
+    s.rule = _FREE_RULES["sgd"]
+    s.has_decay, s.decay, s.alpha = int(wd != 0.0), 1.0 - lr * wd, -lr * coef
+    _set_write(s, p, group, False, comp, gen)
+    if library().slimopt_elementwise_step(ctypes.byref(s)) != 0:
+        raise RuntimeError(f"slimopt: the native weight update refused a {tuple(p.shape)} {p.dtype} weight")
+
+
 def window_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], windows: list,
                 start: int, age: int, stream: Callable[[int, int], CounterStream], direction: bool = False,
                 comp: Tensor | None = None, gen: CounterStream | None = None) -> float:
@@ -367,16 +413,7 @@ def window_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[s
     s.alpha = -lr * coef
     s.n_codecs = len(windows)
     s.direction_only = int(direction)
-    rounding = "nearest" if direction or p.dtype == torch.float32 else group["param_rounding"]
-    s.rounding = _ROUNDINGS[rounding]
-    if rounding == "kahan":
-        if comp is None or comp.dtype != torch.bfloat16 or not comp.is_contiguous():
-            raise ValueError("param_rounding='kahan' needs the window's bf16 compensation (rules.comp_of)")
-        s.comp = comp.data_ptr()
-    elif rounding == "stochastic":
-        if gen is None:
-            raise ValueError("param_rounding='stochastic' needs the window's random stream")
-        (s.wkey0, s.wkey1), s.wcounter = gen.key_words, gen.offset
+    _set_write(s, p, group, direction, comp, gen)
     keep: list[Tensor] = []  # what the kernel's pointers point into, alive until it returns
     buffers: list[tuple[int, Any, Tensor]] = []  # moments stepped through an fp32 buffer: (index, window, buffer)
     for i, key, codec, window in windows:

@@ -303,6 +303,9 @@ def _lift(p: Tensor, grad: Tensor, comp: Tensor | None, d: Tensor, low: Tensor |
         resid = P.residual(projector, side, g, low, q)
         del g
     full = P.up(projector, side, d, q, p.shape)
+    if resid is None and native.add_applies(group, p, full):  # decay, update and write in one pass
+        native.add_update(p, full, group, coef, comp, gen)
+        return
     apply_update(p, full, coef, resid, group, comp=comp, generator=gen)
 
 

@@ -7,7 +7,10 @@
  * coded moment are read once and written once.
  *
  * Rules (slimopt/optim/rules.py): AdamW (arXiv 1412.6980, 1711.05101; eps after the bias correction as
- * torch.optim.AdamW, or before it as galore-torch), Lion (arXiv 2302.06675), heavy-ball SGD momentum.
+ * torch.optim.AdamW, or before it as galore-torch), Lion (arXiv 2302.06675), heavy-ball SGD momentum, and the
+ * state-free sign or SGD update (signSGD, FRUGAL's residual, arXiv 2411.07837). A bf16 weight is written to
+ * nearest, or stochastically rounded from its own counter-based stream, or with a Kahan compensation
+ * (rules.rounded).
  * Codecs (slimopt/optim/codecs.py): fp32, bf16 (nearest), blockwise absmax int8 / int4 on a sorted map
  * (arXiv 2110.02861, 2309.01507), ternary with stochastic rounding or with a carried ternary residual, scaled by
  * the block's absmax, mean magnitude (arXiv 2402.17764) or root mean square, the scale stored fp32 or bf16;
