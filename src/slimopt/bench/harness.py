@@ -138,6 +138,27 @@ def _time_step(opt, dev: torch.device, set_grads: Callable[[], None]) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def _paired(opt, params: list[torch.Tensor], dev: torch.device, set_grads: Callable[[], None],
+            cfg: BenchConfig) -> dict[str, float]:
+    """The method's step against torch's fused AdamW on the same weights, step for step in alternation (after the
+    measured steps, so the state and memory figures are the method's alone): the median of the per-pair ratios.
+    A shared CPU's speed drifts by tens of percent within a minute (other tenants, clocks), which moves the ratio
+    of steps timed a minute apart; two steps timed a few milliseconds apart see the same machine."""
+    ref = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    for _ in range(cfg.warmup):
+        _time_step(ref, dev, set_grads)
+    ratios, mine, theirs = [], [], []
+    for _ in range(max(cfg.steps, 5)):
+        a = _time_step(opt, dev, set_grads)
+        b = _time_step(ref, dev, set_grads)
+        mine.append(a)
+        theirs.append(b)
+        ratios.append(a / b)
+    del ref
+    return {"paired_ratio": statistics.median(ratios), "paired_ms": statistics.median(mine),
+            "paired_ref_ms": statistics.median(theirs)}
+
+
 def _has_refresh(method: str, opt) -> bool:
     """Whether the method chooses subspaces (so its first step includes a refresh of every projected weight)."""
     if method in ("galore-torch", "galore-torch-8bit", "apollo", "apollo-mini"):
@@ -200,6 +221,8 @@ def bench_method(method: str, model: torch.nn.Module, grads: list[torch.Tensor],
             row["planned_state_bytes"] = sum(s.total for s in planned)
         except ValueError:  # no formula for this peer (apollo)
             row["planned_state_bytes"] = None
+        if dev.type == "cpu":
+            row.update(_paired(opt, params, dev, set_grads, cfg))
     except Exception as err:  # a row that says why, and the other methods still run
         row.update(status=f"failed: {type(err).__name__}: {err}"[:300])
     finally:

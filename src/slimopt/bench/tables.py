@@ -47,12 +47,15 @@ def _ratio(value, base) -> str:
 
 def bench_table(rows: Sequence[dict], baseline: str = "torch-adamw-fused") -> str:
     """One row per method: step time, state bytes (total, per parameter, on the projectable weights), peak
-    memory, and ratios to torch AdamW measured in the same run; rows that did not run say why."""
+    memory, and ratios to torch AdamW measured in the same run (on a CPU also paired: the median ratio of the
+    method's steps to fused AdamW steps timed in alternation with them); rows that did not run say why."""
     base = next((r for r in rows if r["method"] == baseline and r.get("status") == "ok"), None)
     if base is None:
         base = next((r for r in rows if r["method"] == "torch-adamw" and r.get("status") == "ok"), None)
-    header = ["method", "kind", "settings", "step ms (median)", "x AdamW time", "state MiB", "state B/param",
-              "x AdamW state", "B/param projectable", "planner = measured", "peak MiB", "refresh ms"]
+    paired = any(r.get("paired_ratio") is not None for r in rows)  # CPU runs (harness._paired)
+    header = ["method", "kind", "settings", "step ms (median)", "x AdamW time"] + (["x AdamW paired"] if paired else [])
+    header += ["state MiB", "state B/param", "x AdamW state", "B/param projectable", "planner = measured", "peak MiB",
+               "refresh ms"]
     out = []
     for r in rows:
         settings = ", ".join(f"{k}={v}" for k, v in (r.get("settings") or {}).items()) or "-"
@@ -63,9 +66,10 @@ def bench_table(rows: Sequence[dict], baseline: str = "torch-adamw-fused") -> st
         match = "-" if planned is None else ("yes" if planned == r["state_bytes"] else
                                              f"no ({planned} vs {r['state_bytes']})")
         refresh = r.get("refresh_ms")
+        pair = [f"{r['paired_ratio']:.2f}x" if r.get("paired_ratio") is not None else "-"] if paired else []
         out.append([
             r["method"], r.get("kind", ""), settings, f"{r['step_ms']:.2f}",
-            _ratio(r["step_ms"], base and base["step_ms"]),
+            _ratio(r["step_ms"], base and base["step_ms"]), *pair,
             f"{r['state_bytes'] / 2**20:.2f}", f"{r['state_bytes_per_param']:.3f}",
             _ratio(r["state_bytes"], base and base["state_bytes"]),
             f"{r['state_bytes_per_param_projectable']:.3f}", match,

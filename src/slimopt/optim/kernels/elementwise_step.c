@@ -169,21 +169,28 @@ static inline int32_t count_le(const count_table_t *t, float x) {
 }
 
 #ifdef __AVX512F__
-/* count_le for n values against at most 16 points, sixteen values at a time: the sum of x >= point over the
- * points. That is the table's count for every x but a NaN, which compares false with every point: the table
- * counts a NaN with the sign bit clear above every point and one with it set below every point (its order key),
- * so the first kind is set to n_points. */
+/* count_le for n values against at most 15 points, sixteen values at a time: a branch-free binary search over the
+ * points held in one register (padded with NaN, which no x is >= of), each round a permute and a comparison.
+ * That is the table's count for every x but a NaN, which compares false with every point: the table counts a
+ * NaN with the sign bit clear above every point and one with it set below every point (its order key), so the
+ * first kind is set to n_points. */
 static void count_le_compare(const count_table_t *t, const float *x, int32_t *out, int64_t n) {
     const int32_t np = t->n_points;
-    __m512 pts[16];
-    for (int32_t k = 0; k < np; k++) pts[k] = _mm512_set1_ps(t->points[k]);
-    const __m512i one = _mm512_set1_epi32(1), inf_bits = _mm512_set1_epi32(0x7F800000), all = _mm512_set1_epi32(np);
+    float padded[16];
+    for (int k = 0; k < 16; k++) padded[k] = k < np ? t->points[k] : NAN;
+    const __m512 tab = _mm512_loadu_ps(padded);
+    int32_t half = 1;  /* the first step: 2^(L-1) for the least L with 2^L - 1 >= np */
+    while (2 * half - 1 < np) half *= 2;
+    const __m512i inf_bits = _mm512_set1_epi32(0x7F800000), all = _mm512_set1_epi32(np);
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
         const __m512 v = _mm512_loadu_ps(x + i);
         __m512i count = _mm512_setzero_si512();
-        for (int32_t k = 0; k < np; k++)
-            count = _mm512_mask_add_epi32(count, _mm512_cmp_ps_mask(v, pts[k], _CMP_GE_OQ), count, one);
+        for (int32_t step = half; step >= 1; step /= 2) {
+            const __m512 point = _mm512_permutexvar_ps(_mm512_add_epi32(count, _mm512_set1_epi32(step - 1)), tab);
+            const __mmask16 ge = _mm512_cmp_ps_mask(v, point, _CMP_GE_OQ);
+            count = _mm512_mask_add_epi32(count, ge, count, _mm512_set1_epi32(step));
+        }
         const __mmask16 high_nan = _mm512_cmpgt_epi32_mask(_mm512_castps_si512(v), inf_bits);
         _mm512_storeu_si512(out + i, _mm512_mask_mov_epi32(count, high_nan, all));
     }
@@ -196,7 +203,7 @@ static void count_le_compare(const count_table_t *t, const float *x, int32_t *ou
 static void count_le_many(const count_table_t *t, const float *x, int32_t *out, int64_t n) {
     const int32_t *packed = t->packed;
 #ifdef __AVX512F__
-    if (t->n_points <= 16) {  /* a 4-bit or ternary map: compare with every point, in registers, no look-up */
+    if (t->n_points <= 15) {  /* a 4-bit or ternary map: a search in registers, no look-up */
         count_le_compare(t, x, out, n);
         return;
     }
@@ -511,7 +518,18 @@ static void encode(codec_t *c, int64_t off, int64_t cnt, float *x) {
     } else if (c->kind == C_BLOCK4) {
         count_le_many(&c->nearest, nrm, code, padded);
         uint8_t *d = (uint8_t *)c->data + off / 2;
-        for (int64_t i = 0; i < padded; i += 2) d[i / 2] = (uint8_t)((code[i] << 4) | code[i + 1]);
+        int64_t i = 0;
+#ifdef __AVX512F__
+        /* 32 codes to 16 bytes: the even ones shifted into the high half, or'ed with the odd ones */
+        const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+        const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+        for (; i + 32 <= padded; i += 32) {
+            const __m512i a = _mm512_loadu_si512(code + i), b = _mm512_loadu_si512(code + i + 16);
+            const __m512i hi = _mm512_permutex2var_epi32(a, even, b), lo = _mm512_permutex2var_epi32(a, odd, b);
+            _mm_storeu_si128((__m128i *)(d + i / 2), _mm512_cvtepi32_epi8(_mm512_or_si512(_mm512_slli_epi32(hi, 4), lo)));
+        }
+#endif
+        for (; i < padded; i += 2) d[i / 2] = (uint8_t)((code[i] << 4) | code[i + 1]);
     } else if (c->kind == C_TERNARY_SR) {  /* off is a multiple of 5: whole bytes */
         uniform_many(c->key0, c->key1, c->counter + off, u, padded);
         ternary_sr_many(nrm, u, code, padded);
