@@ -94,7 +94,11 @@ def write_report(result: dict, command: str) -> str:
         "",
         f"Median of {cfg['steps']} optimizer step{'s' if cfg['steps'] != 1 else ''} after {cfg['warmup']} warm-up "
         f"step{'s' if cfg['warmup'] != 1 else ''}, random {cfg['dtype']} gradients. "
-        "Ratios are to torch AdamW (fused) in the same run. State bytes as allocated; 'B/param projectable' counts "
+        "Ratios are to torch AdamW (fused) in the same run"
+        + ("; 'x AdamW paired' is the median ratio of the method's steps to fused AdamW steps timed in alternation "
+           "with them on the same weights (a shared CPU's speed drifts between methods, not between two adjacent "
+           "steps)" if any(r.get("paired_ratio") is not None for r in result["rows"]) else "")
+        + ". State bytes as allocated; 'B/param projectable' counts "
         "the state of the projectable Linear weights only; 'planner = measured' compares with the memory "
         "planner's exact state. Refresh ms = first step - median step (the first step chooses every subspace).",
         "",
