@@ -17,11 +17,11 @@ moments go through an fp32 buffer around the kernel. TACO's whole step at one co
 window step, which stays the reference; CUDA tensors take ``triton_step.py`` where it applies, else the eager
 step; ``fused=False`` on a group selects the eager step everywhere.
 
-The kernel is built for this machine (``-march=native``): the int8 and int4 maps decode through AVX-512
-permutes where the processor has them, AVX2 gathers where not, plain C elsewhere; tests build it without
-AVX-512 and without ``-march`` too, so that every path stays checked against the eager step.
+The kernel targets this machine (``-march=native``): the int8 and int4 maps decode through AVX-512 permutes
+where the processor has them, AVX2 gathers where not, plain C elsewhere; tests build it without AVX-512 and
+without ``-march`` too, so that every path stays checked against the eager step.
 
-The kernel is built with the system C compiler (``$CC``, else ``cc``) into a cache folder (``$SLIMOPT_CACHE``,
+It is built with the system C compiler (``$CC``, else ``cc``) into a cache folder (``$SLIMOPT_CACHE``,
 else ``$XDG_CACHE_HOME/slimopt``, else ``~/.cache/slimopt``) under a name that hashes the source, the flags and
 the machine, so an edit or another CPU rebuilds it; a failed build (no compiler, say) costs one warning naming
 the reason, and every step then runs eagerly. ``SLIMOPT_NATIVE=0`` turns the kernel off.
@@ -66,7 +66,6 @@ _C_FP32, _C_BF16, _C_BLOCK8, _C_BLOCK4, _C_TERNARY_SR, _C_TERNARY_EF, _C_FACTORE
 _MAX_TILE = 4096
 _SCALES = {"absmax": 0, "mean": 1, "rms": 2}  # S_* of the kernel
 _SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_ROUNDINGS = {"nearest": 0, "stochastic": 1, "kahan": 2}  # W_* of the kernel: how a bf16 weight is written
 
 
 class _CountTable(ctypes.Structure):

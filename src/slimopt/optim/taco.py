@@ -427,6 +427,8 @@ def one_pass_step(p: Tensor, grad: Tensor, state: MutableMapping[str, Tensor], g
     m, n = p.shape
     if "taco_rows" not in state or state["taco_rows"].shape != (1, n):
         state.update(init_state(p.shape, 1, group["taco_format"], group["taco_scale_dtype"], p.device))
+    if not all(state[key].is_contiguous() for key in KEYS):  # the kernel reads them through their pointers
+        return False
     c = float(group["taco_alpha"]) * dimension_factor(p.shape, group["taco_norm"])
     lr, wd = float(group["lr"]), float(group["weight_decay"])
     kept = native.taco_one(p, grad, state, float(group["taco_decay"]), lr, wd, c)
