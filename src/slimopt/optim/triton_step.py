@@ -21,7 +21,10 @@ products into fma, so the eager CUDA step and this kernel agree within rounding;
 compares both with the CPU reference.
 
 The bias corrections and every other scalar come from host-side counters: a step launches kernels and reads no
-device value, so it can be captured in a CUDA graph. A kernel that fails to compile or launch (written where no
+device value, so it can be captured in a CUDA graph. A capture holds those scalars as they were (the learning
+rate, the bias corrections, the noise keys) and the host counters advance only while capturing: a replay repeats
+the captured step, so a graph serves one step, not a training loop (that needs the scalars in device memory,
+as torch's capturable optimizers keep them). A kernel that fails to compile or launch (written where no
 GPU can run it) costs one warning naming it and its settings, and that setting falls back to the eager step for
 the rest of the process (``fallbacks()`` lists them). ``SLIMOPT_TRITON=0`` turns the kernels off; ``fused=False``
 on a group selects the eager step everywhere.
@@ -79,7 +82,19 @@ def fallbacks() -> dict[tuple, str]:
     return dict(_failed)
 
 
+_KINDS: dict[int, tuple[Any, int | None]] = {}
+
+
 def _kind(codec: Any) -> int | None:
+    """The kernel's K_* for a moment codec, or None where it has none; asked several times a tensor a step, so
+    kept per codec instance (codecs hold no data: one shared instance a spec)."""
+    entry = _KINDS.get(id(codec))
+    if entry is None or entry[0] is not codec:
+        entry = _KINDS[id(codec)] = (codec, _find_kind(codec))
+    return entry[1]
+
+
+def _find_kind(codec: Any) -> int | None:
     if isinstance(codec, Fp32Codec):
         return _K_FP32 if codec.dtype == torch.float32 else None
     if isinstance(codec, Bf16Codec):
@@ -121,7 +136,7 @@ def applies(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[s
         return False
     elif rule in ("adamw", "taco") and group["eps_placement"] not in ("torch", "galore"):
         return False
-    return available() and _settings(group, p, grad, codecs) not in _failed
+    return available() and not (_failed and _settings(group, p, grad, codecs) in _failed)
 
 
 def _settings(group, p, grad, codecs) -> tuple:
