@@ -60,7 +60,10 @@ def test_cpu_mode_fills_every_row(tiny_dir, tmp_path, capsys, monkeypatch):
     assert rows["adamw8bit"]["state_bytes"] < rows["adamw"]["state_bytes"]
     assert rows["galore"]["refresh_ms"] is not None and rows["adamw"]["refresh_ms"] is None
     assert {r["status"] for r in data["refresh"]} == {"ok"}
-    assert "GPU run pending" in text and "x AdamW time" in text
+    assert "GPU run pending" in text and "x AdamW time" in text and "x AdamW paired" in text
+    for name, r in rows.items():  # every CPU row timed in alternation with fused AdamW too
+        assert r["status"] != "ok" or (r["paired_ratio"] > 0 and r["paired_ref_ms"] > 0), name
+    assert "CPU step goals" in text and "adamw8bit <= 2.5x fused torch AdamW" in text
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     assert data["command"].startswith("slimopt bench --model ")
 
@@ -109,6 +112,18 @@ def test_goals_wait_for_the_gpu():
     cpu = {g["goal"]: g["verdict"] for g in goals(rows, "cpu")}
     assert cpu["slimopt AdamW8bit step faster than bitsandbytes (52.6 ms on the H200)"] == "GPU run pending"
     assert cpu["slimopt AdamW8bit <= 2.04 B/param state"] == "met"
+
+
+def test_cpu_step_goals_read_the_paired_ratio():
+    from slimopt.bench.harness import cpu_goals
+
+    rows = [{"method": "adamw8bit", "status": "ok", "paired_ratio": 2.4, "paired_ms": 24.0, "paired_ref_ms": 10.0},
+            {"method": "galore", "status": "ok", "paired_ratio": 3.0, "paired_ms": 30.0, "paired_ref_ms": 10.0},
+            {"method": "taco", "status": "failed: x"}, {"method": "lion8bit", "status": "ok", "paired_ratio": 9.0,
+                                                         "paired_ms": 90.0, "paired_ref_ms": 10.0}]
+    got = {g["goal"]: g["verdict"] for g in cpu_goals(rows)}
+    assert got == {"adamw8bit <= 2.5x fused torch AdamW": "met",
+                   "galore <= 2x fused torch AdamW": "missed by 1.50x"}
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -462,6 +462,26 @@ def goals(rows: list[dict], device: str, planned_1b: dict[str, dict] | None = No
     return out
 
 
+# The step-time goals of a CPU run (`slimopt bench --model small --threads 1`): at most this many times fused torch
+# AdamW's step on the same model (GaLore between refreshes).
+CPU_STEP_GOALS = {"adamw": 1.5, "adamw8bit": 2.5, "adamw4bit": 3.0, "frugal": 1.5, "galore": 2.0, "taco": 1.5,
+                  "ternary_adamw": 3.0}
+
+
+def cpu_goals(rows: list[dict]) -> list[dict[str, str]]:
+    """``CPU_STEP_GOALS`` against a CPU run's paired ratios (``_paired``), for the goal methods that ran."""
+    out = []
+    for r in rows:
+        limit = CPU_STEP_GOALS.get(r["method"])
+        if limit is None or r.get("status") != "ok" or r.get("paired_ratio") is None:
+            continue
+        ratio = r["paired_ratio"]
+        out.append({"goal": f"{r['method']} <= {limit:g}x fused torch AdamW",
+                    "measured": f"{ratio:.2f}x paired ({r['paired_ms']:.2f} vs {r['paired_ref_ms']:.2f} ms)",
+                    "verdict": "met" if ratio <= limit else f"missed by {ratio / limit:.2f}x"})
+    return out
+
+
 def planned_goal_bytes(model: str = "1b", dtype: str = "bf16") -> dict[str, dict[str, float]]:
     """Exact state bytes per parameter (all, and on the projectable weights) of the goal methods on `model`."""
     from slimopt.bench.planner import load_config, meta_model, state_plan

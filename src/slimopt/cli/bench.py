@@ -74,7 +74,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def write_report(result: dict, command: str) -> str:
     """The markdown report of a `run_bench` result: environment, the command, tables and goals."""
-    from slimopt.bench.harness import goals
+    from slimopt.bench.harness import cpu_goals, goals
     from slimopt.bench.tables import bench_table, markdown, refresh_table
 
     env, cfg, info = result["environment"], result["config"], result["model"]
@@ -116,6 +116,11 @@ def write_report(result: dict, command: str) -> str:
         lines += ["Planner against a real training step (forward, backward, step; GiB):", "",
                   markdown(["method", "batch x seq", "measured peak", "planned peak", "planned / measured",
                             "measured by"], rows), ""]
+    cpu = cpu_goals(result["rows"])
+    if cpu:
+        lines += ["CPU step goals (paired ratios; set for the small model on one thread):", "",
+                  markdown(["goal", "measured", "verdict"], [[x["goal"], x["measured"], x["verdict"]] for x in cpu],
+                           ["l", "l", "l"]), ""]
     g = goals(result["rows"], cfg["device"], result.get("planned_1b"))
     lines += ["Goals (LLaMA-1B, bf16, H200):", "",
               markdown(["goal", "measured", "verdict"], [[x["goal"], x["measured"], x["verdict"]] for x in g],
