@@ -108,6 +108,11 @@ def write_report(result: dict, command: str) -> str:
     if result.get("refresh"):
         lines += ["One subspace refresh of a matrix with singular values 1/i (energy: share of the best rank-r "
                   "energy the basis captures):", "", refresh_table(result["refresh"]), ""]
+    cpu = cpu_goals(result["rows"])
+    if cpu:
+        lines += ["CPU step goals (paired ratios; set for the small model on one thread):", "",
+                  markdown(["goal", "measured", "verdict"], [[x["goal"], x["measured"], x["verdict"]] for x in cpu],
+                           ["l", "l", "l"]), ""]
     if result.get("planner_check"):
         rows = [[r["method"], f"{r['batch']}x{r['seq']}", f"{r['measured_peak_bytes'] / 2**30:.3f}",
                  f"{r['planned_peak_bytes'] / 2**30:.3f}", f"{r['ratio']:.3f}", r["measured_by"]]
@@ -116,11 +121,6 @@ def write_report(result: dict, command: str) -> str:
         lines += ["Planner against a real training step (forward, backward, step; GiB):", "",
                   markdown(["method", "batch x seq", "measured peak", "planned peak", "planned / measured",
                             "measured by"], rows), ""]
-    cpu = cpu_goals(result["rows"])
-    if cpu:
-        lines += ["CPU step goals (paired ratios; set for the small model on one thread):", "",
-                  markdown(["goal", "measured", "verdict"], [[x["goal"], x["measured"], x["verdict"]] for x in cpu],
-                           ["l", "l", "l"]), ""]
     g = goals(result["rows"], cfg["device"], result.get("planned_1b"))
     lines += ["Goals (LLaMA-1B, bf16, H200):", "",
               markdown(["goal", "measured", "verdict"], [[x["goal"], x["measured"], x["verdict"]] for x in g],
