@@ -94,10 +94,6 @@ def residual_applies(group: dict[str, Any], p: Tensor, grad: Tensor) -> bool:
     return _plain_tensors(p, grad) and residual_kernel_applies(group, p.dtype, p.device.type)
 
 
-def _no_stream(i: int, start: int):
-    raise AssertionError("the state-free step draws no random numbers")
-
-
 class Batch:
     """The parameters queued during one ``step()``, run group by group at its end."""
 
@@ -134,7 +130,7 @@ class Batch:
             group = self._groups[gid]
             if native.kernel_applies(group, params[0].dtype, params[0].device.type, []):
                 for p, g in zip(params, grads):  # one pass a weight, the same arithmetic
-                    native.window_step(p.view(-1), g.view(-1), {}, group, [], 0, 0, _no_stream)
+                    native.free_step(p, g, group)
                 continue
             lr, wd = float(group["lr"]), float(group["weight_decay"])
             if wd != 0.0:

@@ -360,17 +360,20 @@ def add_applies(group: dict[str, Any], p: Tensor, d: Tensor) -> bool:
 def add_update(p: Tensor, d: Tensor, group: dict[str, Any], coef: float, comp: Tensor | None = None,
                gen: CounterStream | None = None) -> None:
     """``rules.apply_update(p, d, coef, None, group, comp, gen)`` in one pass: p decayed, p -= lr coef d, written
-    as the group's ``param_rounding`` says (comp: the compensation's window; gen: the rounding's stream)."""
-    lr, wd = float(group["lr"]), float(group["weight_decay"])
-    s = _Step()
-    s.n = p.numel()
-    s.param, s.param_dtype = p.data_ptr(), _DTYPES[p.dtype]
-    s.grad, s.grad_dtype = d.data_ptr(), _DTYPES[torch.float32]
-    s.rule = _FREE_RULES["sgd"]
-    s.has_decay, s.decay, s.alpha = int(wd != 0.0), 1.0 - lr * wd, -lr * coef
-    _set_write(s, p, group, False, comp, gen)
-    if library().slimopt_elementwise_step(ctypes.byref(s)) != 0:
-        raise RuntimeError(f"slimopt: the native weight update refused a {tuple(p.shape)} {p.dtype} weight")
+    as the group's ``param_rounding`` says (comp: the compensation's window; gen: the rounding's stream). It is
+    the state-free SGD step with d for the gradient and coef for its scale."""
+    free_step(p, d, {**group, "free_rule": "sgd", "free_scale": coef}, comp, gen)
+
+
+def _no_stream(i: int, start: int) -> CounterStream:
+    raise AssertionError("a step without moments draws no moment's random numbers")
+
+
+def free_step(p: Tensor, grad: Tensor, group: dict[str, Any], comp: Tensor | None = None,
+              gen: CounterStream | None = None) -> None:
+    """The state-free update of the group's ``free_rule`` on all of p in one pass (``kernel_applies`` with no
+    codecs): decay, p -= lr free_scale free_rule(grad), the weight's rounding (comp, gen as ``window_step``)."""
+    window_step(p.view(-1), grad.view(-1), {}, group, [], 0, 0, _no_stream, comp=comp, gen=gen)
 
 
 def window_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], windows: list,

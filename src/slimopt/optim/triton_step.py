@@ -32,6 +32,7 @@ on a group selects the eager step everywhere.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -82,16 +83,11 @@ def fallbacks() -> dict[tuple, str]:
     return dict(_failed)
 
 
-_KINDS: dict[int, tuple[Any, int | None]] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _kind(codec: Any) -> int | None:
     """The kernel's K_* for a moment codec, or None where it has none; asked several times a tensor a step, so
     kept per codec instance (codecs hold no data: one shared instance a spec)."""
-    entry = _KINDS.get(id(codec))
-    if entry is None or entry[0] is not codec:
-        entry = _KINDS[id(codec)] = (codec, _find_kind(codec))
-    return entry[1]
+    return _find_kind(codec)
 
 
 def _find_kind(codec: Any) -> int | None:

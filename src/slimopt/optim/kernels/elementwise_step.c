@@ -370,22 +370,25 @@ static inline uint32_t mix32(uint32_t x) {  /* noise._mix32_ */
     return x ^ (x >> 16);
 }
 
-/* n uniform [0, 1) numbers of the stream (key0, key1) from counter `j0` on (noise.CounterStream.uniform):
- * hash(j) = mix32(mix32(lo(j) ^ key0) ^ hi(j) ^ key1), its top 24 bits times 2^-24 */
+/* The 32-bit hash of counter j in the stream (key0, key1) (noise.CounterStream.bits):
+ * mix32(mix32(lo(j) ^ key0) ^ hi(j) ^ key1) */
+static inline uint32_t stream_hash(uint32_t key0, uint32_t key1, int64_t j) {
+    const uint64_t u = (uint64_t)j;
+    return mix32(mix32((uint32_t)u ^ key0) ^ (uint32_t)(u >> 32) ^ key1);
+}
+
+/* n uniform [0, 1) numbers of the stream from counter `j0` on (noise.CounterStream.uniform): each hash's top 24
+ * bits times 2^-24 */
 static void uniform_many(uint32_t key0, uint32_t key1, int64_t j0, float *u, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        const uint64_t j = (uint64_t)(j0 + i);
-        const uint32_t h = mix32(mix32((uint32_t)j ^ key0) ^ (uint32_t)(j >> 32) ^ key1);
-        u[i] = (float)(int32_t)(h >> 8) * 0x1p-24f;  /* < 2^24: exact, and a signed conversion vectorizes */
-    }
+    for (int64_t i = 0; i < n; i++)  /* < 2^24: exact, and a signed conversion vectorizes */
+        u[i] = (float)(int32_t)(stream_hash(key0, key1, j0 + i) >> 8) * 0x1p-24f;
 }
 
 /* quant.to_bf16(stochastic=True) on the stream (key0, key1) from counter j0: the top 16 bits of element j's
  * hash added to the low half of the fp32 pattern (int32 arithmetic), truncated; inf and NaN rounded to nearest */
 static void stochastic_bf16(uint32_t key0, uint32_t key1, int64_t j0, const float *y, uint16_t *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
-        const uint64_t j = (uint64_t)(j0 + i);
-        const uint32_t h = mix32(mix32((uint32_t)j ^ key0) ^ (uint32_t)(j >> 32) ^ key1);
+        const uint32_t h = stream_hash(key0, key1, j0 + i);
         uint32_t bits;
         memcpy(&bits, &y[i], 4);
         const int finite = (bits & 0x7F800000u) != 0x7F800000u;
