@@ -31,7 +31,7 @@ def report():
 
 
 def test_every_rule_and_codec_equals_the_eager_step(report):
-    cases = {k: v for k, v in report.items() if "/" in k and not k.startswith("taco")}
+    cases = {k: v for k, v in report.items() if "/" in k and not k.startswith(("taco", "batched"))}
     assert len(cases) == 32
     for name, r in cases.items():
         assert r["launches"] == 3 * 3, name  # every tensor, every step, on the kernel (routed as on CUDA)
@@ -40,6 +40,15 @@ def test_every_rule_and_codec_equals_the_eager_step(report):
         # the state-free sign step and SGD momentum (no square root, no lerp): the rounded write is bit for bit
         if "signstochastic" in name or "kahan" in name:
             assert r["exact"], name
+
+
+def test_tensors_of_one_size_and_settings_step_in_one_launch(report):
+    for dtype in ("float32", "bfloat16"):
+        r = report[f"batched/{dtype}"]
+        # each step: the three weights of 7200 elements in the first group in one launch, the 30-element one in
+        # another, the second group's weight in a third
+        assert r["launches"] == 3 * 3 and r["tensors"] == 3 * 5, (dtype, r)
+        assert r["weights"] and r["state"], (dtype, r)
 
 
 def test_taco_column_search_equals_the_torch_search(report):

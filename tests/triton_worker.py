@@ -43,12 +43,15 @@ LRS = [1e-2, 6e-3, 4e-3]
 
 
 class Counting:
-    def __init__(self):
-        self.calls, self.inner = 0, triton_step.step
+    """triton_step.run, counting the launches that ran and the tensors they stepped."""
 
-    def __call__(self, *args, **kwargs):
-        ok = self.inner(*args, **kwargs)
+    def __init__(self):
+        self.calls, self.tensors, self.inner = 0, 0, triton_step.run
+
+    def __call__(self, launches):
+        ok = self.inner(launches)
         self.calls += ok is not None
+        self.tensors += len(launches) if ok is not None else 0
         return ok
 
 
@@ -106,9 +109,7 @@ def main():
     multi_tensor._DEVICES = ()  # and torch's fused AdamW and foreach residual step: route as on CUDA
     warnings.simplefilter("error", RuntimeWarning)  # a kernel failure must not pass silently here
     counting = Counting()
-    triton_step.step = counting
-    import slimopt.optim.windowed as windowed
-    windowed.triton_step.step = counting
+    triton_step.run = counting  # what windowed.py and multi_tensor.py call (the module's attribute)
     report = {}
     for dtype in (torch.float32, torch.bfloat16):
         for rule, m, v, extra in CASES:
@@ -121,6 +122,21 @@ def main():
             tag = (extra.get("eps_placement") or extra.get("free_rule") or "") + extra.get("param_rounding", "")
             name = f"{rule}/{m}/{v}/{extra.get('projector', '')}{tag}{extra.get('density', '')}/{str(dtype)[6:]}"
             report[name] = {**compare(a, b, fast, eager, dtype), "launches": counting.calls - before}
+    # tensors of one size and settings step in one launch: five weights of two sizes (the 2-D ones and the 1-D
+    # ones of 7200 elements share a launch) and two groups
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(1)
+        shapes = [(24, 300), (7200,), (24, 300), (30,), (30,)]
+        a = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+        b = [torch.nn.Parameter(x.detach().clone()) for x in a]
+        kw = settings("adamw", "int8", "int4", {})
+        groups = lambda ps: [{"params": ps[:4]}, {"params": ps[4:], "weight_decay": 0.0}]  # noqa: E731
+        fast, eager = slimopt.SlimOptimizer(groups(a), **kw), slimopt.SlimOptimizer(groups(b), fused=False, **kw)
+        before, tensors = counting.calls, counting.tensors
+        run(a, fast, 0, 3)
+        run(b, eager, 0, 3)
+        report[f"batched/{str(dtype)[6:]}"] = {**compare(a, b, fast, eager, dtype), "launches": counting.calls - before,
+                                              "tensors": counting.tensors - tensors}
     # TACO's one-candidate search as a Triton kernel (k = 1, the stored row hidden; k = 0), against the torch search
     # of the eager step; gradients rounded to a few levels so that ties across the row chunks are common
     searches = {"n": 0}

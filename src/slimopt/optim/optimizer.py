@@ -162,8 +162,9 @@ class SlimOptimizer(torch.optim.Optimizer):
     - ``fused`` (default True): step the parameters whose update is a standard kernel all at once
       (``multi_tensor.py``: torch's fused AdamW for plain moments, foreach kernels for an inactive block's
       residual) and run every other element-wise update of a CPU weight (codec-stored moments, Lion, SGDM) through
-      the one-pass C kernel (``native.py``); False runs every parameter through the eager per-tensor step, the
-      reference.
+      the one-pass C kernel (``native.py``), of a CUDA weight through one Triton launch for all the tensors of
+      one size and setting (``triton_step.py``); False runs every parameter through the eager per-tensor step,
+      the reference.
     - ``param_rounding``: how a bf16 weight is written, ``nearest`` | ``stochastic`` (unbiased, no memory) |
       ``kahan`` (a bf16 compensation per weight, state ``kahan_comp``); see ``rules.py``. fp32 weights are written
       exactly; fp16 weights take ``nearest`` only.
@@ -421,7 +422,7 @@ class SlimOptimizer(torch.optim.Optimizer):
         def stream(i: int, start: int) -> CounterStream:
             return P.stream(group["seed"], index, step, i).at(start)
 
-        windowed.step(p, grad, state, group, codecs, age, stream)
+        windowed.step(p, grad, state, group, codecs, age, stream, self._batch)
         return True
 
     def _fused(self, p: Tensor, group: dict[str, Any], state: dict[str, Tensor], g: Tensor) -> bool:

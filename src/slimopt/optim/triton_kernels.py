@@ -1,8 +1,9 @@
 """The Triton kernel of ``triton_step.py`` (imported only where triton is installed).
 
-One program steps TILE consecutive elements of one tensor. bf16 tensors are passed as int16 views and converted on
-their bit patterns (exact, and round-to-nearest-even as c10::BFloat16 on the way back), so that the interpreter
-and the GPU compute the same values. Shapes in the comments: n elements of the tensor, nb blocks of a moment.
+One program steps TILE consecutive elements of one of the tensors of a launch, which finds them in a table of
+addresses (one launch steps every tensor of one size and one setting). bf16 tensors are read as int16 and converted
+on their bit patterns (exact, and round-to-nearest-even as c10::BFloat16 on the way back), so that the interpreter
+and the GPU compute the same values. Shapes in the comments: n elements of a tensor, nb blocks of a moment.
 """
 
 import triton
@@ -127,21 +128,68 @@ def _encode(x, data, scale, table, offs, n, nblocks, KIND: tl.constexpr, BLOCK: 
             tl.store(data + b0, byte.to(tl.uint8), mask=b0 * 2 < nblocks * BLOCK)
 
 
+# the columns of a row of elementwise_step's tensor table
+COL_P, COL_G, COL_M_DATA, COL_M_SCALE, COL_V_DATA, COL_V_SCALE, COL_COMP, COL_KEY0, COL_KEY1, COL_COUNTER = range(10)
+COLUMNS = 10
+A_FP32, A_INT16, A_UINT8 = 0, 1, 2  # what an address of the table points to
+
+
 @triton.jit
-def elementwise_step(p, g, m_data, m_scale, m_qmap, m_table, v_data, v_scale, v_qmap, v_table,
-                     n, m_nblocks, v_nblocks, decay, alpha, w1, beta2, w2, b2s, eps, momentum,
-                     comp, wkey0, wkey1, wcounter,
+def _address(row, col, POINTS_TO: tl.constexpr):
+    """The pointer in column col of a table row (an int64 address), typed by POINTS_TO (A_*)."""
+    a = tl.load(row + col)
+    if POINTS_TO == A_FP32:
+        return a.to(tl.pointer_type(tl.float32))
+    elif POINTS_TO == A_INT16:
+        return a.to(tl.pointer_type(tl.int16))
+    else:
+        return a.to(tl.pointer_type(tl.uint8))
+
+
+@triton.jit
+def _moment_address(row, col, KIND: tl.constexpr):
+    """The address of a moment's data: fp32 values, bf16 ones as int16, or uint8 codes (K_INT8, K_INT4)."""
+    if KIND == K_FP32:
+        return _address(row, col, A_FP32)
+    elif KIND == K_BF16:
+        return _address(row, col, A_INT16)
+    else:
+        return _address(row, col, A_UINT8)
+
+
+@triton.jit
+def elementwise_step(tab, m_qmap, m_table, v_qmap, v_table, n, m_nblocks, v_nblocks, decay, alpha, w1, beta2, w2,
+                     b2s, eps, momentum,
                      RULE: tl.constexpr, P_BF16: tl.constexpr, G_BF16: tl.constexpr, M_KIND: tl.constexpr,
                      V_KIND: tl.constexpr, M_BLOCK: tl.constexpr, V_BLOCK: tl.constexpr, HAS_DECAY: tl.constexpr,
                      EPS_BEFORE: tl.constexpr, DIRECTION: tl.constexpr, ROUNDING: tl.constexpr,
                      TILE: tl.constexpr):
-    """p: (n,) weight (fp32, or bf16 as int16); g: (n,) gradient (the same); m_*, v_*: the moments (v unused by
-    Lion and SGDM; none read by the state-free rules 3, sign, and 4, sgd); decay = 1 - lr wd;
-    alpha = -lr / (1 - beta1^t) (AdamW), -lr free_scale (state-free) or -lr; w1 = 1 - beta1,
-    w2 = 1 - beta2, b2s = sqrt(1 - beta2^t). DIRECTION: write the direction d into p (fp32) instead of stepping it.
-    ROUNDING (bf16 weights): W_NEAREST; W_STOCHASTIC with the weight's stream (wkey0, wkey1: its key words,
-    wcounter: the counter of element 0); W_KAHAN with comp: (n,) bf16 as int16, the compensation."""
+    """The step of k tensors of n elements each, one program a (tile, tensor): grid (cdiv(n, TILE), k).
+
+    tab: (k, COLUMNS) int64, a row a tensor: the addresses of its weight p (n,) (fp32, or bf16 as int16), its
+    gradient g (the same), its moments' data and scales (m_*, v_*: v unused by Lion and SGDM, none read by the
+    state-free rules 3, sign, and 4, sgd; a moment's data (n,) fp32 | (n,) bf16 as int16 | uint8 codes, its scale
+    (nb,) fp32) and its compensation comp ((n,) bf16 as int16, W_KAHAN), then its weight stream's key words and
+    the counter of its element 0 (W_STOCHASTIC); an address a setting does not read points to a placeholder.
+    m_qmap, m_table, v_qmap, v_table: the block codecs' maps (2^bits,) fp32 and count tables (65536,) int32,
+    shared by the k tensors. decay = 1 - lr wd; alpha = -lr / (1 - beta1^t) (AdamW), -lr free_scale (state-free)
+    or -lr; w1 = 1 - beta1, w2 = 1 - beta2, b2s = sqrt(1 - beta2^t). DIRECTION: write the direction d into p
+    (fp32) instead of stepping it. ROUNDING (bf16 weights): W_NEAREST, W_STOCHASTIC or W_KAHAN."""
     pid = tl.program_id(0)
+    row = tab + tl.program_id(1).to(tl.int64) * COLUMNS
+    if P_BF16 and not DIRECTION:
+        p = _address(row, COL_P, A_INT16)
+    else:
+        p = _address(row, COL_P, A_FP32)
+    if G_BF16:
+        g = _address(row, COL_G, A_INT16)
+    else:
+        g = _address(row, COL_G, A_FP32)
+    m_data = _moment_address(row, COL_M_DATA, M_KIND)
+    m_scale = _address(row, COL_M_SCALE, A_FP32)
+    v_data = _moment_address(row, COL_V_DATA, V_KIND)
+    v_scale = _address(row, COL_V_SCALE, A_FP32)
+    comp = _address(row, COL_COMP, A_INT16)
     offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
     mask = offs < n
     grad = _load(g, offs, mask, G_BF16)
@@ -189,7 +237,7 @@ def elementwise_step(p, g, m_data, m_scale, m_qmap, m_table, v_data, v_scale, v_
             tl.store(p + offs, new.to(tl.int16), mask=mask)
             _store(comp, offs, y - (new << 16).to(tl.float32, bitcast=True), mask, True)  # exact in fp32
         else:
-            # scalars enter tensor expressions only (Triton makes an integer argument of 1 a constant)
+            wkey0, wkey1, wcounter = tl.load(row + COL_KEY0), tl.load(row + COL_KEY1), tl.load(row + COL_COUNTER)
             tl.store(p + offs, _stochastic_bf16_bits(y, offs + wcounter, wkey0, wkey1).to(tl.int16), mask=mask)
     if RULE < 3:
         _encode(tl.where(mask, m, 0.0), m_data, m_scale, m_table, offs, n, m_nblocks, M_KIND, M_BLOCK, TILE)

@@ -1,11 +1,14 @@
-"""The element-wise step of one tensor as one Triton kernel launch: the GPU's counterpart of ``native.py``.
+"""The element-wise step of a set of tensors as one Triton kernel launch: the GPU's counterpart of ``native.py``.
 
 The eager window step (``windowed.py``) launches a dozen kernels per tensor on a GPU (decode, the rule op by op,
 the block absmax, the code search, encode, the weight write), each a full pass over memory. This kernel reads
 the gradient, the weight and each coded moment once and writes the weight and the moments once: one program per
 tile of whole codec blocks, Adam's (or Lion's, or SGD momentum's) arithmetic in registers, the block absmax, the
 nearest code through the same 65,536-range count table as the C kernel and ``quant`` (so codes are quant's
-exactly where the fp32 moment agrees), the packing. Rules: AdamW (arXiv 1711.05101; eps after or before the bias
+exactly where the fp32 moment agrees), the packing. One launch steps every tensor of one size and one setting
+(``prepare`` makes a tensor's row of addresses, ``run`` launches a list of them; ``multi_tensor.Batch`` queues
+them during ``step()``), the kernel finding each tensor through a small device table of addresses that is copied
+once and kept while the same tensors step (``_table``). Rules: AdamW (arXiv 1711.05101; eps after or before the bias
 correction), Lion (arXiv 2302.06675), heavy-ball SGD momentum; moments fp32, bf16 (nearest), int8 or int4
 blockwise absmax (arXiv 2110.02861, 2309.01507); and the state-free sign or SGD update (FRUGAL's residual,
 arXiv 2411.07837, an inactive block, signSGD); weights fp32, or bf16 written with nearest rounding, with
@@ -36,6 +39,7 @@ import functools
 import math
 import os
 import warnings
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -44,7 +48,7 @@ from torch import Tensor
 from . import native
 from .codecs import Bf16Codec, BlockCodec, Fp32Codec
 
-__all__ = ["available", "applies", "step", "fallbacks", "column_best_applies", "column_best"]
+__all__ = ["available", "applies", "prepare", "run", "step", "fallbacks", "column_best_applies", "column_best"]
 
 _K_FP32, _K_BF16, _K_INT8, _K_INT4 = range(4)
 _RULES = {"adamw": 0, "taco": 0, "lion": 1, "sgdm": 2}
@@ -167,30 +171,92 @@ def _tables(codec: Any, device: torch.device) -> tuple[Tensor, Tensor]:
     return _TABLES[key]
 
 
-def _moment_args(codec: Any, key: str, state: dict[str, Tensor], dummy: Tensor) -> tuple:
-    """(data, scale, qmap, table, kind, block, blocks) of one moment for the kernel."""
-    kind = _kind(codec)
+def _moment_addresses(codec: Any, key: str, state: dict[str, Tensor], dummy: Tensor) -> tuple[int, int, int]:
+    """(data address, scale address, blocks) of one moment; a plain moment's scale is the placeholder."""
     data = state[key]
-    if kind == _K_BF16:
-        data = data.view(torch.int16)
-    if kind in (_K_FP32, _K_BF16):
-        return data, dummy, dummy, dummy, kind, 1, 0
-    qmap, table = _tables(codec, data.device)
+    if _kind(codec) in (_K_FP32, _K_BF16):
+        return data.data_ptr(), dummy.data_ptr(), 0
     scale = state[key + "_scale"]
-    return data, scale, qmap, table, kind, codec.block_size, scale.numel()
+    return data.data_ptr(), scale.data_ptr(), scale.numel()
 
 
-def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], codecs: list[tuple[str, Any]],
-         age: int, direction: bool = False, comp: Tensor | None = None, gen: Any = None) -> float | None:
-    """Step p (all of it) from grad against its coded moments in one launch (no codecs: the state-free update);
-    age: the moments' step count, already counted; direction: p is an fp32 buffer that receives the rule's
-    direction d instead (``windowed.directions``); a bf16 weight under ``param_rounding`` ``kahan`` needs comp
-    (its bf16 compensation), under ``stochastic`` gen (its rounding's counter-based stream at element 0).
-    Returns the rule's coefficient c (the update is lr c d), or None (after one warning) where this kernel's
-    settings failed to compile or launch: the caller then runs the eager step, and so does every later step with
-    these settings."""
+class Launch:
+    """One tensor's part of a launch (``prepare``): the row of addresses the kernel reads it by, and what selects
+    the launch it can share (``key``: the group, the kernel's settings, the size, the moments' age)."""
+
+    __slots__ = ("group", "codecs", "age", "direction", "n", "blocks", "row", "key", "device")
+
+    def __init__(self, group, codecs, age, direction, n, blocks, row, key, device):
+        self.group, self.codecs, self.age, self.direction = group, codecs, age, direction
+        self.n, self.blocks, self.row, self.key, self.device = n, blocks, row, key, device
+
+
+def prepare(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
+            codecs: list[tuple[str, Any]], age: int, direction: bool = False, comp: Tensor | None = None,
+            gen: Any = None) -> Launch:
+    """p's step from grad against its coded moments (no codecs: the state-free update), ready to launch alone or
+    with others of the same ``key`` (``run``); age: the moments' step count, already counted; direction: p is an
+    fp32 buffer that receives the rule's direction d instead (``windowed.directions``); a bf16 weight under
+    ``param_rounding`` ``kahan`` needs comp (its bf16 compensation), under ``stochastic`` gen (its rounding's
+    counter-based stream at element 0)."""
+    rounding = "nearest" if direction else _rounding(group, p)
+    if rounding == "kahan" and (comp is None or comp.dtype != torch.bfloat16 or not comp.is_contiguous()):
+        raise ValueError("param_rounding='kahan' needs the weight's bf16 compensation (rules.comp_of)")
+    if rounding == "stochastic" and gen is None:
+        raise ValueError("param_rounding='stochastic' needs the weight's random stream")
+    dummy = _placeholder(p.device)
+    moments = [_moment_addresses(c, k, state, dummy) for k, c in codecs]
+    m = moments[0] if moments else (dummy.data_ptr(), dummy.data_ptr(), 0)
+    v = moments[1] if len(moments) > 1 else m
+    (key0, key1), counter = gen.key_words if gen is not None else (0, 0), gen.offset if gen is not None else 0
+    row = (p.data_ptr(), grad.data_ptr(), m[0], m[1], v[0], v[1],
+           comp.data_ptr() if rounding == "kahan" else dummy.data_ptr(), key0, key1, counter)
+    maps = tuple((getattr(c, "map_name", None), getattr(c, "block_size", 1)) for _, c in codecs)
+    key = (id(group), _settings(group, p, grad, codecs), maps, p.numel(), age, direction, rounding)
+    return Launch(group, codecs, age, direction, p.numel(), (m[2], v[2]), row, key, p.device)
+
+
+_ROWS: "OrderedDict[tuple, tuple[Tensor, Tensor]]" = OrderedDict()  # recent tables (device, host), by contents
+_MAX_ROWS = 4096
+_CAPTURED: list[Tensor] = []  # host tables copied inside a CUDA-graph capture: a replay copies them again
+
+
+def _table(launches: list[Launch]) -> Tensor:
+    """The (k, COLUMNS) int64 table of addresses of `launches` on their device. The same tensors step after step
+    give the same table: it is copied once and kept, so a step copies nothing and a CUDA graph captured after a
+    warm-up step reads the kept one; a new one is copied from pinned memory without waiting (a stochastically
+    rounded weight's stream keys change every step: its table is new each step). The host copy lives as long as
+    the device one, and for the process where a graph captured its copy."""
+    rows = tuple(x.row for x in launches)
+    kept = _ROWS.get(rows)
+    if kept is not None:
+        _ROWS.move_to_end(rows)
+        return kept[0]
+    host = torch.tensor(rows, dtype=torch.int64)
+    device = launches[0].device
+    if device.type == "cuda":
+        host = host.pin_memory()
+        table = host.to(device, non_blocking=True)
+        if torch.cuda.is_current_stream_capturing():
+            _CAPTURED.append(host)
+    else:
+        table = host
+    _ROWS[rows] = (table, host)
+    if len(_ROWS) > _MAX_ROWS:
+        _ROWS.popitem(last=False)
+    return table
+
+
+def run(launches: list[Launch]) -> float | None:
+    """Step every tensor of `launches` (all of one ``key``) in one kernel launch. Returns the rule's coefficient c
+    (the update is lr c d), or None (after one warning) where this kernel's settings failed to compile or launch:
+    the caller then runs the eager step for each, and so does every later step with these settings."""
     kernels = _triton()
-    settings = _settings(group, p, grad, codecs)
+    first = launches[0]
+    group, codecs, age = first.group, first.codecs, first.age
+    _, settings, *_ = first.key
+    if settings in _failed:  # failed already, in a launch queued in the same step: one warning is enough
+        return None
     rule = group["rule"] if codecs else group["free_rule"]
     lr, wd = float(group["lr"]), float(group["weight_decay"])
     w1 = beta2 = w2 = b2s = eps = momentum = 0.0
@@ -208,38 +274,38 @@ def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any
         w1, w2 = 1.0 - beta1, 1.0 - beta2
     else:
         momentum = float(group["momentum"])
-    n = p.numel()
-    dummy = _placeholder(p.device)
-    m_args = (dummy, dummy, dummy, dummy, _K_FP32, 1, 0)
-    if codecs:
-        m_args = _moment_args(codecs[0][1], codecs[0][0], state, dummy)
-    v_args = _moment_args(codecs[1][1], codecs[1][0], state, dummy) if len(codecs) > 1 else m_args
-    rounding = "nearest" if direction else _rounding(group, p)
-    if rounding == "kahan" and (comp is None or comp.dtype != torch.bfloat16 or not comp.is_contiguous()):
-        raise ValueError("param_rounding='kahan' needs the weight's bf16 compensation (rules.comp_of)")
-    if rounding == "stochastic" and gen is None:
-        raise ValueError("param_rounding='stochastic' needs the weight's random stream")
-    (key0, key1), counter = gen.key_words if gen is not None else (0, 0), gen.offset if gen is not None else 0
-    comp_arg = comp.view(-1).view(torch.int16) if rounding == "kahan" else dummy
-    weight = p.data.view(-1).view(torch.int16) if p.dtype == torch.bfloat16 else p.data.view(-1)
-    gradient = grad.view(-1).view(torch.int16) if grad.dtype == torch.bfloat16 else grad.view(-1)
+    dummy = _placeholder(first.device)
+    kinds = [_kind(c) for _, c in codecs]
+    maps = [_tables(c, first.device) if k in (_K_INT8, _K_INT4) else (dummy, dummy) for (_, c), k in zip(codecs, kinds)]
+    blocks = [getattr(c, "block_size", 1) if k in (_K_INT8, _K_INT4) else 1 for (_, c), k in zip(codecs, kinds)]
+    m_kind, m_map, m_block = (kinds[0], maps[0], blocks[0]) if codecs else (_K_FP32, (dummy, dummy), 1)
+    v_kind, v_map, v_block = (kinds[1], maps[1], blocks[1]) if len(codecs) > 1 else (m_kind, m_map, m_block)
+    rounding = first.key[-1]
     try:
-        kernels.elementwise_step[(_cdiv(n, _TILE),)](
-            weight, gradient, *m_args[:4], *v_args[:4], n, m_args[6], v_args[6],
+        table = _table(launches)
+        kernels.elementwise_step[(_cdiv(first.n, _TILE), len(launches))](
+            table, *m_map, *v_map, first.n, first.blocks[0], first.blocks[1],
             float(1.0 - lr * wd), float(-lr * coef), float(w1), float(beta2), float(w2), float(b2s), float(eps),
-            float(momentum), comp_arg, key0, key1, counter,
-            RULE=_RULES[rule] if codecs else _FREE_RULES[rule], P_BF16=p.dtype == torch.bfloat16, G_BF16=grad.dtype == torch.bfloat16,
-            M_KIND=m_args[4], V_KIND=v_args[4], M_BLOCK=m_args[5], V_BLOCK=v_args[5],
-            HAS_DECAY=wd != 0.0, EPS_BEFORE=group["eps_placement"] == "galore", DIRECTION=direction,
+            float(momentum),
+            RULE=_RULES[rule] if codecs else _FREE_RULES[rule], P_BF16=settings[1] == torch.bfloat16,
+            G_BF16=settings[2] == torch.bfloat16, M_KIND=m_kind, V_KIND=v_kind, M_BLOCK=m_block, V_BLOCK=v_block,
+            HAS_DECAY=wd != 0.0, EPS_BEFORE=group["eps_placement"] == "galore", DIRECTION=first.direction,
             ROUNDING=_ROUNDINGS[rounding], TILE=_TILE)
     except Exception as exc:  # a compile or launch failure on a device the kernel was never run on
         why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         _failed[settings] = why
-        warnings.warn(f"slimopt: the Triton element-wise step failed for rule {rule!r}, weight {p.dtype}, "
+        warnings.warn(f"slimopt: the Triton element-wise step failed for rule {rule!r}, weight {settings[1]}, "
                       f"codecs {[c.name for _, c in codecs]} ({why}); these settings run the eager step from now "
                       "on", RuntimeWarning, stacklevel=3)
         return None
     return coef
+
+
+def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], codecs: list[tuple[str, Any]],
+         age: int, direction: bool = False, comp: Tensor | None = None, gen: Any = None) -> float | None:
+    """``prepare`` then ``run`` for p alone: one launch now. Returns the rule's coefficient, or None where the
+    kernel failed (the caller runs the eager step)."""
+    return run([prepare(p, grad, state, group, codecs, age, direction, comp, gen)])
 
 
 def column_best_applies(group: dict[str, Any], g: Tensor) -> bool:

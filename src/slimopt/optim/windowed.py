@@ -118,19 +118,36 @@ def window_elems(numel: int, align: int, per_element: int, held: int = 0) -> int
 
 
 def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], codecs: list[tuple[str, Any]],
-         age: int, stream: Callable[[int, int], CounterStream]) -> None:
+         age: int, stream: Callable[[int, int], CounterStream], batch: Any = None) -> None:
     """One update of p from grad in windows: the rule on codec-stored moments (codecs: the rule's (key, codec)
     list, its ``moment_step`` already counted as `age`), or with no codecs the state-free update of the residual.
 
     p, grad: contiguous tensors of one shape; stream(i, start): the random stream of moment i (or of the weight,
-    ``i = rules.PARAM_STREAM``) for the window starting at element `start`.
+    ``i = rules.PARAM_STREAM``) for the window starting at element `start`. Where the Triton kernel takes p (a
+    CUDA weight) and a ``multi_tensor.Batch`` is given, p is queued there, to step in one launch with the other
+    tensors of its size and settings at the end of ``step()``; else it steps now.
     """
     rounding = rounding_of(group, p)
     comp = comp_of(state, p, rounding)
-    if triton_step.applies(group, p, grad, codecs) and triton_step.step(
-            p, grad, state, group, codecs, age, comp=comp,
-            gen=stream(PARAM_STREAM, 0) if rounding == "stochastic" else None) is not None:
-        return  # the whole tensor in one launch (a CUDA weight): the kernel allocates nothing
+
+    def eager() -> None:
+        _windows(p, grad, state, group, codecs, age, stream, rounding, comp)
+
+    if triton_step.applies(group, p, grad, codecs):
+        launch = triton_step.prepare(p, grad, state, group, codecs, age, comp=comp,
+                                     gen=stream(PARAM_STREAM, 0) if rounding == "stochastic" else None)
+        if batch is not None:
+            batch.launch(launch, eager)
+            return
+        if triton_step.run([launch]) is not None:
+            return  # the whole tensor in one launch: the kernel allocates nothing
+    eager()
+
+
+def _windows(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
+             codecs: list[tuple[str, Any]], age: int, stream: Callable[[int, int], CounterStream], rounding: str,
+             comp: Tensor | None) -> None:
+    """``step`` in windows: the one-pass C kernel for each where it applies, else the eager window step."""
     n = p.numel()
     per = scratch_per_element(kind(codecs, group["rule"]), p.dtype, rounding)
     align = math.lcm(1, *(codec.align(p.shape) for _, codec in codecs))
@@ -317,7 +334,7 @@ def directions(low: Tensor, out: Tensor, state: dict[str, Tensor], group: dict[s
     itself is fine: each window reads its gradient before it writes); `held`: what the caller keeps allocated.
     Returns the rule's coefficient c (the same for every window)."""
     if triton_step.applies(group, out, low, codecs):  # out, low: fp32 (or fp64: no kernel), contiguous
-        c = triton_step.step(out, low, state, group, codecs, age, direction=True)  # one launch (CUDA)
+        c = triton_step.run([triton_step.prepare(out, low, state, group, codecs, age, direction=True)])  # one launch
         if c is not None:
             return c
     n = low.numel()

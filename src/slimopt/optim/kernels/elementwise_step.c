@@ -577,7 +577,7 @@ int slimopt_elementwise_step(step_t *s) {
         for (int b = 0; b < 256; b++) { pairs[k][2 * b] = c->qmap[b >> 4]; pairs[k][2 * b + 1] = c->qmap[b & 15]; }
         c->pairs = pairs[k];
     }
-    const int64_t tile = align * (MAX_TILE / 4 > align ? MAX_TILE / 4 / align : 1);
+    const int64_t tile = align * (MAX_TILE / 16 > align ? MAX_TILE / 16 / align : 1);
     float m[MAX_TILE], v[MAX_TILE], d[MAX_TILE];
     const float w1 = s->w1, w2 = s->w2, beta2 = s->beta2, eps = s->eps, b2s = s->bias2_sqrt;
     for (int64_t t0 = 0; t0 < s->n; t0 += tile) {
