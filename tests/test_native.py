@@ -239,6 +239,36 @@ def test_every_instruction_set_path_equals_the_eager_step(monkeypatch, level, ru
     assert counting.calls >= 2 * 3 * 2
 
 
+@pytest.mark.parametrize("level", ["native", *ISA_LEVELS])
+@pytest.mark.parametrize("m,v", [("int4", "int4"), ("int8", "int8"), ("ternary_ef", "int4")])
+def test_a_nan_gradient_codes_its_blocks_as_the_eager_step(monkeypatch, level, m, v):
+    """A NaN gradient entry makes its block's absmax NaN, and every normalized value of the block NaN: the kernel's
+    nearest-code searches (table, register search, comparisons) code them as quant does, scales NaN alike. The
+    NaNs are positive: a negative one's sign, which compilers' and torch's kernels may carry through an operation
+    differently, decides a ternary residual's trit."""
+    if native.library() is None:
+        pytest.skip("the kernel cannot be built here (no C compiler)")
+    lib, why = native._build(ISA_LEVELS[level]) if level != "native" else (native.library(), "")
+    assert lib is not None, why
+    monkeypatch.setitem(native._state, "lib", _Counting(lib))
+    kw = dict(lr=1e-2, weight_decay=0.1, m_codec=m, v_codec=v)
+    a, b = _params(torch.float32), _params(torch.float32)
+    fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
+    grads = _grads(torch.float32, 2)
+    grads[1][0][3, 7] = float("nan")
+    grads[1][1][100] = float("nan")
+    _run(a, fast, grads)
+    _run(b, eager, [[g.clone() for g in gs] for gs in grads])
+    for pa, pb in zip(a, b):
+        for key, x in fast.state[pa].items():
+            y = eager.state[pb][key]
+            if x.is_floating_point():
+                assert torch.equal(x.isnan(), y.isnan()), key
+                assert torch.allclose(x[~x.isnan()].float(), y[~y.isnan()].float(), rtol=1e-6, atol=1e-12), key
+            else:
+                assert torch.equal(x, y), key
+
+
 @pytest.mark.parametrize("free_rule", ["sign", "sgd"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_state_free_step_equals_the_eager_step(counted, dtype, free_rule):
