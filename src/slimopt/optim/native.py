@@ -18,8 +18,9 @@ window step, which stays the reference; CUDA tensors take ``triton_step.py`` whe
 step; ``fused=False`` on a group selects the eager step everywhere.
 
 The kernel targets this machine (``-march=native``): the int8 and int4 maps decode through AVX-512 permutes
-where the processor has them, AVX2 gathers where not, plain C elsewhere; tests build it without AVX-512 and
-without ``-march`` too, so that every path stays checked against the eager step.
+where the processor has them; with AVX2 only, int8 through gathers and int4 through permutes of its map in two
+registers; plain C elsewhere; tests build it without AVX-512 and without ``-march`` too, so that every path
+stays checked against the eager step.
 
 It is built with the system C compiler (``$CC``, else ``cc``) into a cache folder (``$SLIMOPT_CACHE``,
 else ``$XDG_CACHE_HOME/slimopt``, else ``~/.cache/slimopt``) under a name that hashes the source, the flags and
