@@ -90,14 +90,20 @@ def _plain_tensors(p: Tensor, grad: Tensor) -> bool:
             and type(p.data) is Tensor)
 
 
+def _off_device(p: Tensor) -> bool:
+    """A quick no for what every step of a CUDA weight asks (the checks below take several microseconds)."""
+    return not _DEVICES or (p.is_cuda and "cuda" not in _DEVICES)
+
+
 def adamw_applies(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[str, Any]]) -> bool:
     """``adamw_kernel_applies`` for this weight and gradient (same dtype, dense, contiguous)."""
-    return _plain_tensors(p, grad) and adamw_kernel_applies(group, p.dtype, p.device.type, codecs)
+    return (not _off_device(p) and _plain_tensors(p, grad)
+            and adamw_kernel_applies(group, p.dtype, p.device.type, codecs))
 
 
 def residual_applies(group: dict[str, Any], p: Tensor, grad: Tensor) -> bool:
     """``residual_kernel_applies`` for this weight and gradient (same dtype, dense, contiguous)."""
-    return _plain_tensors(p, grad) and residual_kernel_applies(group, p.dtype, p.device.type)
+    return not _off_device(p) and _plain_tensors(p, grad) and residual_kernel_applies(group, p.dtype, p.device.type)
 
 
 class Batch:

@@ -40,8 +40,8 @@ from . import taco
 from . import windowed
 from .codecs import make_codec, resolve_codecs
 from .noise import CounterStream
-from .rules import (ELEMENTWISE_RULES, FREE_RULES, MOMENTS, PARAM_ROUNDINGS, PARAM_STREAM, RULES, apply_update,
-                    comp_of, direction, rounding_of)
+from .rules import (ELEMENTWISE_RULES, FREE_RULES, MOMENTS, PARAM_ROUNDINGS, PARAM_STREAM, RULES, advance,
+                    apply_update, comp_of, direction, rounding_of)
 
 ON_REFRESH = ("keep", "reset", "project")
 # Where Adam's eps enters: "torch" adds it to the bias-corrected sqrt(v_hat) (torch.optim.AdamW); "galore" adds it
@@ -193,6 +193,7 @@ class SlimOptimizer(torch.optim.Optimizer):
         self._warned: set[str] = set()
         self._where: dict[Tensor, tuple[int, int, int]] = {}
         self._codecs: dict[tuple, Any] = {}
+        self._codec_lists: dict[tuple, list[tuple[str, Any]]] = {}
         self._blocks: dict[tuple, frozenset[int]] = {}
         self._batch = multi_tensor.Batch()
         super().__init__(params, {**DEFAULTS, **settings})
@@ -263,10 +264,17 @@ class SlimOptimizer(torch.optim.Optimizer):
         return codec
 
     def _moment_codecs(self, group: dict[str, Any], shape: torch.Size, dtype: torch.dtype) -> list[tuple[str, Any]]:
-        m_spec, v_spec = resolve_codecs(group["codec"], group["m_codec"], group["v_codec"], group["state_bits"])
-        numel = math.prod(shape)
-        return [(key, self._codec(m_spec if role == "m" else v_spec, role, numel, dtype))
-                for key, role in MOMENTS[group["rule"]]]
+        """The rule's (state key, codec) list for a `shape` tensor of `dtype`: asked a few times a tensor a step,
+        so kept by what decides it (the list is shared: read it, do not change it)."""
+        key = (group["rule"], group["codec"], group["m_codec"], group["v_codec"], group["state_bits"], tuple(shape),
+               dtype)
+        codecs = self._codec_lists.get(key)
+        if codecs is None:
+            m_spec, v_spec = resolve_codecs(group["codec"], group["m_codec"], group["v_codec"], group["state_bits"])
+            numel = math.prod(shape)
+            codecs = self._codec_lists[key] = [(k, self._codec(m_spec if role == "m" else v_spec, role, numel, dtype))
+                                               for k, role in MOMENTS[group["rule"]]]
+        return codecs
 
     def _init_moments(self, state: dict[str, Tensor], codecs, shape: torch.Size, device) -> None:
         """Zero moments; ``moment_step`` counts the rule's updates since then, for Adam's bias correction (a
@@ -275,11 +283,12 @@ class SlimOptimizer(torch.optim.Optimizer):
             state.update(codec.init(key, shape, device))
         state["moment_step"] = torch.zeros((), dtype=torch.float32)
 
-    def _count_moment_step(self, state: dict[str, Tensor], codecs, shape: torch.Size, device) -> None:
-        """Before a state-full update: zero moments where there are none yet, and count this update in their age."""
+    def _count_moment_step(self, state: dict[str, Tensor], codecs, shape: torch.Size, device) -> int:
+        """Before a state-full update: zero moments where there are none yet, and count this update in their age
+        (returned)."""
         if codecs[0][0] not in state:
             self._init_moments(state, codecs, shape, device)
-        state["moment_step"] += 1
+        return advance(state["moment_step"])
 
     def _layout(self, p: Tensor, group: dict[str, Any]) -> str:
         projector = group["projector"]
@@ -330,8 +339,7 @@ class SlimOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32)
-        state["step"] += 1
-        step = int(state["step"].item())  # a CPU tensor, as in torch.optim: no device sync
+        step = advance(state["step"])  # a CPU tensor, as in torch.optim: no device sync
         layout = self._layout(p, group)
         if layout == "block":
             def fresh() -> None:
@@ -407,8 +415,7 @@ class SlimOptimizer(torch.optim.Optimizer):
             if layout == "none" and group["compile"] and group["rule"] == "adamw":
                 return False  # the compiled step (_fused), where it applies
             codecs = self._moment_codecs(group, p.shape, p.dtype)
-            self._count_moment_step(state, codecs, p.shape, p.device)
-            age = int(state["moment_step"].item())
+            age = self._count_moment_step(state, codecs, p.shape, p.device)
         else:
             if layout != "block":  # a subspace projector: state-free only at rank 0
                 side = P.side_for(p.shape, group["proj_side"]) if layout in P.ORTHO_PROJECTORS else None

@@ -55,7 +55,7 @@ from . import projectors as P
 from . import taco
 from .codecs import FactoredCodec, factored_means, resolve_codecs
 from .noise import CounterStream
-from .rules import MOMENTS, PARAM_STREAM, apply_update, comp_of, direction, rounding_of
+from .rules import MOMENTS, PARAM_STREAM, advance, apply_update, comp_of, direction, rounding_of
 from .shardcomm import (Rows, all_reduce, chosen_per_rank, chunk_bounds, gather_var_rows, is_sharded,  # noqa: F401
                         rows_of)
 from .sharded_bases import randomized_basis, rows_of_basis, svd_basis
@@ -195,8 +195,7 @@ def update(opt, p: Tensor, group: dict[str, Any]) -> None:
     state = opt.state[p]
     if "step" not in state:
         state["step"] = torch.zeros((), dtype=torch.float32)
-    state["step"] += 1
-    step = int(state["step"].item())
+    step = advance(state["step"])
     g = g_loc if g_loc.dtype in (torch.float32, torch.float64) else g_loc.float()
     layout = opt._layout(p, group)
     space = Space(p.shape, rows)
@@ -233,8 +232,7 @@ def _fused(opt, p, p_loc, group, state, g, space: Space) -> bool:
         return False
     if codecs[0][0] not in state:
         init_moments(state, codecs, _local_shape(space), p_loc.device)
-    state["moment_step"] += 1
-    compiled.adamw_step(p_loc, g, state, codecs, group, int(state["moment_step"].item()))
+    compiled.adamw_step(p_loc, g, state, codecs, group, advance(state["moment_step"]))
     return True
 
 
@@ -248,8 +246,7 @@ def _stateful(opt, p, group, state, g: Tensor, step: int, space: Space) -> tuple
     codecs = moment_codecs(opt, group, space, p.dtype)
     if codecs[0][0] not in state:
         init_moments(state, codecs, g.shape, g.device)
-    state["moment_step"] += 1
-    age = int(state["moment_step"].item())
+    age = advance(state["moment_step"])
     mom = {key: codec.decode(key, state, g.shape) for key, codec in codecs}
     if group["rule"] == "muon" and space.split:  # the iteration needs the whole matrix: all-gather its rows
         d, c = muon.direction(g, mom["momentum_buffer"], group, p.shape, rows=space.rows)

@@ -106,12 +106,22 @@ def _find_kind(codec: Any) -> int | None:
     return None
 
 
-def _device_ok(device: torch.device) -> bool:
-    if device.type == "cuda":
+def _device_ok(t: Tensor) -> bool:
+    if t.is_cuda:
         return True
     # CPU tensors run the kernels only under the interpreter, for the tests
-    return (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    return (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
             and os.environ.get("SLIMOPT_TRITON_CPU") == "1")
+
+
+@functools.lru_cache(maxsize=None)
+def _rule_ok(rule: str, codecs: tuple[tuple[str, Any], ...]) -> bool:
+    """Whether the kernel has `rule` on these (key, codec) moments (asked for every tensor of every step)."""
+    return rule in _RULES and [k for k, _ in codecs] == _MOMENT_KEYS[rule] and all(_kind(c) is not None
+                                                                                 for _, c in codecs)
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)  # no tensor subclass (a DTensor, a quantized weight): its data is not flat
 
 
 def applies(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[str, Any]]) -> bool:
@@ -119,20 +129,19 @@ def applies(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[s
     docstring): a fused group, a CUDA weight (or a CPU one under the interpreter hook), a supported rule, codecs,
     dtypes and write, triton installed, and no earlier failure of this kernel's settings. No codecs: the state-free
     update (``free_rule`` sign or sgd)."""
-    if not group["fused"] or not _device_ok(p.device):
+    if not group["fused"] or not _device_ok(p):
         return False
     if p.dtype not in _DTYPES or grad.dtype not in _DTYPES:
         return False
     if group["param_rounding"] not in _ROUNDINGS:
         return False
-    if not (p.is_contiguous() and grad.is_contiguous() and type(p.data) is Tensor):
+    if not (type(p) in _PLAIN and type(grad) in _PLAIN and p.is_contiguous() and grad.is_contiguous()):
         return False
     rule = group["rule"]
     if not codecs:
         if group["free_rule"] not in _FREE_RULES:
             return False
-    elif rule not in _RULES or [k for k, _ in codecs] != _MOMENT_KEYS[rule] or \
-            any(_kind(c) is None for _, c in codecs):
+    elif not _rule_ok(rule, tuple(codecs)):
         return False
     elif rule in ("adamw", "taco") and group["eps_placement"] not in ("torch", "galore"):
         return False
@@ -310,7 +319,7 @@ def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any
 
 def column_best_applies(group: dict[str, Any], g: Tensor) -> bool:
     """Whether TACO's one-candidate search of the 2-D gradient g runs as a Triton kernel (``column_best``)."""
-    return (bool(group["fused"]) and _device_ok(g.device) and g.dtype in _DTYPES
+    return (bool(group["fused"]) and _device_ok(g) and g.dtype in _DTYPES
             and g.dim() == 2 and g.is_contiguous() and available()
             and ("column_best", g.dtype, g.device.type) not in _failed)
 
