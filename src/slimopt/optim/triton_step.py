@@ -48,7 +48,7 @@ from torch import Tensor
 from . import native
 from .codecs import Bf16Codec, BlockCodec, Fp32Codec
 
-__all__ = ["available", "applies", "prepare", "run", "step", "fallbacks", "column_best_applies", "column_best"]
+__all__ = ["available", "applies", "prepare", "run", "fallbacks", "column_best_applies", "column_best"]
 
 _K_FP32, _K_BF16, _K_INT8, _K_INT4 = range(4)
 _RULES = {"adamw": 0, "taco": 0, "lion": 1, "sgdm": 2}
@@ -308,13 +308,6 @@ def run(launches: list[Launch]) -> float | None:
                       "on", RuntimeWarning, stacklevel=3)
         return None
     return coef
-
-
-def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], codecs: list[tuple[str, Any]],
-         age: int, direction: bool = False, comp: Tensor | None = None, gen: Any = None) -> float | None:
-    """``prepare`` then ``run`` for p alone: one launch now. Returns the rule's coefficient, or None where the
-    kernel failed (the caller runs the eager step)."""
-    return run([prepare(p, grad, state, group, codecs, age, direction, comp, gen)])
 
 
 def column_best_applies(group: dict[str, Any], g: Tensor) -> bool:
