@@ -23,6 +23,7 @@ def _w():
     (dict(free_rule="signum"), "free_rule must be one of"),
     (dict(on_refresh="rotate"), "on_refresh must be one of"),
     (dict(proj_side="top"), "proj_side must be one of"),
+    (dict(proj_dtype="bf16"), "proj_dtype must be one of fp32, grad, auto; got 'bf16'"),
     (dict(eps_placement="before_bias"), "eps_placement must be one of torch, galore; got 'before_bias'"),
     (dict(lr=-1.0), "lr must be a finite number >= 0"),
     (dict(eps=-1e-8), "eps must be a finite number >= 0"),

@@ -150,3 +150,102 @@ def test_rank_above_the_smaller_side_is_clamped_for_decompositions(on_refresh):
     for i in range(4):  # crosses a refresh
         _step(opt, w, i)
     assert opt.state[w]["proj"].shape == (40, 6) and opt.state[w]["exp_avg"].shape == (6, 6)
+
+
+@pytest.mark.parametrize("shape", [(48, 20), (20, 48)])  # a right and a left projection under proj_side="std"
+def test_proj_dtype_grad_projects_a_bf16_gradient_in_bf16_products(shape):
+    # the first step's first moment is (1 - beta1) times the subspace gradient: with proj_dtype="grad" that is the
+    # bf16 product of the bf16 gradient and the bf16-stored basis (galore-torch's arithmetic), with "fp32" the fp32
+    # product of the same values; the two differ (the bf16 one rounds every entry to 8 bits of mantissa)
+    lows = {}
+    for proj_dtype in ("grad", "fp32"):
+        w = torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16))
+        opt = slimopt.SlimOptimizer([w], lr=1e-2, projector="svd", rank=4, codec="fp32", proj_dtype=proj_dtype)
+        w.grad = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        opt.step()
+        st = opt.state[w]
+        q = st["proj"]
+        assert q.dtype == torch.bfloat16
+        side = P.side_for(w.shape, "std")
+        mm = torch.bfloat16 if proj_dtype == "grad" else torch.float32
+        low = P.down("svd", side, w.grad.to(mm), q.to(mm)).float()
+        assert torch.equal(st["exp_avg"], low * (1 - 0.9))
+        lows[proj_dtype] = low
+    assert not torch.equal(lows["grad"], lows["fp32"])
+    assert torch.allclose(lows["grad"], lows["fp32"], rtol=2 ** -7, atol=1e-6)
+
+
+def test_proj_dtype_grad_leaves_fp32_weights_in_fp32():
+    runs = []
+    for proj_dtype in ("grad", "fp32"):
+        w = torch.nn.Parameter(torch.randn(40, 24, generator=torch.Generator().manual_seed(0)))
+        opt = slimopt.SlimOptimizer([w], lr=1e-2, projector="svd", rank=4, update_gap=2, proj_dtype=proj_dtype)
+        for s in range(3):
+            _step(opt, w, s)
+        runs.append((w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items()}))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[0][1].keys() == runs[1][1].keys()
+    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+
+
+@pytest.mark.parametrize("free_rule", ["none", "sign"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic", "kahan"])
+def test_proj_dtype_grad_fused_step_equals_the_eager_step(free_rule, rounding, monkeypatch):
+    # the fused path writes the lifted bf16 update through the one-pass kernel, the eager one upcasts it and runs
+    # rules.apply_update: the same fp32 values, so the same weights and states bit for bit
+    from slimopt.optim import native
+    lifted = []
+    add_update = native.add_update
+    monkeypatch.setattr(native, "add_update", lambda p, d, *a, **k: (lifted.append(d.dtype), add_update(p, d, *a, **k)))
+    out = []
+    for fused in (True, False):
+        gen = torch.Generator().manual_seed(3)
+        ws = [torch.nn.Parameter(torch.randn(shape, generator=gen).to(torch.bfloat16))
+              for shape in ((64, 48), (48, 64))]
+        opt = slimopt.SlimOptimizer(ws, lr=1e-2, weight_decay=0.1, projector="svd", rank=8, update_gap=2,
+                                    scale=0.25, free_rule=free_rule, param_rounding=rounding, proj_dtype="grad",
+                                    fused=fused)
+        for s in range(4):
+            for i, w in enumerate(ws):
+                w.grad = torch.randn(w.shape, generator=torch.Generator().manual_seed(10 * s + i)).to(torch.bfloat16)
+            opt.step()
+        out.append(([w.detach().clone() for w in ws], [dict(opt.state[w]) for w in ws]))
+    # without a residual the fused step lifts in bf16 straight into the kernel (when the C kernel is built)
+    assert set(lifted) == ({torch.bfloat16} if free_rule == "none" and native.library() is not None else set())
+    (w_f, st_f), (w_e, st_e) = out
+    for a, b in zip(w_f, w_e):
+        assert torch.equal(a, b)
+    for a, b in zip(st_f, st_e):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_proj_dtype_auto_takes_16_bit_products_only_where_the_device_has_the_units(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert P.matmul_dtype("auto", torch.bfloat16, cuda) == torch.bfloat16
+    assert P.matmul_dtype("auto", torch.float32, cuda) == torch.float32
+    assert P.matmul_dtype("fp32", torch.bfloat16, cuda) == torch.float32
+    assert P.matmul_dtype("grad", torch.float16, cpu) == torch.float16
+    assert P.matmul_dtype("auto", torch.float16, cpu) == torch.float32  # no CPU multiplies fp16 fast here
+    assert P.matmul_dtype("grad", torch.float64, cpu) == torch.float64
+    for bf16_units in (True, False):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16_units)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        assert P.matmul_dtype("auto", torch.bfloat16, cpu) == (torch.bfloat16 if bf16_units else torch.float32)
+        assert P.matmul_dtype("grad", torch.bfloat16, cpu) == torch.bfloat16
+
+
+def test_the_galore_recipe_projects_bf16_weights_by_the_devices_units(monkeypatch):
+    from helpers import tiny_llama
+    for bf16_units in (True, False):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16_units)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        model = tiny_llama().to(torch.bfloat16)
+        opt = slimopt.build(model, "galore", rank=4)
+        w = model.model.layers[0].mlp.up_proj.weight
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+        opt.step()
+        st = opt.state[w]
+        mm = torch.bfloat16 if bf16_units else torch.float32
+        low = P.down("svd", P.side_for(w.shape, "std"), w.grad.to(mm), st["proj"].to(mm)).float()
+        assert torch.equal(st["exp_avg"], low * (1 - 0.9))

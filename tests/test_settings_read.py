@@ -17,6 +17,7 @@ from helpers import backward, batches, tiny_llama
     ("adamw", {"taco_k": 2}, "only rule 'taco' reads it"),
     ("frugal", {"scale": 2.0}, "the projector is 'block'"),
     ("galore", {"oversample": 4}, "tunes the randomized_svd projector"),
+    ("frugal", {"proj_dtype": "grad"}, "the projector is 'block'"),
     ("galore", {"projector": "none", "rank": 8}, "the projector is 'none'"),
     ("badam", {"free_scale": 0.5}, "there is none"),
     ("galore", {"compile": True, "rule": "lion"}, "full-space AdamW only"),
@@ -31,6 +32,7 @@ def test_a_setting_no_group_reads_is_an_error(method, setting, why):
     ("galore", {"compile": True}),           # read by the full-space groups (embeddings, norms, head)
     ("galore", {"compile": False}),          # restating a default changes nothing either way
     ("galore_rsvd", {"oversample": 4}),
+    ("galore", {"proj_dtype": "fp32"}),
     ("taco", {"taco_k": 2}),
     ("frugal", {"rank": 2}),
     ("adamw", {"rule": "sgdm", "momentum": 0.5}),

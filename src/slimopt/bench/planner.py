@@ -304,7 +304,10 @@ def _slim_param(opt, p: torch.Tensor, group: dict) -> tuple[str, int, int, int]:
         # the basis is computed in fp32 (fp64 for fp64 weights) and stored in the weights' dtype when narrower
         dtype = p.dtype if p.dtype in (torch.bfloat16, torch.float16, torch.float64) else torch.float32
         proj = dim * r * torch.empty((), dtype=dtype, device="meta").element_size()
-        copy = dim * r * 4 if dtype in (torch.bfloat16, torch.float16) else 0
+        device = torch.device("cuda") if p.device.type == "meta" else p.device  # as muon's scratch: planned for a GPU
+        narrow = dtype in (torch.bfloat16, torch.float16) and P.matmul_dtype(group["proj_dtype"], p.dtype,
+                                                                              device) != dtype
+        copy = dim * r * 4 if narrow else 0
     else:
         proj = r * 8  # int64 coordinates
     return layout, _slim_moments(opt, p, group, shape), proj, _projected_scratch(opt, p, group, layout, side, r,

@@ -352,8 +352,8 @@ def _set_write(s: _Step, p: Tensor, group: dict[str, Any], direction: bool, comp
 
 def add_applies(group: dict[str, Any], p: Tensor, d: Tensor) -> bool:
     """Whether ``add_update`` takes p (a contiguous CPU fp32 or bf16 weight or window of one) and d (contiguous
-    fp32 of p's size)."""
-    return (d.dtype == torch.float32 and d.is_contiguous() and d.numel() == p.numel()
+    fp32 or bf16 of p's size; a bf16 d is read as the fp32 of its values)."""
+    return (d.dtype in (torch.float32, torch.bfloat16) and d.is_contiguous() and d.numel() == p.numel()
             and kernel_applies({**group, "free_rule": "sgd"}, p.dtype, p.device.type, [])
             and p.is_contiguous() and type(p.data) is Tensor)
 

@@ -63,6 +63,7 @@ DEFAULTS: dict[str, Any] = dict(
     update_gap=200,
     scale=1.0,
     proj_side="std",
+    proj_dtype="fp32",
     on_refresh="keep",
     free_rule="none",
     free_scale=1.0,
@@ -103,6 +104,7 @@ def validate_group(group: dict[str, Any]) -> None:
         raise ValueError(f"momentum must be in [0, 1], got {group['momentum']!r}")
     for name, allowed in (("rule", RULES), ("free_rule", FREE_RULES), ("projector", P.PROJECTORS),
                           ("on_refresh", ON_REFRESH), ("proj_side", P.PROJ_SIDES),
+                          ("proj_dtype", P.PROJ_DTYPES),
                           ("eps_placement", EPS_PLACEMENTS), ("param_rounding", PARAM_ROUNDINGS),
                           ("block_order", P.BLOCK_ORDERS)):
         if group[name] not in allowed:
@@ -150,6 +152,10 @@ class SlimOptimizer(torch.optim.Optimizer):
       ``rank`` or ``density`` sets the subspace size (for ``block``: how many tensors of the group are active);
       ``update_gap`` steps between refreshes; ``scale`` multiplies the state-full update (GaLore's alpha);
       ``proj_side`` ``std`` | ``reverse_std`` | ``left`` | ``right`` (galore-torch's proj_type);
+      ``proj_dtype`` ``fp32`` | ``grad`` | ``auto`` (the matrix products of ``svd``, ``randomized_svd`` and
+      ``random`` projections in fp32, or in a bf16 / fp16 gradient's own dtype as galore-torch does: several times
+      faster, each projected value rounded to 16 bits; ``auto``: the latter where the device has 16-bit matrix
+      units; ``projectors.matmul_dtype``);
       ``on_refresh`` ``keep`` (GaLore) | ``reset`` (FRUGAL) | ``project`` (rotate the moments, LDAdam);
       ``block_order`` ``ascending`` | ``descending`` | ``random``; ``oversample`` and ``power_iters`` for
       ``randomized_svd``; ``seed`` for every random choice.

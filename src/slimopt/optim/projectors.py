@@ -27,6 +27,7 @@ from .noise import CounterStream, mix_seed
 PROJECTORS = ("none", "svd", "randomized_svd", "random", "columns", "rows", "block")
 ORTHO_PROJECTORS = ("svd", "randomized_svd", "random")
 PROJ_SIDES = ("std", "reverse_std", "left", "right")
+PROJ_DTYPES = ("fp32", "grad", "auto")
 BLOCK_ORDERS = ("ascending", "descending", "random")
 
 
@@ -54,6 +55,35 @@ def side_for(shape: torch.Size, proj_side: str) -> str:
     if proj_side == "std":
         return "right" if m >= n else "left"
     return "left" if m >= n else "right"
+
+
+def fast_16bit_matmul(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `device` multiplies `dtype` (bf16 or fp16) matrices faster than fp32 ones: a GPU's tensor cores, or
+    for bf16 a CPU with AVX512-BF16 or AMX. Elsewhere torch's CPU bf16 product is emulated, and several to
+    ~80x slower than fp32 (muon.py measured it)."""
+    if device.type == "cuda":
+        return True
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return False
+    cpu = getattr(torch, "cpu", None)
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in ("_is_avx512_bf16_supported",
+                                                                     "_is_amx_tile_supported"))
+
+
+def matmul_dtype(proj_dtype: str, grad_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of an orthonormal projection's matrix products (``down``, and ``up`` of the direction).
+
+    ``fp32``: the gradient and the basis read in fp32 (fp64 for an fp64 gradient): exact products, fp32 sums.
+    ``grad``: a bf16 or fp16 gradient's own dtype, as galore-torch projects. The products of a 16-bit gradient and
+    the 16-bit stored basis are the same values, the sums still fp32 inside BLAS and cuBLAS, but each result is
+    rounded to 16 bits (the subspace gradient's and the lifted update's relative error ~2^-9), in exchange for
+    16-bit matrix units: 3.6x the fp32 rate on a CPU core with AVX512-BF16 (a 2-core AMD EPYC, one thread), a
+    GPU's tensor cores. ``auto``: ``grad`` where ``fast_16bit_matmul`` says the device has such units, else fp32.
+    An fp32 gradient is projected in fp32 under every setting."""
+    if grad_dtype in (torch.bfloat16, torch.float16) and (
+            proj_dtype == "grad" or (proj_dtype == "auto" and fast_16bit_matmul(grad_dtype, device))):
+        return grad_dtype
+    return torch.float64 if grad_dtype == torch.float64 else torch.float32
 
 
 def subspace_rank(shape: torch.Size, projector: str, side: str | None, rank: int | None,

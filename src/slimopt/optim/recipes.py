@@ -163,7 +163,9 @@ class GaLoreAdamW(SlimOptimizer):
     Its Adam arithmetic is galore-torch's: eps is added to sqrt(v) before the bias correction
     (``eps_placement="galore"``; ``"torch"`` gives torch.optim.AdamW's m_hat / (sqrt(v_hat) + eps), which moves
     the parameters 5-45% of their movement away from galore-torch at eps 1e-8 to 1e-6 over 10 steps of a tiny
-    LLaMA). tests/test_galore_parity.py checks every proj_type at eps 1e-6 and 1e-8.
+    LLaMA). tests/test_galore_parity.py checks every proj_type at eps 1e-6 and 1e-8. Its projections run in the
+    gradient's dtype, as galore-torch's do, where the device has 16-bit matrix units (``proj_dtype="auto"``: bf16
+    products for bf16 weights on a GPU or a CPU with AVX512-BF16 or AMX, fp32 elsewhere).
 
     One difference on purpose (DESIGN.md section 3): weight decay is applied once, before the update,
     p (1 - lr wd) - lr u, where galore-torch applies it after, (p - lr u)(1 - lr wd). The two differ by lr * wd times
@@ -194,6 +196,7 @@ def _from_galore_group(group: dict[str, Any]) -> dict[str, Any]:
         group["update_gap"] = group.pop("update_proj_gap", 200)
         group["scale"] = group.get("scale", 1.0)
         group["proj_side"] = group.pop("proj_type", "std")
+        group.setdefault("proj_dtype", "auto")
     return group
 
 

@@ -76,8 +76,8 @@ def check_agreement(opt, rows: Rows) -> None:
         return
     mine = []
     for gi, group in enumerate(opt.param_groups):
-        keys = ("rule", "projector", "rank", "density", "update_gap", "seed", "proj_side", "codec", "m_codec",
-                "v_codec", "state_bits")
+        keys = ("rule", "projector", "rank", "density", "update_gap", "seed", "proj_side", "proj_dtype", "codec",
+                "m_codec", "v_codec", "state_bits")
         settings = tuple(str(group.get(k)) for k in keys)
         for p in group["params"]:
             mine.append((gi, opt._where[p][2], tuple(p.shape), str(p.dtype), settings))
@@ -215,7 +215,7 @@ def update(opt, p: Tensor, group: dict[str, Any]) -> None:
         else:
             resid = g
     else:
-        full, coef, resid = _projected(opt, p, group, state, g, step, layout, rows)
+        full, coef, resid = _projected(opt, p, group, state, g, step, layout, rows, g_loc.dtype)
 
     rounding = rounding_of(group, p_loc)  # the shard's own compensation, and the shard's rounding stream
     gen = _stream(group, space, opt._where[p][2], step, PARAM_STREAM) if rounding == "stochastic" \
@@ -292,7 +292,10 @@ def _space_of(projector: str, side: str | None, shape: torch.Size, r: int, rows:
     return Space(torch.Size((r, n)), rows.sub(r, before, before + sel.numel()))
 
 
-def _projected(opt, p, group, state, g: Tensor, step: int, projector: str, rows: Rows):
+def _projected(opt, p, group, state, g: Tensor, step: int, projector: str, rows: Rows, grad_dtype: torch.dtype):
+    """The projected step of a shard: g is its fp32 gradient, grad_dtype the gradient's own dtype (what
+    ``proj_dtype="grad"`` projects in). A left projection sums the ranks' partial products in fp32 after each is
+    rounded to the products' dtype, so in a 16-bit one it differs from the single-process step by those roundings."""
     shape = p.shape
     side = P.side_for(shape, group["proj_side"]) if projector in P.ORTHO_PROJECTORS else None
     r = P.subspace_rank(shape, projector, side, group["rank"], group["density"])
@@ -304,12 +307,15 @@ def _projected(opt, p, group, state, g: Tensor, step: int, projector: str, rows:
     basis = state[key]
     if projector == "rows":
         basis, _ = local_selection(basis, rows)
-    low = P.down(projector, side, g, basis)
+    ortho = projector in P.ORTHO_PROJECTORS
+    mm = P.matmul_dtype(group["proj_dtype"], grad_dtype, g.device) if ortho else g.dtype
+    q = basis.to(mm) if ortho else basis
+    low = P.down(projector, side, g.to(mm), q).to(g.dtype)
     if side == "left":
         low = all_reduce(low.contiguous(), rows)  # Q^T G = sum over ranks of Q_local^T G_local: (r, n)
     space = _space_of(projector, side, shape, r, rows, state)
     d, c = _stateful(opt, p, group, state, low, step, space)
-    full = P.up(projector, side, d, basis, g.shape)
+    full = P.up(projector, side, d.to(mm), q, g.shape).to(g.dtype)
     whole = r == (shape[0] if side == "left" or projector == "rows" else shape[1])
     resid = None if group["free_rule"] == "none" or whole else P.residual(projector, side, g, low, basis)
     return full, c * float(group["scale"]), resid

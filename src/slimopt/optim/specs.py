@@ -24,7 +24,10 @@ __all__ = ["Method", "METHODS", "TACO_LR", "STATE_FREE", "GALORE_DEFAULTS", "FRU
            "MUON_DEFAULTS"]
 
 STATE_FREE = {"projector": "block", "density": 0.0, "free_rule": "sign"}
-GALORE_DEFAULTS = {"projector": "svd", "rank": 128, "update_gap": 200, "scale": 0.25, "on_refresh": "keep"}
+# proj_dtype "auto": bf16 weights are projected in bf16 matrix products, as galore-torch projects, where the device
+# multiplies bf16 faster than fp32 (a GPU; a CPU with AVX512-BF16 or AMX): projectors.matmul_dtype
+GALORE_DEFAULTS = {"projector": "svd", "rank": 128, "update_gap": 200, "scale": 0.25, "on_refresh": "keep",
+                   "proj_dtype": "auto"}
 FRUGAL_DEFAULTS = {"projector": "block", "density": 0.25, "update_gap": 200, "free_rule": "sign", "on_refresh": "reset"}
 MUON_DEFAULTS = {"rule": "muon", "adjust_lr_fn": "match_rms_adamw"}
 MUON_SHARED = {"momentum": 0.95}  # shared, so a momentum given to build() replaces it (AdamW groups ignore it)

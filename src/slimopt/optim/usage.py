@@ -26,6 +26,8 @@ def unused_reason(key: str, group: Mapping[str, Any]) -> str | None:
         return f"it scales a projected update and the projector is {projector!r}"
     if key == "proj_side" and projector not in P.ORTHO_PROJECTORS:
         return f"it chooses the side of svd, randomized_svd and random projections; the projector is {projector!r}"
+    if key == "proj_dtype" and projector not in P.ORTHO_PROJECTORS:
+        return f"it sets the dtype of svd, randomized_svd and random projections' products; the projector is {projector!r}"
     if key in ("oversample", "power_iters") and projector != "randomized_svd":
         return f"it tunes the randomized_svd projector; the projector is {projector!r}"
     if key == "block_order" and projector != "block":

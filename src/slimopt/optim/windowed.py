@@ -270,7 +270,9 @@ def projected(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str 
     """
     axis = P.window_axis(projector, side)
     work = torch.float64 if grad.dtype == torch.float64 else torch.float32
-    q = basis.to(work) if basis.is_floating_point() else basis  # a narrow basis in the work dtype, once
+    # the projections' products run in `mm` (projectors.matmul_dtype): a narrow basis read in it once
+    mm = P.matmul_dtype(group["proj_dtype"], grad.dtype, grad.device) if basis.is_floating_point() else work
+    q = basis.to(mm) if basis.is_floating_point() else basis
     copy_bytes = q.numel() * q.element_size() if q is not basis else 0
     m, n = p.shape
     r = q.shape[1] if basis.is_floating_point() else basis.numel()
@@ -287,7 +289,7 @@ def projected(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str 
 
     low = torch.empty(low_shape, dtype=work, device=p.device)
     for a, k in spans:
-        _down(low.narrow(axis, a, k), grad.narrow(axis, a, k), projector, side, q, work)
+        _down(low.narrow(axis, a, k), grad.narrow(axis, a, k), projector, side, q, mm)
     if whole_rule is None:
         d = torch.empty_like(low) if residual else low
         c = directions(low, d, state, group, codecs, age, stream, p.dtype, held)
@@ -302,28 +304,30 @@ def projected(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str 
             stream(PARAM_STREAM, 0).fork(a)
         _lift(p.narrow(axis, a, k), grad.narrow(axis, a, k), comp.narrow(axis, a, k) if comp is not None else None,
               d.narrow(axis, a, k), low.narrow(axis, a, k) if residual else None, projector, side, q, work,
-              c * coef_scale, group, gen)
+              mm, c * coef_scale, group, gen)
 
 
-def _down(out: Tensor, grad: Tensor, projector: str, side: str | None, q: Tensor, work: torch.dtype) -> None:
-    """out <- down(grad), for one slice (a function of its own, so that its temporaries go before the next)."""
-    out.copy_(P.down(projector, side, grad.to(work), q))
+def _down(out: Tensor, grad: Tensor, projector: str, side: str | None, q: Tensor, mm: torch.dtype) -> None:
+    """out <- down(grad) in the products' dtype mm, for one slice (a function of its own, so that its temporaries
+    go before the next)."""
+    out.copy_(P.down(projector, side, grad.to(mm), q))
 
 
 def _lift(p: Tensor, grad: Tensor, comp: Tensor | None, d: Tensor, low: Tensor | None, projector: str,
-          side: str | None, q: Tensor, work: torch.dtype, coef: float, group: dict[str, Any],
+          side: str | None, q: Tensor, work: torch.dtype, mm: torch.dtype, coef: float, group: dict[str, Any],
           gen: CounterStream | None) -> None:
-    """Step 3 of ``projected`` on one slice window: p, grad, comp, d, low are its slices."""
+    """Step 3 of ``projected`` on one slice window: p, grad, comp, d, low are its slices; the direction is lifted
+    in the products' dtype mm, the residual formed in the work dtype (sign() needs its small entries)."""
     resid = None
     if low is not None:
         g = grad.to(work)
         resid = P.residual(projector, side, g, low, q)
         del g
-    full = P.up(projector, side, d, q, p.shape)
+    full = P.up(projector, side, d.to(mm), q, p.shape)
     if resid is None and native.add_applies(group, p, full):  # decay, update and write in one pass
         native.add_update(p, full, group, coef, comp, gen)
         return
-    apply_update(p, full, coef, resid, group, comp=comp, generator=gen)
+    apply_update(p, full.to(work), coef, resid, group, comp=comp, generator=gen)
 
 
 def directions(low: Tensor, out: Tensor, state: dict[str, Tensor], group: dict[str, Any],
