@@ -48,6 +48,7 @@ def test_tensors_of_one_size_and_settings_step_in_one_launch(report):
         # each step: the three weights of 7200 elements in the first group in one launch, the 30-element one in
         # another, the second group's weight in a third
         assert r["launches"] == 3 * 3 and r["tensors"] == 3 * 5, (dtype, r)
+        assert r["plans"] == 5, (dtype, r)  # from the second step on, each weight's launch replays its plan
         assert r["weights"] and r["state"], (dtype, r)
 
 

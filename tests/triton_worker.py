@@ -16,7 +16,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("SLIMOPT_TRI
 import torch  # noqa: E402
 
 import slimopt  # noqa: E402
-from slimopt.optim import multi_tensor, native, triton_step  # noqa: E402
+from slimopt.optim import kernel_plan, multi_tensor, native, triton_step  # noqa: E402
 
 # 2-D with partial last blocks (the kernel), 1-D and small (fp32 moments: the kernel for bf16 weights, torch's fused
 # AdamW for fp32 ones, whose v may differ by an ulp from the eager step's)
@@ -136,7 +136,9 @@ def main():
         run(a, fast, 0, 3)
         run(b, eager, 0, 3)
         report[f"batched/{str(dtype)[6:]}"] = {**compare(a, b, fast, eager, dtype), "launches": counting.calls - before,
-                                              "tensors": counting.tensors - tensors}
+                                              "tensors": counting.tensors - tensors,
+                                              "plans": sum(isinstance(fast._plans.get(p), kernel_plan.LaunchPlan)
+                                                           for p in a)}
     # TACO's one-candidate search as a Triton kernel (k = 1, the stored row hidden; k = 0), against the torch search
     # of the eager step; gradients rounded to a few levels so that ties across the row chunks are common
     searches = {"n": 0}

@@ -388,41 +388,36 @@ def window_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[s
     (``windowed.directions``). A bf16 weight under ``param_rounding`` ``kahan`` needs comp (its compensation's
     window, bf16), under ``stochastic`` gen (its rounding's stream at the window). Returns the rule's coefficient
     c (the update is lr c d)."""
-    rule = group["rule"]
-    n = p.numel()
+    s, keep, buffers = prepare(p, grad, state, windows, start, stream, group, direction, comp, gen)
+    coef = set_scalars(s, group, age, bool(windows))
+    run(s, group, windows)
+    for i, window, buf in buffers:
+        window.encode(start, start + p.numel(), buf, stream(i, start) if window.codec.needs_generator else None)
+    del keep
+    return coef
+
+
+def prepare(p: Tensor, grad: Tensor, state: dict[str, Tensor], windows: list, start: int,
+            stream: Callable[[int, int], CounterStream], group: dict[str, Any], direction: bool = False,
+            comp: Tensor | None = None, gen: CounterStream | None = None) -> tuple[_Step, list[Tensor], list]:
+    """``window_step``'s kernel arguments but the scalars (``set_scalars``): the addresses, dtypes, rule, the
+    weight's rounding and each moment's storage. Returns (the struct, the tensors its addresses point into, to be
+    kept alive until the kernel returns, and the moments stepped through an fp32 buffer: (index, window, buffer)
+    each, to be encoded after it)."""
     s = _Step()
-    s.n = n
+    s.n = p.numel()
     s.param, s.param_dtype = p.data_ptr(), _DTYPES[p.dtype]
     s.grad, s.grad_dtype = grad.data_ptr(), _DTYPES[grad.dtype]
-    lr, wd = float(group["lr"]), float(group["weight_decay"])
-    s.has_decay, s.decay = int(wd != 0.0), 1.0 - lr * wd
-    coef = 1.0
-    if not windows:  # the state-free update: weight -= lr free_scale free_rule(grad)
-        s.rule, coef = _FREE_RULES[group["free_rule"]], float(group["free_scale"])
-    elif rule in ("adamw", "taco"):
-        s.rule = _RULES[rule]
-        beta1, beta2 = group["betas"]
-        s.w1, s.beta2, s.w2 = 1 - beta1, beta2, 1 - beta2
-        s.bias2_sqrt = (1 - beta2 ** age) ** 0.5
-        s.eps, s.eps_before = float(group["eps"]), int(group["eps_placement"] == "galore")
-        coef = 1.0 / (1 - beta1 ** age)
-    elif rule == "lion":
-        s.rule = _RULES[rule]
-        beta1, beta2 = group["betas"]
-        s.w1, s.w2 = 1 - beta1, 1 - beta2
-    else:
-        s.rule = _RULES[rule]
-        s.momentum = float(group["momentum"])
-    s.alpha = -lr * coef
+    s.rule = _RULES[group["rule"]] if windows else _FREE_RULES[group["free_rule"]]
     s.n_codecs = len(windows)
     s.direction_only = int(direction)
     _set_write(s, p, group, direction, comp, gen)
-    keep: list[Tensor] = []  # what the kernel's pointers point into, alive until it returns
-    buffers: list[tuple[int, Any, Tensor]] = []  # moments stepped through an fp32 buffer: (index, window, buffer)
+    keep: list[Tensor] = []
+    buffers: list[tuple[int, Any, Tensor]] = []
     for i, key, codec, window in windows:
         c = s.codecs[i]
         if not in_kernel(codec):
-            buf = window.decode(start, start + n).contiguous()
+            buf = window.decode(start, start + s.n).contiguous()
             buffers.append((i, window, buf))
             keep.append(buf)
             c.kind, c.block, c.data = _C_FP32, 1, buf.data_ptr()
@@ -430,16 +425,42 @@ def window_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[s
         if isinstance(window, FactoredRows):
             _fill_factored(c, window, start)
             continue
-        part = codec.part(key, state, start, start + n)
+        part = codec.part(key, state, start, start + s.n)
         keep += part.values()
         _fill_codec(c, codec, key, part, stream(i, start) if codec.needs_generator else None)
-    rc = library().slimopt_elementwise_step(ctypes.byref(s))
-    if rc != 0:
-        raise RuntimeError(f"slimopt: the native element-wise step refused its arguments (rule {rule!r}, codecs "
-                           f"{[w[2].name for w in windows]}); run this group with fused=False and report it")
-    for i, window, buf in buffers:
-        window.encode(start, start + n, buf, stream(i, start) if window.codec.needs_generator else None)
+    return s, keep, buffers
+
+
+def set_scalars(s: _Step, group: dict[str, Any], age: int, stateful: bool) -> float:
+    """The kernel arguments that change from step to step: the decay, the rule's hyperparameters and bias
+    corrections at the moments' age, the update's scale. Returns the rule's coefficient c (the update is lr c d)."""
+    rule = group["rule"]
+    lr, wd = float(group["lr"]), float(group["weight_decay"])
+    s.has_decay, s.decay = int(wd != 0.0), 1.0 - lr * wd
+    coef = 1.0
+    if not stateful:  # the state-free update: weight -= lr free_scale free_rule(grad)
+        coef = float(group["free_scale"])
+    elif rule in ("adamw", "taco"):
+        beta1, beta2 = group["betas"]
+        s.w1, s.beta2, s.w2 = 1 - beta1, beta2, 1 - beta2
+        s.bias2_sqrt = (1 - beta2 ** age) ** 0.5
+        s.eps, s.eps_before = float(group["eps"]), int(group["eps_placement"] == "galore")
+        coef = 1.0 / (1 - beta1 ** age)
+    elif rule == "lion":
+        beta1, beta2 = group["betas"]
+        s.w1, s.w2 = 1 - beta1, 1 - beta2
+    else:
+        s.momentum = float(group["momentum"])
+    s.alpha = -lr * coef
     return coef
+
+
+def run(s: _Step, group: dict[str, Any], windows: list) -> None:
+    """Call the kernel on prepared arguments."""
+    if library().slimopt_elementwise_step(ctypes.byref(s)) != 0:
+        raise RuntimeError(f"slimopt: the native element-wise step refused its arguments (rule "
+                           f"{group['rule']!r}, codecs {[w[2].name for w in windows]}); run this group with "
+                           "fused=False and report it")
 
 
 def column_best_applies(group: dict[str, Any], dtype: torch.dtype, device_type: str) -> bool:

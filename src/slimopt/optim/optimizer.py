@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from . import compiled
+from . import kernel_plan
 from . import multi_tensor
 from . import muon
 from . import portable
@@ -201,6 +202,7 @@ class SlimOptimizer(torch.optim.Optimizer):
         self._codecs: dict[tuple, Any] = {}
         self._codec_lists: dict[tuple, list[tuple[str, Any]]] = {}
         self._blocks: dict[tuple, frozenset[int]] = {}
+        self._plans: dict[Tensor, kernel_plan.Plan] = {}  # weights whose kernel step is prepared (kernel_plan.py)
         self._batch = multi_tensor.Batch()
         super().__init__(params, {**DEFAULTS, **settings})
 
@@ -343,6 +345,13 @@ class SlimOptimizer(torch.optim.Optimizer):
         if grad.is_complex() or p.is_complex():
             raise RuntimeError("slimopt does not support complex parameters or gradients")
         state = self.state[p]
+        plan = self._plans.get(p)
+        if plan is not None:
+            if plan.matches(p, grad, group, state):
+                advance(state["step"])
+                plan.run(p, grad, state, group, advance(state["moment_step"]), self._batch)
+                return
+            del self._plans[p]
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32)
         step = advance(state["step"])  # a CPU tensor, as in torch.optim: no device sync
@@ -436,6 +445,10 @@ class SlimOptimizer(torch.optim.Optimizer):
             return P.stream(group["seed"], index, step, i).at(start)
 
         windowed.step(p, grad, state, group, codecs, age, stream, self._batch)
+        if stateful and layout == "none":  # the next steps replay the kernel's arguments where nothing changes
+            plan = kernel_plan.build(p, grad, state, group, codecs)
+            if plan is not None:
+                self._plans[p] = plan
         return True
 
     def _fused(self, p: Tensor, group: dict[str, Any], state: dict[str, Tensor], g: Tensor) -> bool:
@@ -579,6 +592,7 @@ class SlimOptimizer(torch.optim.Optimizer):
         arithmetic it was saved with; e.g. ``eps_placement="torch"``).
         """
         state_dict = {**state_dict, "param_groups": [{**DEFAULTS, **g} for g in state_dict["param_groups"]]}
+        self._plans.clear()  # new groups and state tensors: every weight plans again
         if portable.is_portable(state_dict):  # a DCP / resharding checkpoint (portable.py)
             portable.load_portable(self, state_dict)
             return

@@ -48,7 +48,7 @@ from torch import Tensor
 from . import native
 from .codecs import Bf16Codec, BlockCodec, Fp32Codec
 
-__all__ = ["available", "applies", "prepare", "run", "fallbacks", "column_best_applies", "column_best"]
+__all__ = ["available", "applies", "prepare", "run", "failed", "fallbacks", "column_best_applies", "column_best"]
 
 _K_FP32, _K_BF16, _K_INT8, _K_INT4 = range(4)
 _RULES = {"adamw": 0, "taco": 0, "lion": 1, "sgdm": 2}
@@ -80,6 +80,11 @@ def available() -> bool:
     """Whether the Triton kernels can be used in this process: triton importable, and not turned off by
     ``SLIMOPT_TRITON=0`` (read at each ask, so a process can switch)."""
     return os.environ.get("SLIMOPT_TRITON", "1") != "0" and _triton() is not None
+
+
+def failed(settings: tuple) -> bool:
+    """Whether the kernel of these settings (a ``Launch.key``'s second entry) failed in this process."""
+    return settings in _failed
 
 
 def fallbacks() -> dict[tuple, str]:

@@ -131,7 +131,7 @@ def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any
     comp = comp_of(state, p, rounding)
 
     def eager() -> None:
-        _windows(p, grad, state, group, codecs, age, stream, rounding, comp)
+        in_windows(p, grad, state, group, codecs, age, stream, rounding, comp)
 
     if triton_step.applies(group, p, grad, codecs):
         launch = triton_step.prepare(p, grad, state, group, codecs, age, comp=comp,
@@ -144,19 +144,24 @@ def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any
     eager()
 
 
-def _windows(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
-             codecs: list[tuple[str, Any]], age: int, stream: Callable[[int, int], CounterStream], rounding: str,
-             comp: Tensor | None) -> None:
-    """``step`` in windows: the one-pass C kernel for each where it applies, else the eager window step."""
+def spans(p: Tensor, group: dict[str, Any], codecs: list[tuple[str, Any]], rounding: str) -> list[tuple[int, int]]:
+    """The [start, stop) element ranges of p's windows: aligned to every codec's blocks, each within the scratch
+    budget (``window_elems``)."""
     n = p.numel()
     per = scratch_per_element(kind(codecs, group["rule"]), p.dtype, rounding)
     align = math.lcm(1, *(codec.align(p.shape) for _, codec in codecs))
     size = window_elems(n, align, per)
+    return [(start, min(n, start + size)) for start in range(0, n, size)]
+
+
+def in_windows(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
+             codecs: list[tuple[str, Any]], age: int, stream: Callable[[int, int], CounterStream], rounding: str,
+             comp: Tensor | None) -> None:
+    """``step`` in windows: the one-pass C kernel for each where it applies, else the eager window step."""
     weight, gradient = p.view(-1), grad.view(-1)
     windows = [(i, key, codec, codec.open(key, state, p.shape)) for i, (key, codec) in enumerate(codecs)]
     one_pass = native.applies(group, p, grad, codecs)  # the same windows, one pass each
-    for start in range(0, n, size):
-        stop = min(n, start + size)
+    for start, stop in spans(p, group, codecs, rounding):
         gen = stream(PARAM_STREAM, start) if rounding == "stochastic" else None
         part = comp.view(-1)[start:stop] if comp is not None else None
         if one_pass:

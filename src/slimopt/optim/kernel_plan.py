@@ -1,0 +1,154 @@
+"""A weight's one-pass element-wise step, its kernel arguments prepared once and replayed every step.
+
+Reaching a kernel through the general path costs some 40-55 us of Python a tensor a step: the route through
+``SlimOptimizer._update``, the moments' windows opened, each argument set one by one (the C kernel's struct on a
+CPU, ``native.py``; the Triton launch's row of addresses and its key on CUDA, ``triton_step.py``). On the small
+benchmark model that was 2.2 ms of 8-bit AdamW's 13-16 ms CPU step (39 tensors), more than the step's margin over
+its goal; on a GPU, where launches are asynchronous, host time a step is the step time wherever it exceeds the
+kernels' (LLaMA-1B: ~180 tensors). For most weights nothing in those arguments changes between steps but the
+gradient's address and a few scalars (lr, the bias corrections, the decay), so ``build`` keeps them after a step
+took a kernel (``CpuPlan``, ``LaunchPlan``), and each later step checks that the weight, its gradient's layout,
+its state tensors and its group's settings are the ones planned (``Plan.matches``), refreshes the scalars the
+way the general path sets them (``native.set_scalars``; ``triton_step.run`` reads them at launch) and calls the
+kernel, or queues the launch. Anything else, or anything changed, takes the general path, which plans again.
+
+Planned: a full-space element-wise step (rule adamw, lion or sgdm, no projector) of a contiguous weight whose
+moments the kernel reads and writes in place (fp32, bf16, int8, int4), written to nearest or with a Kahan
+compensation. Not planned (the general path every step): stochastic codecs and stochastic rounding (their streams
+are keyed by the step), factored moments (a pass gathers their row means), moments stepped through an fp32
+buffer, projected steps and blocks, TACO.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from . import native
+from . import triton_step
+from . import windowed
+from .codecs import Window
+from .rules import COMP_KEY, comp_of, rounding_of
+
+__all__ = ["Plan", "CpuPlan", "LaunchPlan", "build", "SETTINGS"]
+
+# The group settings that decide the route and the kernels' fixed arguments (lr, betas, eps, weight decay and
+# momentum are read again every step)
+SETTINGS = ("rule", "projector", "codec", "m_codec", "v_codec", "state_bits", "eps_placement", "param_rounding",
+            "fused", "compile")
+
+
+class Plan:
+    """What one weight's kernel step was prepared for: its group and the group's settings, the weight's address
+    and shape, the gradient's dtype, and the state tensors the kernel arguments point into."""
+
+    def __init__(self, group: dict[str, Any], p: Tensor, grad: Tensor, refs: list[tuple[str, Tensor, int]]) -> None:
+        self.group = group
+        self.settings = tuple(group[k] for k in SETTINGS)
+        self.param_ptr, self.shape, self.grad_dtype = p.data_ptr(), p.shape, grad.dtype
+        self.refs = refs
+
+    def matches(self, p: Tensor, grad: Tensor, group: dict[str, Any], state: dict[str, Tensor]) -> bool:
+        """Whether this step would take the planned route with the planned arguments."""
+        if group is not self.group or p.data_ptr() != self.param_ptr or grad.dtype != self.grad_dtype:
+            return False
+        if p.shape != self.shape or grad.shape != self.shape or not (p.is_contiguous() and grad.is_contiguous()):
+            return False
+        if type(grad) is not Tensor:
+            return False
+        for key, t, ptr in self.refs:
+            if state.get(key) is not t or t.data_ptr() != ptr:
+                return False
+        for k, v in zip(SETTINGS, self.settings):
+            if group[k] != v:
+                return False
+        return True
+
+    def run(self, p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], age: int,
+            batch: Any) -> None:
+        """The step, the moments `age` steps old (their ``moment_step`` already advanced)."""
+        raise NotImplementedError
+
+
+class CpuPlan(Plan):
+    """The C kernel's calls: (struct, window start) each."""
+
+    def __init__(self, group, p, grad, refs, steps: list[tuple[Any, int]], windows: list) -> None:
+        super().__init__(group, p, grad, refs)
+        self.steps, self.windows = steps, windows
+
+    def run(self, p, grad, state, group, age, batch) -> None:
+        address, size = grad.data_ptr(), grad.element_size()
+        for s, start in self.steps:
+            s.grad = address + start * size
+            native.set_scalars(s, group, age, True)
+            native.run(s, group, self.windows)
+
+
+class LaunchPlan(Plan):
+    """A Triton launch's part for the weight (``triton_step.Launch``) but the gradient's address and the age."""
+
+    def __init__(self, group, p, grad, refs, launch: Any, codecs: list, comp: Tensor | None) -> None:
+        super().__init__(group, p, grad, refs)
+        self.launch, self.codecs, self.comp = launch, codecs, comp
+        self.rounding = rounding_of(group, p)
+
+    def matches(self, p, grad, group, state) -> bool:
+        # a launch of these settings that failed sends the weight to the eager step, as triton_step.applies does
+        return (super().matches(p, grad, group, state) and triton_step.available()
+                and not triton_step.failed(self.launch.key[1]))
+
+    def run(self, p, grad, state, group, age, batch) -> None:
+        x = self.launch
+        row = (x.row[0], grad.data_ptr()) + x.row[2:]
+        key = x.key[:4] + (age,) + x.key[5:]
+        codecs, rounding, comp = self.codecs, self.rounding, self.comp
+
+        def eager() -> None:
+            windowed.in_windows(p, grad, state, group, codecs, age, _no_stream, rounding, comp)
+
+        batch.launch(triton_step.Launch(group, codecs, age, x.direction, x.n, x.blocks, row, key, x.device), eager)
+
+
+def build(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
+          codecs: list[tuple[str, Any]]) -> Plan | None:
+    """The plan of p's full-space element-wise step with these moment codecs, which the general path has just
+    taken, or None where the step is not one that is planned (the module docstring)."""
+    if group["rule"] not in ("adamw", "lion", "sgdm") or group["compile"]:
+        return None
+    rounding = rounding_of(group, p)
+    if rounding not in ("nearest", "kahan"):
+        return None
+    windows = [(i, key, codec, codec.open(key, state, p.shape)) for i, (key, codec) in enumerate(codecs)]
+    if any(type(w) is not Window or codec.needs_generator for _, _, codec, w in windows):
+        return None
+    comp = comp_of(state, p, rounding)
+    if triton_step.applies(group, p, grad, codecs):  # as windowed.step chooses
+        launch = triton_step.prepare(p, grad, state, group, codecs, 1, comp=comp)
+        keys = {k for k, _ in codecs} | {k + "_scale" for k, _ in codecs} | {COMP_KEY}
+        return LaunchPlan(group, p, grad, _refs(state, lambda k, t: k in keys), launch, codecs, comp)
+    if not native.applies(group, p, grad, codecs) or not all(native.in_kernel(c) for _, c in codecs):
+        return None
+    weight, gradient = p.view(-1), grad.view(-1)
+    steps, keep = [], []
+    for start, stop in windowed.spans(p, group, codecs, rounding):
+        s, tensors, buffers = native.prepare(weight[start:stop], gradient[start:stop], state, windows, start,
+                                             _no_stream, group,
+                                             comp=comp.view(-1)[start:stop] if comp is not None else None)
+        assert not buffers  # every planned codec is read in place
+        steps.append((s, start))
+        keep += tensors
+    # the state tensors the structs point into: those `keep` holds views of, and the compensation
+    bases = {id(t._base if t._base is not None else t) for t in keep}
+    refs = _refs(state, lambda k, t: id(t) in bases or (k == COMP_KEY and comp is not None))
+    return CpuPlan(group, p, grad, refs, steps, windows)
+
+
+def _refs(state: dict[str, Tensor], pointed: Any) -> list[tuple[str, Tensor, int]]:
+    """(key, tensor, address) of the state tensors the kernel arguments point into, checked before every replay."""
+    return [(k, t, t.data_ptr()) for k, t in state.items() if pointed(k, t)]
+
+
+def _no_stream(i: int, start: int):
+    raise AssertionError("a planned step draws no random numbers")

@@ -1,0 +1,138 @@
+"""The planned kernel step (kernel_plan.py) equals the general path's bit for bit, and stops being used whenever
+what it was prepared for changes: the learning rate and betas from step to step, the gradient's dtype, the
+weight's storage, the state tensors (a state_dict load), the group's settings."""
+
+import pytest
+import torch
+
+import slimopt
+from slimopt.optim import kernel_plan, multi_tensor, native, windowed
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="the C kernel could not be built here")
+
+SHAPES = [(64, 96), (1000,), (48, 64)]  # a 1-D weight with a ragged last block of 256 (int8) and of 128 (int4)
+
+
+def _weights(dtype):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+
+
+def _grads(step, dtype):
+    gen = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
+
+
+def _run(settings, dtype, steps, planned, monkeypatch, grad_dtypes=None, between=None):
+    """(weights, states, which weights have a plan, how many torch's fused AdamW steps) after `steps` steps of
+    SlimOptimizer(settings), with plans or without."""
+    with monkeypatch.context() as m:
+        if not planned:
+            m.setattr(kernel_plan, "build", lambda *a, **k: None)
+        ws = _weights(dtype)
+        if grad_dtypes:
+            for w in ws:
+                w.grad_dtype = None  # torch refuses a gradient of another dtype otherwise
+        opt = slimopt.SlimOptimizer(ws, **settings)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))  # lr moves every step
+        for step in range(steps):
+            for w, g in zip(ws, _grads(step, (grad_dtypes or {}).get(step, dtype))):
+                w.grad = g
+            opt.step()
+            sched.step()
+            if between is not None:
+                opt = between(step, opt, ws) or opt
+        group = opt.param_groups[0]
+        used = [w in opt._plans for w in ws]
+        torch_fused = sum(1 for w in ws if multi_tensor.adamw_applies(
+            group, w, w.grad, opt._moment_codecs(group, w.shape, w.dtype)))
+        return ([w.detach().clone() for w in ws], [{k: v.clone() for k, v in opt.state[w].items()} for w in ws],
+                used, torch_fused)
+
+
+def _assert_same(a, b):
+    (wa, sa, *_), (wb, sb, *_) = a, b
+    for x, y in zip(wa, wb):
+        assert torch.equal(x, y)
+    for x, y in zip(sa, sb):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), k
+
+
+CASES = [
+    dict(state_bits=8, weight_decay=0.1),
+    dict(state_bits=4, betas=(0.8, 0.95)),
+    dict(m_codec="int8", v_codec="int4", eps=1e-3, eps_placement="galore"),
+    dict(codec="bf16", weight_decay=0.01),
+    dict(codec="fp32"),
+    dict(rule="lion", codec="int8", betas=(0.9, 0.99), weight_decay=0.1),
+    dict(rule="sgdm", codec="bf16", momentum=0.8),
+    dict(state_bits=8, param_rounding="kahan", weight_decay=0.1),
+]
+
+
+@pytest.mark.parametrize("settings", CASES, ids=[",".join(f"{k}={v}" for k, v in c.items()) for c in CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_planned_step_equals_the_general_one(settings, dtype, monkeypatch):
+    if settings.get("param_rounding") == "kahan" and dtype != torch.bfloat16:
+        pytest.skip("kahan rounds bf16 weights")
+    settings = {"lr": 1e-2, **settings}
+    planned = _run(settings, dtype, 5, True, monkeypatch)
+    general = _run(settings, dtype, 5, False, monkeypatch)
+    # every weight the kernel steps was planned (not those torch's fused AdamW steps: moments in the weight's dtype,
+    # as the fp32 moments of tensors under 4096 elements of an fp32 weight) and the plans were used
+    assert sum(planned[2]) == len(SHAPES) - planned[3]
+    assert not any(general[2])
+    _assert_same(planned, general)
+
+
+def test_a_weight_in_several_windows_plans_each_window(monkeypatch):
+    monkeypatch.setattr(windowed, "WINDOW_BYTES", 33 * 1024)  # 8-bit: 1024 elements a window
+    settings = dict(lr=1e-2, state_bits=8, weight_decay=0.1)
+    planned = _run(settings, torch.bfloat16, 4, True, monkeypatch)
+    general = _run(settings, torch.bfloat16, 4, False, monkeypatch)
+    _assert_same(planned, general)
+
+
+def test_what_a_plan_does_not_cover_takes_the_general_path(monkeypatch):
+    # the 64 x 96 weight (the smaller ones keep fp32 moments, which are planned)
+    for settings in (dict(codec="ternary"), dict(state_bits=8, param_rounding="stochastic"),
+                     dict(codec="bf16_sr"), dict(state_bits=8, fused=False), dict(state_bits=8, compile=True)):
+        assert not _run({"lr": 1e-2, **settings}, torch.bfloat16, 2, True, monkeypatch)[2][0], settings
+
+
+def test_a_changed_gradient_dtype_weight_or_setting_replans(monkeypatch):
+    settings = dict(lr=1e-2, state_bits=8, weight_decay=0.1)
+
+    def between(step, opt, ws):
+        if step == 2:  # the weight's storage replaced, in place of the planned one
+            ws[0].data = ws[0].data.clone()
+        if step == 3:  # a setting the plan fixed: the moments' first step runs eagerly from here on
+            opt.param_groups[0]["fused"] = False
+        if step == 4:
+            opt.param_groups[0]["fused"] = True
+            opt.param_groups[0]["betas"] = (0.5, 0.9)  # read again every step, planned or not
+
+    grads = {1: torch.float32, 5: torch.float32}
+    planned = _run(settings, torch.bfloat16, 7, True, monkeypatch, grads, between)
+    general = _run(settings, torch.bfloat16, 7, False, monkeypatch, grads, between)
+    _assert_same(planned, general)
+
+
+def test_a_state_dict_round_trip_mid_run_continues_identically(monkeypatch):
+    settings = dict(lr=1e-2, state_bits=8, weight_decay=0.1)
+
+    def between(step, opt, ws):
+        if step == 2:
+            saved = opt.state_dict()
+            fresh = slimopt.SlimOptimizer(ws, **settings)
+            fresh.load_state_dict(saved)
+            return fresh
+        if step == 4:  # loaded into the same optimizer: new state tensors, the old plans must not write into
+            opt.load_state_dict(opt.state_dict())  # the ones they were prepared for
+        return None
+
+    planned = _run(settings, torch.bfloat16, 6, True, monkeypatch, between=between)
+    general = _run(settings, torch.bfloat16, 6, False, monkeypatch, between=between)
+    _assert_same(planned, general)
