@@ -28,7 +28,7 @@ from torch import Tensor
 from . import native
 from . import triton_step
 from . import windowed
-from .codecs import Window
+from .codecs import Codec
 from .rules import COMP_KEY, comp_of, rounding_of
 
 __all__ = ["Plan", "CpuPlan", "LaunchPlan", "build", "SETTINGS"]
@@ -41,7 +41,10 @@ SETTINGS = ("rule", "projector", "codec", "m_codec", "v_codec", "state_bits", "e
 
 class Plan:
     """What one weight's kernel step was prepared for: its group and the group's settings, the weight's address
-    and shape, the gradient's dtype, and the state tensors the kernel arguments point into."""
+    and shape, the gradient's dtype, and the state tensors the kernel arguments point into. A plain Plan replays
+    nothing: it marks a weight whose step is not planned, so that while the same holds no step asks again."""
+
+    replays = False
 
     def __init__(self, group: dict[str, Any], p: Tensor, grad: Tensor, refs: list[tuple[str, Tensor, int]]) -> None:
         self.group = group
@@ -74,6 +77,8 @@ class Plan:
 class CpuPlan(Plan):
     """The C kernel's calls: (struct, window start) each."""
 
+    replays = True
+
     def __init__(self, group, p, grad, refs, steps: list[tuple[Any, int]], windows: list) -> None:
         super().__init__(group, p, grad, refs)
         self.steps, self.windows = steps, windows
@@ -88,6 +93,8 @@ class CpuPlan(Plan):
 
 class LaunchPlan(Plan):
     """A Triton launch's part for the weight (``triton_step.Launch``) but the gradient's address and the age."""
+
+    replays = True
 
     def __init__(self, group, p, grad, refs, launch: Any, codecs: list, comp: Tensor | None) -> None:
         super().__init__(group, p, grad, refs)
@@ -112,24 +119,25 @@ class LaunchPlan(Plan):
 
 
 def build(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
-          codecs: list[tuple[str, Any]]) -> Plan | None:
+          codecs: list[tuple[str, Any]]) -> Plan:
     """The plan of p's full-space element-wise step with these moment codecs, which the general path has just
-    taken, or None where the step is not one that is planned (the module docstring)."""
+    taken; a plain ``Plan`` where the step is not one that is planned (the module docstring)."""
+    unplanned = Plan(group, p, grad, [])
     if group["rule"] not in ("adamw", "lion", "sgdm") or group["compile"]:
-        return None
+        return unplanned
     rounding = rounding_of(group, p)
     if rounding not in ("nearest", "kahan"):
-        return None
+        return unplanned
+    if any(type(codec).open is not Codec.open or codec.needs_generator for _, codec in codecs):
+        return unplanned  # a factored moment's window gathers its row means; a stochastic codec's stream moves
     windows = [(i, key, codec, codec.open(key, state, p.shape)) for i, (key, codec) in enumerate(codecs)]
-    if any(type(w) is not Window or codec.needs_generator for _, _, codec, w in windows):
-        return None
     comp = comp_of(state, p, rounding)
     if triton_step.applies(group, p, grad, codecs):  # as windowed.step chooses
         launch = triton_step.prepare(p, grad, state, group, codecs, 1, comp=comp)
         keys = {k for k, _ in codecs} | {k + "_scale" for k, _ in codecs} | {COMP_KEY}
         return LaunchPlan(group, p, grad, _refs(state, lambda k, t: k in keys), launch, codecs, comp)
     if not native.applies(group, p, grad, codecs) or not all(native.in_kernel(c) for _, c in codecs):
-        return None
+        return unplanned
     weight, gradient = p.view(-1), grad.view(-1)
     steps, keep = [], []
     for start, stop in windowed.spans(p, group, codecs, rounding):

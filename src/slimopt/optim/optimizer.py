@@ -346,12 +346,12 @@ class SlimOptimizer(torch.optim.Optimizer):
             raise RuntimeError("slimopt does not support complex parameters or gradients")
         state = self.state[p]
         plan = self._plans.get(p)
-        if plan is not None:
-            if plan.matches(p, grad, group, state):
-                advance(state["step"])
-                plan.run(p, grad, state, group, advance(state["moment_step"]), self._batch)
-                return
-            del self._plans[p]
+        if plan is not None and not plan.matches(p, grad, group, state):
+            del self._plans[p]  # planned for something else: the general path, which plans again
+        elif plan is not None and plan.replays:
+            advance(state["step"])
+            plan.run(p, grad, state, group, advance(state["moment_step"]), self._batch)
+            return
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32)
         step = advance(state["step"])  # a CPU tensor, as in torch.optim: no device sync
@@ -445,10 +445,9 @@ class SlimOptimizer(torch.optim.Optimizer):
             return P.stream(group["seed"], index, step, i).at(start)
 
         windowed.step(p, grad, state, group, codecs, age, stream, self._batch)
-        if stateful and layout == "none":  # the next steps replay the kernel's arguments where nothing changes
-            plan = kernel_plan.build(p, grad, state, group, codecs)
-            if plan is not None:
-                self._plans[p] = plan
+        if stateful and layout == "none" and p not in self._plans:
+            # the next steps replay the kernel's arguments where nothing changes (or, unplanned, ask no more)
+            self._plans[p] = kernel_plan.build(p, grad, state, group, codecs)
         return True
 
     def _fused(self, p: Tensor, group: dict[str, Any], state: dict[str, Tensor], g: Tensor) -> bool:
