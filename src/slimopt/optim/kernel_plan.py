@@ -28,8 +28,9 @@ from torch import Tensor
 from . import native
 from . import triton_step
 from . import windowed
-from .codecs import Codec
-from .rules import COMP_KEY, comp_of, rounding_of
+from .codecs import FactoredRows
+from .noise import CounterStream
+from .rules import PARAM_STREAM, comp_of, rounding_of
 
 __all__ = ["Plan", "CpuPlan", "LaunchPlan", "build", "SETTINGS"]
 
@@ -68,27 +69,45 @@ class Plan:
                 return False
         return True
 
+    needs_stream = False  # whether ``run`` draws from the step's random streams (``stream``)
+
     def run(self, p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], age: int,
-            batch: Any) -> None:
-        """The step, the moments `age` steps old (their ``moment_step`` already advanced)."""
+            batch: Any, stream: Any = None) -> None:
+        """The step, the moments `age` steps old (their ``moment_step`` already advanced); stream(i, start): the
+        random stream of moment i (or of the weight, ``rules.PARAM_STREAM``) at a window, as the general path's."""
         raise NotImplementedError
 
 
 class CpuPlan(Plan):
-    """The C kernel's calls: (struct, window start) each."""
+    """The C kernel's calls: (struct, window start) each. What a step changes besides the scalars is set again
+    each step the way ``native.prepare`` sets it: the random streams of stochastic codecs and of a stochastically
+    rounded weight (keyed by the step), and a factored moment's window of row means (opened and closed anew)."""
 
     replays = True
 
-    def __init__(self, group, p, grad, refs, steps: list[tuple[Any, int]], windows: list) -> None:
+    def __init__(self, group, p, grad, refs, steps: list[tuple[Any, int]], windows: list, stochastic: bool) -> None:
         super().__init__(group, p, grad, refs)
         self.steps, self.windows = steps, windows
+        self.noisy = [i for i, _, codec, _ in windows if codec.needs_generator]
+        self.factored = [(i, key, codec) for i, key, codec, w in windows if isinstance(w, FactoredRows)]
+        self.stochastic = stochastic
+        self.needs_stream = bool(self.noisy) or stochastic
 
-    def run(self, p, grad, state, group, age, batch) -> None:
+    def run(self, p, grad, state, group, age, batch, stream=None) -> None:
         address, size = grad.data_ptr(), grad.element_size()
+        opened = [(i, codec.open(key, state, p.shape)) for i, key, codec in self.factored]
         for s, start in self.steps:
             s.grad = address + start * size
             native.set_scalars(s, group, age, True)
+            for i in self.noisy:
+                native.set_noise(s.codecs[i], stream(i, start))
+            for i, window in opened:
+                native.fill_factored(s.codecs[i], window, start)
+            if self.stochastic:
+                native.set_weight_noise(s, stream(PARAM_STREAM, start))
             native.run(s, group, self.windows)
+        for _, window in opened:
+            window.close()
 
 
 class LaunchPlan(Plan):
@@ -106,7 +125,7 @@ class LaunchPlan(Plan):
         return (super().matches(p, grad, group, state) and triton_step.available()
                 and not triton_step.failed(self.launch.key[1]))
 
-    def run(self, p, grad, state, group, age, batch) -> None:
+    def run(self, p, grad, state, group, age, batch, stream=None) -> None:
         x = self.launch
         row = (x.row[0], grad.data_ptr()) + x.row[2:]
         key = x.key[:4] + (age,) + x.key[5:]
@@ -126,37 +145,32 @@ def build(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, An
     if group["rule"] not in ("adamw", "lion", "sgdm") or group["compile"]:
         return unplanned
     rounding = rounding_of(group, p)
-    if rounding not in ("nearest", "kahan"):
-        return unplanned
-    if any(type(codec).open is not Codec.open or codec.needs_generator for _, codec in codecs):
-        return unplanned  # a factored moment's window gathers its row means; a stochastic codec's stream moves
-    windows = [(i, key, codec, codec.open(key, state, p.shape)) for i, (key, codec) in enumerate(codecs)]
     comp = comp_of(state, p, rounding)
+    # every state tensor, checked by identity and address before each replay (the kernel points into them)
+    refs = [(k, t, t.data_ptr()) for k, t in state.items()]
     if triton_step.applies(group, p, grad, codecs):  # as windowed.step chooses
+        if rounding == "stochastic":  # the stream's keys are in the launch's row of addresses
+            return unplanned
         launch = triton_step.prepare(p, grad, state, group, codecs, 1, comp=comp)
-        keys = {k for k, _ in codecs} | {k + "_scale" for k, _ in codecs} | {COMP_KEY}
-        return LaunchPlan(group, p, grad, _refs(state, lambda k, t: k in keys), launch, codecs, comp)
+        return LaunchPlan(group, p, grad, refs, launch, codecs, comp)
     if not native.applies(group, p, grad, codecs) or not all(native.in_kernel(c) for _, c in codecs):
         return unplanned
+    windows = [(i, key, codec, codec.open(key, state, p.shape)) for i, (key, codec) in enumerate(codecs)]
     weight, gradient = p.view(-1), grad.view(-1)
-    steps, keep = [], []
+    steps = []
     for start, stop in windowed.spans(p, group, codecs, rounding):
-        s, tensors, buffers = native.prepare(weight[start:stop], gradient[start:stop], state, windows, start,
-                                             _no_stream, group,
-                                             comp=comp.view(-1)[start:stop] if comp is not None else None)
-        assert not buffers  # every planned codec is read in place
+        s, _, buffers = native.prepare(weight[start:stop], gradient[start:stop], state, windows, start,
+                                       _any_stream, group, comp=comp.view(-1)[start:stop] if comp is not None else None,
+                                       gen=_any_stream(PARAM_STREAM, start) if rounding == "stochastic" else None)
+        assert not buffers  # every codec the kernel reads in place (native.in_kernel)
         steps.append((s, start))
-        keep += tensors
-    # the state tensors the structs point into: those `keep` holds views of, and the compensation
-    bases = {id(t._base if t._base is not None else t) for t in keep}
-    refs = _refs(state, lambda k, t: id(t) in bases or (k == COMP_KEY and comp is not None))
-    return CpuPlan(group, p, grad, refs, steps, windows)
+    return CpuPlan(group, p, grad, refs, steps, windows, rounding == "stochastic")
 
 
-def _refs(state: dict[str, Tensor], pointed: Any) -> list[tuple[str, Tensor, int]]:
-    """(key, tensor, address) of the state tensors the kernel arguments point into, checked before every replay."""
-    return [(k, t, t.data_ptr()) for k, t in state.items() if pointed(k, t)]
+def _any_stream(i: int, start: int) -> CounterStream:
+    """A stand-in stream while a plan is prepared: every run sets the step's own (``CpuPlan.run``)."""
+    return CounterStream(0).at(start)
 
 
-def _no_stream(i: int, start: int):
-    raise AssertionError("a planned step draws no random numbers")
+def _no_stream(i: int, start: int) -> CounterStream:
+    raise AssertionError("a planned Triton step draws no random numbers (no stochastic codec or rounding)")

@@ -302,7 +302,7 @@ def _table(table: Any, packed: Tensor | None) -> _CountTable:
                        packed.data_ptr() if packed is not None else None, table.padded.numel() - table.extra)
 
 
-def _fill_factored(c: _Codec, window: Any, start: int) -> None:
+def fill_factored(c: _Codec, window: Any, start: int) -> None:
     """A factored second moment's window of whole rows (codecs.FactoredRows): its row means from the window's
     first row, the column means, the pass's fp64 column sums."""
     c.kind, c.block = _C_FACTORED, 1
@@ -314,7 +314,7 @@ def _fill_factored(c: _Codec, window: Any, start: int) -> None:
 def _fill_codec(c: _Codec, codec: Any, key: str, part: dict[str, Tensor], noise: CounterStream | None) -> None:
     c.data = part[key].data_ptr()
     if noise is not None:
-        (c.key0, c.key1), c.counter = noise.key_words, noise.offset
+        set_noise(c, noise)
     if isinstance(codec, (Fp32Codec, FactoredCodec)):  # a factored moment that is not 2-D is stored fp32
         c.kind, c.block = _C_FP32, 1
         return
@@ -335,6 +335,16 @@ def _fill_codec(c: _Codec, codec: Any, key: str, part: dict[str, Tensor], noise:
     c.qmap, c.qmap_n, c.nearest, c.bracket = _map_structs(map_name)
 
 
+def set_noise(c: _Codec, noise: CounterStream) -> None:
+    """A stochastic codec's random stream at the window (its key and the counter of its first element)."""
+    (c.key0, c.key1), c.counter = noise.key_words, noise.offset
+
+
+def set_weight_noise(s: _Step, gen: CounterStream) -> None:
+    """The stream of a bf16 weight's stochastic rounding at the window."""
+    (s.wkey0, s.wkey1), s.wcounter = gen.key_words, gen.offset
+
+
 def _set_write(s: _Step, p: Tensor, group: dict[str, Any], direction: bool, comp: Tensor | None,
                gen: CounterStream | None) -> None:
     """How the kernel writes the weight p: its rounding, and the compensation or the stream that needs."""
@@ -347,7 +357,7 @@ def _set_write(s: _Step, p: Tensor, group: dict[str, Any], direction: bool, comp
     elif rounding == "stochastic":
         if gen is None:
             raise ValueError("param_rounding='stochastic' needs the window's random stream")
-        (s.wkey0, s.wkey1), s.wcounter = gen.key_words, gen.offset
+        set_weight_noise(s, gen)
 
 
 def add_applies(group: dict[str, Any], p: Tensor, d: Tensor) -> bool:
@@ -423,7 +433,7 @@ def prepare(p: Tensor, grad: Tensor, state: dict[str, Tensor], windows: list, st
             c.kind, c.block, c.data = _C_FP32, 1, buf.data_ptr()
             continue
         if isinstance(window, FactoredRows):
-            _fill_factored(c, window, start)
+            fill_factored(c, window, start)
             continue
         part = codec.part(key, state, start, start + s.n)
         keep += part.values()

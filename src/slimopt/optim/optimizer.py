@@ -349,8 +349,9 @@ class SlimOptimizer(torch.optim.Optimizer):
         if plan is not None and not plan.matches(p, grad, group, state):
             del self._plans[p]  # planned for something else: the general path, which plans again
         elif plan is not None and plan.replays:
-            advance(state["step"])
-            plan.run(p, grad, state, group, advance(state["moment_step"]), self._batch)
+            step = advance(state["step"])
+            stream = self._streams(p, group, step) if plan.needs_stream else None
+            plan.run(p, grad, state, group, advance(state["moment_step"]), self._batch, stream)
             return
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32)
@@ -400,6 +401,16 @@ class SlimOptimizer(torch.optim.Optimizer):
         apply_update(p, full, coef, resid, group, comp_of(state, p, rounding),
                      self._param_stream(p, group, step, rounding))
 
+    def _streams(self, p: Tensor, group: dict[str, Any], step: int) -> Callable[[int, int], CounterStream]:
+        """stream(i, start): the random stream of p's moment i (or of its stochastic rounding, ``PARAM_STREAM``) at
+        `step`, read from element `start` on."""
+        index = self._where[p][2]
+
+        def stream(i: int, start: int) -> CounterStream:
+            return P.stream(group["seed"], index, step, i).at(start)
+
+        return stream
+
     def _param_stream(self, p: Tensor, group: dict[str, Any], step: int, rounding: str) -> CounterStream | None:
         """The random stream of p's stochastic rounding at `step` (None unless it rounds stochastically)."""
         if rounding != "stochastic":
@@ -439,10 +450,7 @@ class SlimOptimizer(torch.optim.Optimizer):
             if group["free_rule"] == "none":
                 return True  # nothing moves (an inactive BAdam block)
             codecs, age = [], 0
-        _, _, index = self._where[p]
-
-        def stream(i: int, start: int) -> CounterStream:
-            return P.stream(group["seed"], index, step, i).at(start)
+        stream = self._streams(p, group, step)
 
         windowed.step(p, grad, state, group, codecs, age, stream, self._batch)
         if stateful and layout == "none" and p not in self._plans:
@@ -500,10 +508,7 @@ class SlimOptimizer(torch.optim.Optimizer):
         rank = basis.shape[1] if projector in P.ORTHO_PROJECTORS else basis.numel()
         whole = rank == (grad.shape[0] if side == "left" or projector == "rows" else grad.shape[1])
         residual = group["free_rule"] != "none" and not whole
-        _, _, index = self._where[p]
-
-        def stream(i: int, start: int) -> CounterStream:
-            return P.stream(group["seed"], index, step, i).at(start)
+        stream = self._streams(p, group, step)
 
         shape = state_shape(projector, side, grad.shape, rank)
         codecs, age, whole_rule = [], 0, None
