@@ -286,7 +286,7 @@ def projected(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str 
     else:
         low_shape = (m, r) if projector == "columns" else (r, n)
     rounding = rounding_of(group, p)
-    held = projected_held(math.prod(low_shape), copy_bytes, residual, torch.empty((), dtype=work).element_size())
+    held = projected_held(math.prod(low_shape), copy_bytes, residual, work.itemsize)
     count, line = (m, n) if axis == 0 else (n, m)
     per = apply_scratch(p.dtype, group["free_rule"] if residual else "none", rounding)
     size = window_lines(count, line, per, held)
