@@ -29,6 +29,7 @@ def _run(settings, dtype, steps, planned, monkeypatch, grad_dtypes=None, between
     with monkeypatch.context() as m:
         if not planned:
             m.setattr(kernel_plan, "build", lambda p, grad, state, group, codecs: kernel_plan.Plan(group, p, grad, []))
+            m.setattr(kernel_plan, "build_projected", lambda p, grad, state, group, *a: kernel_plan.Plan(group, p, grad, []))
         ws = _weights(dtype)
         if grad_dtypes:
             for w in ws:
@@ -156,3 +157,33 @@ def test_a_weight_that_is_not_planned_is_not_asked_again_every_step(monkeypatch)
         opt.step()
     assert len(calls) == len(SHAPES)
     assert not opt._plans[ws[0]].replays and opt._plans[ws[1]].replays
+
+
+PROJECTED = [
+    dict(projector="svd", rank=8, scale=0.25, weight_decay=0.1),
+    dict(projector="randomized_svd", rank=8, state_bits=8, proj_dtype="grad"),
+    dict(projector="random", rank=6, rule="lion", codec="int8", betas=(0.9, 0.99), param_rounding="kahan"),
+    dict(projector="svd", rank=8, proj_side="left", rule="sgdm", codec="bf16", momentum=0.8),
+    dict(projector="svd", rank=8, m_codec="int4", v_codec="int8", proj_dtype="grad", weight_decay=0.1),
+]
+
+
+@pytest.mark.parametrize("settings", PROJECTED, ids=[",".join(f"{k}={v}" for k, v in c.items()) for c in PROJECTED])
+def test_a_planned_projected_step_equals_the_general_one_across_refreshes(settings, monkeypatch):
+    # update_gap 3 over 8 steps: refreshes at steps 1, 4, 7 take the general path and plan again
+    settings = {"lr": 1e-2, "update_gap": 3, **settings}
+    with monkeypatch.context() as m:
+        built = []
+        real = kernel_plan.build_projected
+        m.setattr(kernel_plan, "build_projected", lambda *a: built.append(1) or real(*a))
+        planned = _run(settings, torch.bfloat16, 8, True, monkeypatch)
+    general = _run(settings, torch.bfloat16, 8, False, monkeypatch)
+    # the two 2-D weights were planned (the 1-D one takes the rule on its full gradient), at each refresh anew
+    assert planned[2][0] and planned[2][2] and len(built) == 2 * 3
+    _assert_same(planned, general)
+
+
+def test_what_a_projected_plan_does_not_cover_takes_the_general_path(monkeypatch):
+    for settings in (dict(projector="svd", rank=8, free_rule="sign"), dict(projector="columns", density=0.5),
+                     dict(projector="svd", rank=64, codec="ternary"), dict(projector="svd", rank=8, rule="taco")):
+        assert not _run({"lr": 1e-2, **settings}, torch.bfloat16, 2, True, monkeypatch)[2][0], settings

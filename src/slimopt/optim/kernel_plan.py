@@ -13,31 +13,35 @@ way the general path sets them (``native.set_scalars``; ``triton_step.run`` read
 kernel, or queues the launch. Anything else, or anything changed, takes the general path, which plans again.
 
 Planned: a full-space element-wise step (rule adamw, lion or sgdm, no projector) of a contiguous weight whose
-moments the kernel reads and writes in place (fp32, bf16, int8, int4), written to nearest or with a Kahan
-compensation. Not planned (the general path every step): stochastic codecs and stochastic rounding (their streams
-are keyed by the step), factored moments (a pass gathers their row means), moments stepped through an fp32
-buffer, projected steps and blocks, TACO.
+moments the kernel reads and writes in place (fp32, bf16, int8, int4, ternary, factored), the weight written to
+nearest, with a Kahan compensation or (on a CPU) stochastically; on a CPU also an orthonormal projector's step
+between refreshes without a residual (GaLore: ``ProjectedPlan``, the matrix products run every step, the kernels'
+arguments kept). Not planned (the general path every step): moments stepped through an fp32 buffer (stochastically
+rounded bf16), projected steps with a residual (FRUGAL's svd or random projections), coordinate projectors,
+blocks, TACO and Muon.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from . import native
+from . import projectors as P
 from . import triton_step
 from . import windowed
 from .codecs import FactoredRows
 from .noise import CounterStream
 from .rules import PARAM_STREAM, comp_of, rounding_of
 
-__all__ = ["Plan", "CpuPlan", "LaunchPlan", "build", "SETTINGS"]
+__all__ = ["Plan", "CpuPlan", "LaunchPlan", "ProjectedPlan", "build", "build_projected", "SETTINGS"]
 
 # The group settings that decide the route and the kernels' fixed arguments (lr, betas, eps, weight decay and
 # momentum are read again every step)
 SETTINGS = ("rule", "projector", "codec", "m_codec", "v_codec", "state_bits", "eps_placement", "param_rounding",
-            "fused", "compile")
+            "fused", "compile", "rank", "density", "proj_side", "proj_dtype", "free_rule", "update_gap")
 
 
 class Plan:
@@ -135,6 +139,72 @@ class LaunchPlan(Plan):
             windowed.in_windows(p, grad, state, group, codecs, age, _no_stream, rounding, comp)
 
         batch.launch(triton_step.Launch(group, codecs, age, x.direction, x.n, x.blocks, row, key, x.device), eager)
+
+
+class ProjectedPlan(Plan):
+    """A subspace projector's step between refreshes (``windowed.projected`` in one window, no residual): the
+    kernel's arguments for the rule on the subspace gradient and for the lifted update's write, prepared once; the
+    products run every step, into buffers whose addresses the arguments take each time. A refresh step, which
+    chooses a new basis, takes the general path (and plans again)."""
+
+    replays = True
+
+    def __init__(self, group, p, grad, refs, key: str, projector: str, side: str, mm, low_shape, rule, write,
+                 windows: list) -> None:
+        super().__init__(group, p, grad, refs)
+        self.key, self.projector, self.side, self.mm, self.low_shape = key, projector, side, mm, low_shape
+        self.rule, self.write, self.windows = rule, write, windows
+
+    def matches(self, p, grad, group, state) -> bool:
+        step = state.get("step")
+        return (super().matches(p, grad, group, state) and step is not None
+                and not P.refresh_due(int(step.numpy()) + 1, group["update_gap"]))
+
+    def run(self, p, grad, state, group, age, batch, stream=None) -> None:
+        q = state[self.key].to(self.mm)
+        low = torch.empty(self.low_shape, dtype=torch.float32)
+        windowed.down_into(low, grad, self.projector, self.side, q, self.mm)
+        s = self.rule  # the rule's direction, written over the subspace gradient
+        s.param = s.grad = low.data_ptr()
+        c = native.set_scalars(s, group, age, True)
+        native.run(s, group, self.windows)
+        full = P.up(self.projector, self.side, low.to(self.mm), q, p.shape)
+        w = self.write  # decay, the lifted update and the rounding in one pass (native.add_update)
+        w.grad = full.data_ptr()
+        native.set_scalars(w, native.add_group(group, c * float(group["scale"])), 0, False)
+        native.run(w, group, [])
+
+
+def build_projected(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], projector: str,
+                    side: str | None, key: str, residual: bool, codecs: list[tuple[str, Any]]) -> Plan:
+    """The plan of p's projected step with these subspace moment codecs, which the general path has just taken
+    (``SlimOptimizer._projected``); a plain ``Plan`` where it is not one that is planned: an orthonormal projection
+    of a CPU weight without a residual, in one window, whose rule and write the C kernel runs, moments read in
+    place and not drawn at random, and a nearest or Kahan write."""
+    unplanned = Plan(group, p, grad, [])
+    rounding = rounding_of(group, p)
+    if (projector not in P.ORTHO_PROJECTORS or residual or group["rule"] not in ("adamw", "lion", "sgdm")
+            or rounding not in ("nearest", "kahan") or p.device.type != "cpu"):
+        return unplanned
+    if any(codec.needs_generator or not native.in_kernel(codec) for _, codec in codecs):
+        return unplanned
+    axis, work, mm, q, low_shape, held, spans = windowed.projected_geometry(p, grad, state[key], projector, side,
+                                                                           False, group)
+    low = torch.empty(low_shape, dtype=torch.float32)
+    full = torch.empty(p.shape, dtype=mm)
+    if (len(spans) != 1 or work != torch.float32 or triton_step.applies(group, low, low, codecs)
+            or not native.applies(group, low, low, codecs) or not native.add_applies(group, p, full)
+            or len(windowed.direction_spans(low_shape, codecs, group, p.dtype, held)) != 1):
+        return unplanned
+    windows = [(i, k, codec, codec.open(k, state, low.shape)) for i, (k, codec) in enumerate(codecs)]
+    if any(type(w) is FactoredRows for *_, w in windows):
+        return unplanned
+    rule, _, _ = native.prepare(low.view(-1), low.view(-1), state, windows, 0, _no_stream, group, direction=True)
+    comp = comp_of(state, p, rounding)
+    write, _, _ = native.prepare(p.view(-1), full.view(-1), {}, [], 0, _no_stream, native.add_group(group, 1.0),
+                                 comp=comp.view(-1) if comp is not None else None)
+    refs = [(k, t, t.data_ptr()) for k, t in state.items()]
+    return ProjectedPlan(group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, windows)
 
 
 def build(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],

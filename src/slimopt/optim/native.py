@@ -372,8 +372,13 @@ def add_update(p: Tensor, d: Tensor, group: dict[str, Any], coef: float, comp: T
                gen: CounterStream | None = None) -> None:
     """``rules.apply_update(p, d, coef, None, group, comp, gen)`` in one pass: p decayed, p -= lr coef d, written
     as the group's ``param_rounding`` says (comp: the compensation's window; gen: the rounding's stream). It is
-    the state-free SGD step with d for the gradient and coef for its scale."""
-    free_step(p, d, {**group, "free_rule": "sgd", "free_scale": coef}, comp, gen)
+    the state-free SGD step with d for the gradient and coef for its scale (``add_group``)."""
+    free_step(p, d, add_group(group, coef), comp, gen)
+
+
+def add_group(group: dict[str, Any], coef: float) -> dict[str, Any]:
+    """The settings under which the state-free step is ``add_update``'s: SGD of the update, scaled by coef."""
+    return {**group, "free_rule": "sgd", "free_scale": coef}
 
 
 def _no_stream(i: int, start: int) -> CounterStream:

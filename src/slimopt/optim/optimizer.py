@@ -521,6 +521,8 @@ class SlimOptimizer(torch.optim.Optimizer):
                 return self._stateful(p, group, state, low, step)
         windowed.projected(p, grad, basis, projector, side, residual, state, group, codecs, age, stream,
                            float(group["scale"]), whole_rule)
+        if whole_rule is None and p not in self._plans:  # the steps to the next refresh replay the kernels' arguments
+            self._plans[p] = kernel_plan.build_projected(p, grad, state, group, projector, side, key, residual, codecs)
         return True
 
     def _refresh(self, p: Tensor, group: dict[str, Any], state: dict[str, Tensor], g: Tensor, step: int,

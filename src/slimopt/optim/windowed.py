@@ -273,28 +273,12 @@ def projected(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str 
     differ in the last bits, up to ~2e-6 of the largest entry), so projections can differ from the whole-tensor
     step's by that much. The coordinate projectors (``columns``, ``rows``) select and scatter: exact.
     """
-    axis = P.window_axis(projector, side)
-    work = torch.float64 if grad.dtype == torch.float64 else torch.float32
-    # the projections' products run in `mm` (projectors.matmul_dtype): a narrow basis read in it once
-    mm = P.matmul_dtype(group["proj_dtype"], grad.dtype, grad.device) if basis.is_floating_point() else work
-    q = basis.to(mm) if basis.is_floating_point() else basis
-    copy_bytes = q.numel() * q.element_size() if q is not basis else 0
+    axis, work, mm, q, low_shape, held, spans = projected_geometry(p, grad, basis, projector, side, residual, group)
     m, n = p.shape
-    r = q.shape[1] if basis.is_floating_point() else basis.numel()
-    if projector in P.ORTHO_PROJECTORS:
-        low_shape = (m, r) if side == "right" else (r, n)
-    else:
-        low_shape = (m, r) if projector == "columns" else (r, n)
     rounding = rounding_of(group, p)
-    held = projected_held(math.prod(low_shape), copy_bytes, residual, work.itemsize)
-    count, line = (m, n) if axis == 0 else (n, m)
-    per = apply_scratch(p.dtype, group["free_rule"] if residual else "none", rounding)
-    size = window_lines(count, line, per, held)
-    spans = [(a, min(count, a + size) - a) for a in range(0, count, size)]
-
     low = torch.empty(low_shape, dtype=work, device=p.device)
     for a, k in spans:
-        _down(low.narrow(axis, a, k), grad.narrow(axis, a, k), projector, side, q, mm)
+        down_into(low.narrow(axis, a, k), grad.narrow(axis, a, k), projector, side, q, mm)
     if whole_rule is None:
         d = torch.empty_like(low) if residual else low
         c = directions(low, d, state, group, codecs, age, stream, p.dtype, held)
@@ -312,7 +296,30 @@ def projected(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str 
               mm, c * coef_scale, group, gen)
 
 
-def _down(out: Tensor, grad: Tensor, projector: str, side: str | None, q: Tensor, mm: torch.dtype) -> None:
+def projected_geometry(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str | None, residual: bool,
+                       group: dict[str, Any]) -> tuple:
+    """How ``projected`` walks p: (the axis its windows slice, the work dtype, the products' dtype, the basis in
+    it, the subspace gradient's shape, the bytes held across windows, the windows as (first line, lines))."""
+    axis = P.window_axis(projector, side)
+    work = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    # the projections' products run in `mm` (projectors.matmul_dtype): a narrow basis read in it once
+    mm = P.matmul_dtype(group["proj_dtype"], grad.dtype, grad.device) if basis.is_floating_point() else work
+    q = basis.to(mm) if basis.is_floating_point() else basis
+    copy_bytes = q.numel() * q.element_size() if q is not basis else 0
+    m, n = p.shape
+    r = q.shape[1] if basis.is_floating_point() else basis.numel()
+    if projector in P.ORTHO_PROJECTORS:
+        low_shape = (m, r) if side == "right" else (r, n)
+    else:
+        low_shape = (m, r) if projector == "columns" else (r, n)
+    held = projected_held(math.prod(low_shape), copy_bytes, residual, work.itemsize)
+    count, line = (m, n) if axis == 0 else (n, m)
+    per = apply_scratch(p.dtype, group["free_rule"] if residual else "none", rounding_of(group, p))
+    size = window_lines(count, line, per, held)
+    return axis, work, mm, q, low_shape, held, [(a, min(count, a + size) - a) for a in range(0, count, size)]
+
+
+def down_into(out: Tensor, grad: Tensor, projector: str, side: str | None, q: Tensor, mm: torch.dtype) -> None:
     """out <- down(grad) in the products' dtype mm, for one slice (a function of its own, so that its temporaries
     go before the next)."""
     out.copy_(P.down(projector, side, grad.to(mm), q))
@@ -346,19 +353,24 @@ def directions(low: Tensor, out: Tensor, state: dict[str, Tensor], group: dict[s
         c = triton_step.run([triton_step.prepare(out, low, state, group, codecs, age, direction=True)])  # one launch
         if c is not None:
             return c
-    n = low.numel()
-    per = rule_scratch(kind(codecs, group["rule"]), dtype)
-    align = math.lcm(1, *(codec.align(low.shape) for _, codec in codecs))
-    size = window_elems(n, align, per, held)
     windows = [(i, key, codec, codec.open(key, state, low.shape)) for i, (key, codec) in enumerate(codecs)]
     src, dst = low.view(-1), out.view(-1)
     c = 1.0
-    for start in range(0, n, size):
-        stop = min(n, start + size)
+    for start, stop in direction_spans(low.shape, codecs, group, dtype, held):
         c = _direction(src[start:stop], dst[start:stop], state, group, windows, start, age, stream)
     for _, _, _, w in windows:
         w.close()
     return c
+
+
+def direction_spans(shape: torch.Size | tuple, codecs: list[tuple[str, Any]], group: dict[str, Any],
+                    dtype: torch.dtype, held: int) -> list[tuple[int, int]]:
+    """The [start, stop) flat windows in which ``directions`` runs the rule on a subspace gradient of `shape`."""
+    n = math.prod(shape)
+    per = rule_scratch(kind(codecs, group["rule"]), dtype)
+    align = math.lcm(1, *(codec.align(torch.Size(shape)) for _, codec in codecs))
+    size = window_elems(n, align, per, held)
+    return [(start, min(n, start + size)) for start in range(0, n, size)]
 
 
 def _direction(g: Tensor, out: Tensor, state: dict[str, Tensor], group: dict[str, Any], windows: list, start: int,
