@@ -34,7 +34,9 @@ def test_every_rule_and_codec_equals_the_eager_step(report):
     cases = {k: v for k, v in report.items() if "/" in k and not k.startswith(("taco", "batched"))}
     assert len(cases) == 32
     for name, r in cases.items():
-        assert r["launches"] == 3 * 3, name  # every tensor, every step, on the kernel (routed as on CUDA)
+        # every tensor, every step, on the kernel (routed as on CUDA); GaLore's 2-D weight one launch more a step:
+        # its lifted update's write (FRUGAL's columns, with a residual, writes through the eager step)
+        assert r["launches"] == 3 * 3 + (3 if "/svd" in name else 0), name
         assert r["state"], name  # every moment, code and scale bit for bit
         assert r["weights"], (name, r["max_weight_diff"])
         # the state-free sign step and SGD momentum (no square root, no lerp): the rounded write is bit for bit

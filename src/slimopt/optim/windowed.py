@@ -339,6 +339,11 @@ def _lift(p: Tensor, grad: Tensor, comp: Tensor | None, d: Tensor, low: Tensor |
     if resid is None and native.add_applies(group, p, full):  # decay, update and write in one pass
         native.add_update(p, full, group, coef, comp, gen)
         return
+    if resid is None:  # on CUDA the same pass is the Triton step's state-free SGD of the update, one launch
+        write = native.add_group(group, coef)
+        if triton_step.applies(write, p, full, []) and triton_step.run(
+                [triton_step.prepare(p, full, {}, write, [], 0, comp=comp, gen=gen)]) is not None:
+            return
     apply_update(p, full.to(work), coef, resid, group, comp=comp, generator=gen)
 
 
