@@ -1,6 +1,7 @@
 """state_dict: tensors only, loads with weights_only=True, keeps codec dtypes, continues bit-identically."""
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -56,3 +57,28 @@ def test_build_roundtrip_and_dtypes_are_preserved_for_bf16_params():
             assert v.dtype == dtypes[(i, k)], (i, k)  # torch would cast fp32 state to bf16
     assert any(d == torch.float32 for (i, k), d in dtypes.items() if k == "moment_step")
     assert [g["name"] for g in fresh.param_groups] == [g["name"] for g in opt.param_groups]
+
+
+def test_a_deep_copy_or_a_pickle_of_the_optimizer_continues_as_the_original():
+    # torch.optim.Optimizer's copy keeps defaults, state and groups; the caches are derived anew (a planned kernel
+    # step is made again for the copy's own state tensors, never written through the original's)
+    def grads(step, ws):
+        gen = torch.Generator().manual_seed(step)
+        for w in ws:
+            w.grad = torch.randn(w.shape, generator=gen).to(w.dtype)
+
+    ws = [torch.nn.Parameter(torch.randn(64, 96).to(torch.bfloat16)), torch.nn.Parameter(torch.randn(300))]
+    opt = slimopt.SlimOptimizer(ws, lr=1e-2, state_bits=8, weight_decay=0.1)
+    for step in range(2):
+        grads(step, ws)
+        opt.step()
+    copies = [copy.deepcopy((ws, opt)), pickle.loads(pickle.dumps((ws, opt)))]
+    for step in range(2, 4):
+        for cws, copt in [(ws, opt)] + copies:
+            grads(step, cws)
+            copt.step()
+    for cws, copt in copies:
+        for a, b in zip(ws, cws):
+            assert torch.equal(a, b)
+            assert all(torch.equal(opt.state[a][k], copt.state[b][k]) for k in opt.state[a])
+            assert opt.state[a]["exp_avg"].data_ptr() != copt.state[b]["exp_avg"].data_ptr()

@@ -197,6 +197,11 @@ class SlimOptimizer(torch.optim.Optimizer):
         unknown = sorted(set(settings) - set(DEFAULTS))
         if unknown:
             raise TypeError(f"unknown setting(s) {unknown}; allowed: {', '.join(DEFAULTS)}")
+        self._fresh_caches()
+        super().__init__(params, {**DEFAULTS, **settings})
+
+    def _fresh_caches(self) -> None:
+        """What the optimizer derives from its groups and state and keeps between steps (none of it is saved)."""
         self._warned: set[str] = set()
         self._where: dict[Tensor, tuple[int, int, int]] = {}
         self._codecs: dict[tuple, Any] = {}
@@ -204,7 +209,13 @@ class SlimOptimizer(torch.optim.Optimizer):
         self._blocks: dict[tuple, frozenset[int]] = {}
         self._plans: dict[Tensor, kernel_plan.Plan] = {}  # weights whose kernel step is prepared (kernel_plan.py)
         self._batch = multi_tensor.Batch()
-        super().__init__(params, {**DEFAULTS, **settings})
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy or an unpickled optimizer (torch.optim.Optimizer keeps its defaults, state and groups) derives its
+        caches anew, as a new one does."""
+        super().__setstate__(state)
+        self._fresh_caches()
+        self._index_params()
 
     # ------------------------------------------------------------------------------------------------------------
     # groups and positions
