@@ -31,7 +31,7 @@ def report():
 
 
 def test_every_rule_and_codec_equals_the_eager_step(report):
-    cases = {k: v for k, v in report.items() if "/" in k and not k.startswith(("taco", "batched"))}
+    cases = {k: v for k, v in report.items() if "/" in k and not k.startswith(("taco", "batched", "galore planned"))}
     assert len(cases) == 32
     for name, r in cases.items():
         # every tensor, every step, on the kernel (routed as on CUDA); GaLore's 2-D weight one launch more a step:
@@ -42,6 +42,14 @@ def test_every_rule_and_codec_equals_the_eager_step(report):
         # the state-free sign step and SGD momentum (no square root, no lerp): the rounded write is bit for bit
         if "signstochastic" in name or "kahan" in name:
             assert r["exact"], name
+
+
+def test_galore_between_refreshes_replays_its_planned_launches(report):
+    for dtype in ("float32", "bfloat16"):
+        r = report[f"galore planned/{dtype}"]
+        # a step: the 2-D weight's subspace rule and lifted write, the two 1-D weights' full-space steps
+        assert r["planned"] == "ProjectedLaunchPlan" and r["launches"] == 4 * 4, (dtype, r)
+        assert r["weights"] and r["state"], (dtype, r)
 
 
 def test_tensors_of_one_size_and_settings_step_in_one_launch(report):

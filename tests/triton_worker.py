@@ -122,6 +122,17 @@ def main():
             tag = (extra.get("eps_placement") or extra.get("free_rule") or "") + extra.get("param_rounding", "")
             name = f"{rule}/{m}/{v}/{extra.get('projector', '')}{tag}{extra.get('density', '')}/{str(dtype)[6:]}"
             report[name] = {**compare(a, b, fast, eager, dtype), "launches": counting.calls - before}
+    # GaLore between refreshes replays its planned launches (kernel_plan.ProjectedLaunchPlan): one refresh, at step 1
+    for dtype in (torch.float32, torch.bfloat16):
+        kw = settings("adamw", "int8", "int4", dict(projector="svd", rank=8, update_gap=10, scale=0.25))
+        a, b = params(dtype), params(dtype)
+        fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
+        before = counting.calls
+        run(a, fast, 0, 4)
+        run(b, eager, 0, 4)
+        report[f"galore planned/{str(dtype)[6:]}"] = {
+            **compare(a, b, fast, eager, dtype, steps=4), "launches": counting.calls - before,
+            "planned": type(fast._plans.get(a[0])).__name__}
     # tensors of one size and settings step in one launch: five weights of two sizes (the 2-D ones and the 1-D
     # ones of 7200 elements share a launch) and two groups
     for dtype in (torch.float32, torch.bfloat16):

@@ -34,9 +34,10 @@ from . import triton_step
 from . import windowed
 from .codecs import FactoredRows
 from .noise import CounterStream
-from .rules import PARAM_STREAM, comp_of, rounding_of
+from .rules import PARAM_STREAM, apply_update, comp_of, rounding_of
 
-__all__ = ["Plan", "CpuPlan", "LaunchPlan", "ProjectedPlan", "build", "build_projected", "SETTINGS"]
+__all__ = ["Plan", "CpuPlan", "LaunchPlan", "ProjectedPlan", "ProjectedLaunchPlan", "build", "build_projected",
+           "SETTINGS"]
 
 # The group settings that decide the route and the kernels' fixed arguments (lr, betas, eps, weight decay and
 # momentum are read again every step)
@@ -175,35 +176,75 @@ class ProjectedPlan(Plan):
         native.run(w, group, [])
 
 
+class ProjectedLaunchPlan(ProjectedPlan):
+    """``ProjectedPlan`` on CUDA: the Triton launches of the subspace rule (``windowed.directions``) and of the
+    lifted write (``windowed._lift``) but the buffers' addresses and the age; a launch that fails runs the
+    general path's fallback for that step (and the settings' failure sends later steps to the general path)."""
+
+    def __init__(self, group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, codecs: list,
+                 comp: Tensor | None, held: int) -> None:
+        super().__init__(group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, [])
+        self.codecs, self.comp, self.held = codecs, comp, held
+
+    def matches(self, p, grad, group, state) -> bool:
+        return (super().matches(p, grad, group, state) and triton_step.available()
+                and not triton_step.failed(self.rule.key[1]) and not triton_step.failed(self.write.key[1]))
+
+    def run(self, p, grad, state, group, age, batch, stream=None) -> None:
+        q = state[self.key].to(self.mm)
+        low = torch.empty(self.low_shape, dtype=torch.float32, device=p.device)
+        windowed.down_into(low, grad, self.projector, self.side, q, self.mm)
+        x, address = self.rule, low.data_ptr()
+        c = triton_step.run([triton_step.Launch(group, self.codecs, age, True, x.n, x.blocks,
+                                                (address, address) + x.row[2:], x.key[:4] + (age,) + x.key[5:],
+                                                x.device)])
+        if c is None:  # the kernel failed (one warning): this step's rule as the general path runs it then
+            c = windowed.directions(low, low, state, group, self.codecs, age, _no_stream, p.dtype, self.held)
+        full = P.up(self.projector, self.side, low.to(self.mm), q, p.shape)
+        coef = c * float(group["scale"])
+        write, y = native.add_group(group, coef), self.write
+        if triton_step.run([triton_step.Launch(write, [], 0, False, y.n, y.blocks, (y.row[0], full.data_ptr())
+                                               + y.row[2:], (id(write),) + y.key[1:], y.device)]) is None:
+            apply_update(p, full.float(), coef, None, group, comp=self.comp)
+
+
 def build_projected(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], projector: str,
                     side: str | None, key: str, residual: bool, codecs: list[tuple[str, Any]]) -> Plan:
     """The plan of p's projected step with these subspace moment codecs, which the general path has just taken
     (``SlimOptimizer._projected``); a plain ``Plan`` where it is not one that is planned: an orthonormal projection
-    of a CPU weight without a residual, in one window, whose rule and write the C kernel runs, moments read in
-    place and not drawn at random, and a nearest or Kahan write."""
+    without a residual, in one window, whose rule and write one kernel each runs (the C kernel on a CPU, Triton on
+    CUDA), moments read in place and not drawn at random, and a nearest or Kahan write."""
     unplanned = Plan(group, p, grad, [])
     rounding = rounding_of(group, p)
     if (projector not in P.ORTHO_PROJECTORS or residual or group["rule"] not in ("adamw", "lion", "sgdm")
-            or rounding not in ("nearest", "kahan") or p.device.type != "cpu"):
+            or rounding not in ("nearest", "kahan")):
         return unplanned
     if any(codec.needs_generator or not native.in_kernel(codec) for _, codec in codecs):
         return unplanned
     axis, work, mm, q, low_shape, held, spans = windowed.projected_geometry(p, grad, state[key], projector, side,
                                                                            False, group)
-    low = torch.empty(low_shape, dtype=torch.float32)
-    full = torch.empty(p.shape, dtype=mm)
-    if (len(spans) != 1 or work != torch.float32 or triton_step.applies(group, low, low, codecs)
-            or not native.applies(group, low, low, codecs) or not native.add_applies(group, p, full)
+    low = torch.empty(low_shape, dtype=torch.float32, device=p.device)
+    full = torch.empty(p.shape, dtype=mm, device=p.device)
+    if len(spans) != 1 or work != torch.float32:
+        return unplanned
+    comp = comp_of(state, p, rounding)
+    refs = [(k, t, t.data_ptr()) for k, t in state.items()]
+    write_group = native.add_group(group, 1.0)
+    if (triton_step.applies(group, low, low, codecs) and not native.add_applies(group, p, full)
+            and triton_step.applies(write_group, p, full, [])):  # the kernels the general path would take
+        rule = triton_step.prepare(low, low, state, group, codecs, 1, direction=True)
+        write = triton_step.prepare(p, full, {}, write_group, [], 0, comp=comp)
+        return ProjectedLaunchPlan(group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, codecs,
+                                   comp, held)
+    if (p.device.type != "cpu" or not native.applies(group, low, low, codecs) or not native.add_applies(group, p, full)
             or len(windowed.direction_spans(low_shape, codecs, group, p.dtype, held)) != 1):
         return unplanned
     windows = [(i, k, codec, codec.open(k, state, low.shape)) for i, (k, codec) in enumerate(codecs)]
     if any(type(w) is FactoredRows for *_, w in windows):
         return unplanned
     rule, _, _ = native.prepare(low.view(-1), low.view(-1), state, windows, 0, _no_stream, group, direction=True)
-    comp = comp_of(state, p, rounding)
-    write, _, _ = native.prepare(p.view(-1), full.view(-1), {}, [], 0, _no_stream, native.add_group(group, 1.0),
+    write, _, _ = native.prepare(p.view(-1), full.view(-1), {}, [], 0, _no_stream, write_group,
                                  comp=comp.view(-1) if comp is not None else None)
-    refs = [(k, t, t.data_ptr()) for k, t in state.items()]
     return ProjectedPlan(group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, windows)
 
 
