@@ -14,9 +14,9 @@ kernel, or queues the launch. Anything else, or anything changed, takes the gene
 
 Planned: a full-space element-wise step (rule adamw, lion or sgdm, no projector) of a contiguous weight whose
 moments the kernel reads and writes in place (fp32, bf16, int8, int4, ternary, factored), the weight written to
-nearest, with a Kahan compensation or (on a CPU) stochastically; on a CPU also an orthonormal projector's step
-between refreshes without a residual (GaLore: ``ProjectedPlan``, the matrix products run every step, the kernels'
-arguments kept). Not planned (the general path every step): moments stepped through an fp32 buffer (stochastically
+nearest, with a Kahan compensation or (on a CPU) stochastically; and an orthonormal projector's step between
+refreshes without a residual (GaLore: ``ProjectedPlan`` on a CPU, ``ProjectedLaunchPlan`` on CUDA; the matrix
+products run every step, the kernels' arguments are kept). Not planned (the general path every step): moments stepped through an fp32 buffer (stochastically
 rounded bf16), projected steps with a residual (FRUGAL's svd or random projections), coordinate projectors,
 blocks, TACO and Muon.
 """
