@@ -4,9 +4,11 @@ For each method: (1) ``step()`` under ``torch.cuda.set_sync_debug_mode("error")`
 inside it raises; (2) a CUDA-graph capture of one ``step()`` replayed against an eager step from the same weights,
 gradients and state (equal, bit for bit, is the goal); (3) the CUDA step against the CPU eager reference from the
 same start (bf16 weights within a few bf16 steps, codes mostly equal: torch's CUDA kernels contract products into
-fma where its CPU ones do not); (4) CUDA kernel launches per step (torch's profiler) against the number of tensors;
-and every Triton kernel that fell back to the eager step (``triton_step.fallbacks()``). Writes step_checks.md and
-step_checks.json into --out. Needs a CUDA device; about a minute on an H200.
+fma where its CPU ones do not); (4) CUDA kernel launches per step (torch's profiler) against the number of tensors,
+and the host's time to issue a step (its Python and launches, and the gradients' copies, timed before
+synchronizing) against the step's; and every Triton kernel that fell back to the eager step
+(``triton_step.fallbacks()``). Writes step_checks.md and step_checks.json into --out. Needs a CUDA device; about a
+minute on an H200.
 
     python benchmarks/gpu_step_checks.py --out gpu-bench
 """
@@ -117,10 +119,14 @@ def check(method: str) -> dict:
         torch.cuda.synchronize()
     row["kernels_per_step"] = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
     row["tensors"] = len(params)
+    torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(5):
         set_grads(params, grads[3])
         opt.step()
+    # before the synchronization: the host's time to issue a step (its Python, the launches), which bounds the
+    # step wherever it exceeds the kernels' time
+    row["host_ms"] = (time.perf_counter() - t0) / 5 * 1e3
     torch.cuda.synchronize()
     row["step_ms"] = (time.perf_counter() - t0) / 5 * 1e3
 
@@ -186,15 +192,16 @@ def main() -> None:
         json.dump(report, f, indent=1, default=str)
     lines = [f"## CUDA step checks ({report['device']}, torch {report['torch']}, triton "
              f"{'present' if report['triton'] else 'absent'})", "",
-             "| method | step ms | kernels / step | tensors | sync-free | graph replay = eager | CUDA vs CPU: weights "
-             "equal | largest difference (bf16 steps of the largest weight) | state entries equal |",
-             "|---|---:|---:|---:|---|---|---:|---:|---:|"]
+             "| method | step ms | host ms | kernels / step | tensors | sync-free | graph replay = eager | CUDA vs CPU: "
+             "weights equal | largest difference (bf16 steps of the largest weight) | state entries equal |",
+             "|---|---:|---:|---:|---:|---|---|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['method']} | error: {r['error'][:120]} | | | | | | | |")
+            lines.append(f"| {r['method']} | error: {r['error'][:120]} | | | | | | | | |")
             continue
         c = r["cuda_vs_cpu"]
-        lines.append(f"| {r['method']} | {r['step_ms']:.2f} | {r['kernels_per_step']} | {r['tensors']} | "
+        lines.append(f"| {r['method']} | {r['step_ms']:.2f} | {r['host_ms']:.2f} | {r['kernels_per_step']} | "
+                     f"{r['tensors']} | "
                      f"{r['sync_free']} | {r['graph_replay']} | {c['weights_equal_share']:.4f} | "
                      f"{c['max_weight_diff_bf16_steps']:.2f} | "
                      f"{c['state_equal_share']:.4f} |")
