@@ -16,9 +16,9 @@ Planned: a full-space element-wise step (rule adamw, lion or sgdm, no projector)
 moments the kernel reads and writes in place (fp32, bf16, int8, int4, ternary, factored), the weight written to
 nearest, with a Kahan compensation or (on a CPU) stochastically; and an orthonormal projector's step between
 refreshes without a residual (GaLore: ``ProjectedPlan`` on a CPU, ``ProjectedLaunchPlan`` on CUDA; the matrix
-products run every step, the kernels' arguments are kept). Not planned (the general path every step): moments stepped through an fp32 buffer (stochastically
-rounded bf16), projected steps with a residual (FRUGAL's svd or random projections), coordinate projectors,
-blocks, TACO and Muon.
+products run every step, the kernels' arguments are kept). Not planned (the general path every step): moments
+stepped through an fp32 buffer (stochastically rounded bf16), projected steps with a residual (FRUGAL's svd or
+random projections), coordinate projectors, blocks, TACO and Muon.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class Plan:
     nothing: it marks a weight whose step is not planned, so that while the same holds no step asks again."""
 
     replays = False
+    needs_stream = False  # whether ``run`` draws from the step's random streams (``stream``)
 
     def __init__(self, group: dict[str, Any], p: Tensor, grad: Tensor, refs: list[tuple[str, Tensor, int]]) -> None:
         self.group = group
@@ -73,8 +74,6 @@ class Plan:
             if group[k] != v:
                 return False
         return True
-
-    needs_stream = False  # whether ``run`` draws from the step's random streams (``stream``)
 
     def run(self, p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], age: int,
             batch: Any, stream: Any = None) -> None:
@@ -131,15 +130,20 @@ class LaunchPlan(Plan):
                 and not triton_step.failed(self.launch.key[1]))
 
     def run(self, p, grad, state, group, age, batch, stream=None) -> None:
-        x = self.launch
-        row = (x.row[0], grad.data_ptr()) + x.row[2:]
-        key = x.key[:4] + (age,) + x.key[5:]
         codecs, rounding, comp = self.codecs, self.rounding, self.comp
 
         def eager() -> None:
             windowed.in_windows(p, grad, state, group, codecs, age, _no_stream, rounding, comp)
 
-        batch.launch(triton_step.Launch(group, codecs, age, x.direction, x.n, x.blocks, row, key, x.device), eager)
+        batch.launch(_relaunch(self.launch, group, codecs, age, grad.data_ptr()), eager)
+
+
+def _relaunch(x: Any, group: dict[str, Any], codecs: list, age: int, grad: int, param: int | None = None) -> Any:
+    """Launch `x` (``triton_step.prepare``'s) again for this step: its group, age, and the addresses of the
+    gradient and (where it is a step's buffer) of what it writes."""
+    row = (x.row[0] if param is None else param, grad) + x.row[2:]
+    return triton_step.Launch(group, codecs, age, x.direction, x.n, x.blocks, row,
+                              (id(group),) + x.key[1:4] + (age,) + x.key[5:], x.device)
 
 
 class ProjectedPlan(Plan):
@@ -163,16 +167,25 @@ class ProjectedPlan(Plan):
 
     def run(self, p, grad, state, group, age, batch, stream=None) -> None:
         q = state[self.key].to(self.mm)
-        low = torch.empty(self.low_shape, dtype=torch.float32)
+        low = torch.empty(self.low_shape, dtype=torch.float32, device=p.device)
         windowed.down_into(low, grad, self.projector, self.side, q, self.mm)
-        s = self.rule  # the rule's direction, written over the subspace gradient
+        c = self.direction(low, state, group, age, p.dtype)  # written over the subspace gradient
+        full = P.up(self.projector, self.side, low.to(self.mm), q, p.shape)
+        self.lifted_write(p, full, group, c * float(group["scale"]))
+
+    def direction(self, low: Tensor, state, group, age: int, dtype) -> float:
+        """The rule on the subspace gradient `low`, its direction written over it; returns its coefficient."""
+        s = self.rule
         s.param = s.grad = low.data_ptr()
         c = native.set_scalars(s, group, age, True)
         native.run(s, group, self.windows)
-        full = P.up(self.projector, self.side, low.to(self.mm), q, p.shape)
-        w = self.write  # decay, the lifted update and the rounding in one pass (native.add_update)
+        return c
+
+    def lifted_write(self, p: Tensor, full: Tensor, group, coef: float) -> None:
+        """Decay, the lifted update `full` times coef and the rounding in one pass (``native.add_update``)."""
+        w = self.write
         w.grad = full.data_ptr()
-        native.set_scalars(w, native.add_group(group, c * float(group["scale"])), 0, False)
+        native.set_scalars(w, native.add_group(group, coef), 0, False)
         native.run(w, group, [])
 
 
@@ -190,21 +203,15 @@ class ProjectedLaunchPlan(ProjectedPlan):
         return (super().matches(p, grad, group, state) and triton_step.available()
                 and not triton_step.failed(self.rule.key[1]) and not triton_step.failed(self.write.key[1]))
 
-    def run(self, p, grad, state, group, age, batch, stream=None) -> None:
-        q = state[self.key].to(self.mm)
-        low = torch.empty(self.low_shape, dtype=torch.float32, device=p.device)
-        windowed.down_into(low, grad, self.projector, self.side, q, self.mm)
-        x, address = self.rule, low.data_ptr()
-        c = triton_step.run([triton_step.Launch(group, self.codecs, age, True, x.n, x.blocks,
-                                                (address, address) + x.row[2:], x.key[:4] + (age,) + x.key[5:],
-                                                x.device)])
+    def direction(self, low, state, group, age, dtype) -> float:
+        address = low.data_ptr()
+        c = triton_step.run([_relaunch(self.rule, group, self.codecs, age, address, address)])
         if c is None:  # the kernel failed (one warning): this step's rule as the general path runs it then
-            c = windowed.directions(low, low, state, group, self.codecs, age, _no_stream, p.dtype, self.held)
-        full = P.up(self.projector, self.side, low.to(self.mm), q, p.shape)
-        coef = c * float(group["scale"])
-        write, y = native.add_group(group, coef), self.write
-        if triton_step.run([triton_step.Launch(write, [], 0, False, y.n, y.blocks, (y.row[0], full.data_ptr())
-                                               + y.row[2:], (id(write),) + y.key[1:], y.device)]) is None:
+            c = windowed.directions(low, low, state, group, self.codecs, age, _no_stream, dtype, self.held)
+        return c
+
+    def lifted_write(self, p, full, group, coef) -> None:
+        if triton_step.run([_relaunch(self.write, native.add_group(group, coef), [], 0, full.data_ptr())]) is None:
             apply_update(p, full.float(), coef, None, group, comp=self.comp)
 
 

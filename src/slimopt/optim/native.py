@@ -364,7 +364,7 @@ def add_applies(group: dict[str, Any], p: Tensor, d: Tensor) -> bool:
     """Whether ``add_update`` takes p (a contiguous CPU fp32 or bf16 weight or window of one) and d (contiguous
     fp32 or bf16 of p's size; a bf16 d is read as the fp32 of its values)."""
     return (d.dtype in (torch.float32, torch.bfloat16) and d.is_contiguous() and d.numel() == p.numel()
-            and kernel_applies({**group, "free_rule": "sgd"}, p.dtype, p.device.type, [])
+            and kernel_applies(add_group(group, 1.0), p.dtype, p.device.type, [])
             and p.is_contiguous() and type(p.data) is Tensor)
 
 
