@@ -32,7 +32,7 @@ def report():
 
 def test_every_rule_and_codec_equals_the_eager_step(report):
     cases = {k: v for k, v in report.items() if "/" in k and not k.startswith(("taco", "batched", "galore planned"))}
-    assert len(cases) == 32
+    assert len(cases) == 52
     for name, r in cases.items():
         # every tensor, every step, on the kernel (routed as on CUDA); GaLore's 2-D weight one launch more a step:
         # its lifted update's write (FRUGAL's columns, with a residual, writes through the eager step)
@@ -42,6 +42,24 @@ def test_every_rule_and_codec_equals_the_eager_step(report):
         # the state-free sign step and SGD momentum (no square root, no lerp): the rounded write is bit for bit
         if "signstochastic" in name or "kahan" in name:
             assert r["exact"], name
+        # Lion and SGD momentum on ternary moments: the moment pass's stochastic trits and block scales too
+        if name.startswith(("lion/ternary", "sgdm/ternary")):
+            assert r["exact"], name
+
+
+def test_ternary_and_factored_moments_of_one_shape_share_their_launches(report):
+    for dtype in ("float32", "bfloat16"):
+        r = report[f"batched ternary/{dtype}"]
+        # a step: the two 24 x 300 weights (rows layout, then the ternary moment pass), the 7200-element one, the
+        # 30-element one (fp32 moments): three launch sets for four tensors
+        assert r["launches"] == 3 * 3 and r["tensors"] == 3 * 4, (dtype, r)
+        assert r["weights"] and r["state"], (dtype, r)
+
+
+def test_a_failing_moment_pass_writes_nothing_and_runs_eagerly(report):
+    r = report["failed moment pass"]
+    # one warning: the 2-D weight's setting (the smaller weights keep fp32 moments, with no moment pass)
+    assert r["warnings"] == 1 and r["weights"] and r["state"] and r["exact"], r
 
 
 def test_galore_between_refreshes_replays_its_planned_launches(report):
@@ -99,7 +117,12 @@ def test_cpu_tensors_and_uncovered_settings_stay_off_the_kernel(monkeypatch):
     assert not triton_step.applies(group, w, w.grad, codecs)
     monkeypatch.setenv("SLIMOPT_TRITON", "1")
     ternary = _group_and_codecs(codec="ternary")
-    assert not triton_step.applies(ternary[0], w, w.grad, ternary[1])  # ternary m, factored v: eager
+    assert triton_step.applies(ternary[0], w, w.grad, ternary[1])  # ternary m, factored v: the kernel too
+    muon = _group_and_codecs(rule="muon")
+    assert not triton_step.applies(muon[0], w, w.grad, muon[1])  # Newton-Schulz needs the whole matrix: eager
+    wide = torch.nn.Parameter(torch.randn(64, 64, dtype=torch.float64))
+    wide.grad = torch.randn(64, 64, dtype=torch.float64)
+    assert not triton_step.applies(group, wide, wide.grad, codecs)  # fp64 weights: eager
     monkeypatch.setitem(triton_step._state, "triton", None)  # not installed
     assert not triton_step.applies(group, w, w.grad, codecs)
 

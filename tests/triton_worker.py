@@ -38,6 +38,15 @@ CASES = [  # (rule, m codec, v codec, settings)
     ("lion", "int8", None, dict(param_rounding="stochastic")),
     ("adamw", "fp32", None, dict(projector="block", density=0.0, free_rule="sign", param_rounding="stochastic")),
     ("sgdm", "int4", None, dict(momentum=0.9, param_rounding="kahan")),
+    # moments rounded stochastically from their own streams (bf16_sr, ternary), a ternary m stored by the moment
+    # pass (every form: rms, mean and absmax scales, bf16 and fp32 scales, error feedback), a factored v through
+    # the rows layout (block codes of m then stored by the moment pass), GaLore's subspace moments ternary and
+    # factored (ternary_adamw's), a stochastically rounded weight beside stochastically rounded moments
+    ("adamw", "bf16_sr", "bf16_sr", {}), ("adamw", "ternary", "factored", {}), ("adamw", "ternary_ef", "int8", {}),
+    ("adamw", "ternary_ef_mean64", "factored", {}), ("adamw", "ternary_sr", "fp32", dict(eps_placement="galore")),
+    ("lion", "ternary", None, {}), ("sgdm", "ternary_sr_mean64", None, dict(momentum=0.9)),
+    ("adamw", "int4", "factored", {}), ("adamw", "ternary", "factored", dict(projector="svd", rank=8, update_gap=2)),
+    ("adamw", "bf16_sr", "factored", dict(param_rounding="stochastic")),
 ]
 LRS = [1e-2, 6e-3, 4e-3]
 
@@ -150,6 +159,21 @@ def main():
                                               "tensors": counting.tensors - tensors,
                                               "plans": sum(isinstance(fast._plans.get(p), kernel_plan.LaunchPlan)
                                                            for p in a)}
+    # ternary_adamw's moments (ternary m, factored v): the two 2-D weights of one shape share their launches (the
+    # rows layout and the moment pass), the 1-D weight's v is fp32 (a factored codec keeps a 1-D moment so)
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(2)
+        shapes = [(24, 300), (7200,), (24, 300), (30,)]
+        a = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+        b = [torch.nn.Parameter(x.detach().clone()) for x in a]
+        kw = settings("adamw", "ternary", "factored", {})
+        fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
+        before, tensors = counting.calls, counting.tensors
+        run(a, fast, 0, 3)
+        run(b, eager, 0, 3)
+        report[f"batched ternary/{str(dtype)[6:]}"] = {**compare(a, b, fast, eager, dtype),
+                                                      "launches": counting.calls - before,
+                                                      "tensors": counting.tensors - tensors}
     # TACO's one-candidate search as a Triton kernel (k = 1, the stored row hidden; k = 0), against the torch search
     # of the eager step; gradients rounded to a few levels so that ties across the row chunks are common
     searches = {"n": 0}
@@ -223,6 +247,21 @@ def main():
     report["failed kernel"] = {**compare(a, b, broken, eager, torch.float32), "warnings": len(messages),
                                "names_kernel": bool(messages) and "PTX assembly failed" in messages[0],
                                "fallbacks": len(triton_step.fallbacks())}
+    # a second pass (the moment pass) that fails to compile: compiled before the first pass writes anything, so
+    # the tensors are as they were and step eagerly
+    real = kernels.moment_step
+    kernels.moment_step = Broken()
+    triton_step._COMPILED.clear()  # as in a process that has not compiled these settings yet
+    kw = settings("adamw", "ternary", "factored", {})
+    a, b = params(torch.bfloat16), params(torch.bfloat16)
+    broken, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(a, broken, 0, 3)
+    kernels.moment_step = real
+    run(b, eager, 0, 3)
+    messages = [str(w.message) for w in caught if "Triton element-wise step failed" in str(w.message)]
+    report["failed moment pass"] = {**compare(a, b, broken, eager, torch.bfloat16), "warnings": len(messages)}
     json.dump(report, sys.stdout)
 
 

@@ -143,7 +143,7 @@ def _relaunch(x: Any, group: dict[str, Any], codecs: list, age: int, grad: int, 
     gradient and (where it is a step's buffer) of what it writes."""
     row = (x.row[0] if param is None else param, grad) + x.row[2:]
     return triton_step.Launch(group, codecs, age, x.direction, x.n, x.blocks, row,
-                              (id(group),) + x.key[1:4] + (age,) + x.key[5:], x.device)
+                              (id(group),) + x.key[1:4] + (age,) + x.key[5:], x.device, x.factored)
 
 
 class ProjectedPlan(Plan):
@@ -267,8 +267,8 @@ def build(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, An
     # every state tensor, checked by identity and address before each replay (the kernel points into them)
     refs = [(k, t, t.data_ptr()) for k, t in state.items()]
     if triton_step.applies(group, p, grad, codecs):  # as windowed.step chooses
-        if rounding == "stochastic":  # the stream's keys are in the launch's row of addresses
-            return unplanned
+        if rounding == "stochastic" or any(c.needs_generator for _, c in codecs):
+            return unplanned  # the streams' keys, new every step, are in the launch's row of addresses
         launch = triton_step.prepare(p, grad, state, group, codecs, 1, comp=comp)
         return LaunchPlan(group, p, grad, refs, launch, codecs, comp)
     if not native.applies(group, p, grad, codecs) or not all(native.in_kernel(c) for _, c in codecs):

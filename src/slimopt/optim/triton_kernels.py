@@ -9,7 +9,9 @@ and the GPU compute the same values. Shapes in the comments: n elements of a ten
 import triton
 import triton.language as tl
 
-K_FP32, K_BF16, K_INT8, K_INT4 = 0, 1, 2, 3
+K_FP32, K_BF16, K_INT8, K_INT4, K_BF16_SR, K_TERNARY, K_FACTORED = range(7)  # a moment's storage
+L_FLAT, L_ROWS = 0, 1  # elementwise_step's layouts: consecutive elements, or rows x columns (a factored v)
+S_ABSMAX, S_MEAN, S_RMS = 0, 1, 2  # a ternary moment's block scale
 W_NEAREST, W_STOCHASTIC, W_KAHAN = 0, 1, 2  # how a bf16 weight is written (rules.rounded)
 
 
@@ -55,14 +57,26 @@ def _mix32(x):
 
 
 @triton.jit
+def _hash(j, key0, key1):
+    """The 32-bit hash (in int64) of counters j (int64) of the counter-based stream (key0, key1): noise.bits."""
+    return _mix32(_mix32((j & 0xFFFFFFFF) ^ key0) ^ ((j >> 32) & 0xFFFFFFFF) ^ key1)
+
+
+@triton.jit
 def _stochastic_bf16_bits(y, j, key0, key1):
     """quant.to_bf16(y, stochastic=True) with the counter-based stream (key0, key1) at counters j (int64): the top
     16 bits of hash(j) added to the low half of y's pattern, truncated; inf and NaN rounded to nearest."""
-    h = _mix32(_mix32((j & 0xFFFFFFFF) ^ key0) ^ ((j >> 32) & 0xFFFFFFFF) ^ key1)
+    h = _hash(j, key0, key1)
     bits = y.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
     rounded = ((bits + (h >> 16)) >> 16) & 0xFFFF
     finite = (bits & 0x7F800000) != 0x7F800000
     return tl.where(finite, rounded.to(tl.int32), _bf16_bits(y))
+
+
+@triton.jit
+def _uniform(j, key0, key1):
+    """CounterStream.uniform at counters j: the hash's top 24 bits times 2^-24 (fp32, exact)."""
+    return ((_hash(j, key0, key1) >> 8) & 0xFFFFFF).to(tl.float32) * 5.9604644775390625e-08
 
 
 @triton.jit
@@ -73,13 +87,26 @@ def _lerp(a, b, w):
 
 
 @triton.jit
-def _decode(data, scale, qmap, offs, mask, KIND: tl.constexpr, BLOCK: tl.constexpr):
-    """A moment's fp32 values at offs. data: (n,) fp32 | (n,) bf16 as int16 | (nb * BLOCK,) uint8 codes |
-    (nb * BLOCK / 2,) uint8 code pairs (first in the high half); scale: (nb,) fp32; qmap: (2^bits,) fp32."""
+def _digit(byte, d):
+    """Digit d (0..4, the first weighted 1) of bytes of five base-3 digits (int32): quant.unpack_base3."""
+    power = tl.where(d == 0, 1, tl.where(d == 1, 3, tl.where(d == 2, 9, tl.where(d == 3, 27, 81))))
+    return (byte // power) % 3
+
+
+@triton.jit
+def _decode(data, scale, qmap, offs, mask, KIND: tl.constexpr, BLOCK: tl.constexpr, SCALE_BF16: tl.constexpr):
+    """A moment's fp32 values at offs (any layout). data: (n,) fp32 | (n,) bf16 as int16 | (nb * BLOCK,) uint8
+    codes | (nb * BLOCK / 2,) uint8 code pairs (first in the high half) | (ceil(nb * BLOCK / 5),) uint8 bytes of
+    five trits (K_TERNARY: (digit - 1) times the block scale, TernaryCodec's decode); scale: (nb,) fp32, or bf16
+    as int16 (SCALE_BF16); qmap: (2^bits,) fp32. Not K_FACTORED (``_decode_factored``)."""
     if KIND == K_FP32:
         x = _load(data, offs, mask, False)
-    elif KIND == K_BF16:
+    elif KIND == K_BF16 or KIND == K_BF16_SR:
         x = _load(data, offs, mask, True)
+    elif KIND == K_TERNARY:
+        byte = tl.load(data + offs // 5, mask=mask, other=0).to(tl.int32)
+        s = _load(scale, offs // BLOCK, mask, SCALE_BF16)
+        x = (_digit(byte, offs % 5) - 1).to(tl.float32) * s
     else:
         if KIND == K_INT8:
             code = tl.load(data + offs, mask=mask, other=0).to(tl.int32)
@@ -92,45 +119,136 @@ def _decode(data, scale, qmap, offs, mask, KIND: tl.constexpr, BLOCK: tl.constex
 
 
 @triton.jit
+def _decode_factored(row, col, denom, offs, mask, cols):
+    """A factored second moment's values at offs of its (R, cols) matrix: row[r] * col[c] / denom, as
+    codecs.FactoredCodec's outer(row, col) / mean(row) (denom: the mean, taken before the step)."""
+    r = tl.load(row + offs // cols, mask=mask, other=0.0)
+    c = tl.load(col + offs % cols, mask=mask, other=0.0)
+    return tl.where(mask, tl.div_rn(r * c, denom), 0.0)
+
+
+@triton.jit
+def _nearest_code(x, table, mask):
+    """The nearest map code of fp32 x through the count table (table: (65536,) int32, base << 17 | the low 16
+    bits of the range's decision point): quant.nearest_codes, NaN counted above every point."""
+    y = x + 0.0  # -0.0 -> +0.0
+    bits = y.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    e = tl.load(table + (key >> 16) + 32768, mask=mask, other=0)
+    return (e >> 17) + ((key & 0xFFFF) >= (e & 0x1FFFF)).to(tl.int32)
+
+
+@triton.jit
 def _encode(x, data, scale, table, offs, n, nblocks, KIND: tl.constexpr, BLOCK: tl.constexpr,
             TILE: tl.constexpr):
-    """Store the tile's values x (TILE,) fp32, zero beyond the tensor, into a moment: blockwise absmax (an integer
-    max of |x|'s bit patterns: NaN wins, as torch's amax), x / absmax, the nearest code by the count table
-    (table: (65536,) int32, base << 17 | the low 16 bits of the range's decision point), codes and scales
-    written for every element of the tile's whole blocks."""
-    if KIND == K_FP32:
-        _store(data, offs, x, offs < n, False)
-    elif KIND == K_BF16:
-        _store(data, offs, x, offs < n, True)
+    """Store the flat tile's values x (TILE,) fp32, zero beyond the tensor, into a moment: blockwise absmax (an
+    integer max of |x|'s bit patterns: NaN wins, as torch's amax), x / absmax, the nearest code by the count
+    table, codes and scales written for every element of the tile's whole blocks. K_INT8, K_INT4 only."""
+    blocks = tl.reshape(x, (TILE // BLOCK, BLOCK))
+    amax_bits = tl.max(blocks.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    amax = amax_bits.to(tl.float32, bitcast=True)  # (TILE // BLOCK,)
+    div = tl.where(amax != amax, amax, tl.maximum(amax, 1.17549435e-38))
+    normed = tl.reshape(tl.div_rn(blocks, div[:, None]), (TILE,))
+    inside = offs < nblocks * BLOCK
+    code = _nearest_code(normed, table, inside)
+    block0 = (offs // BLOCK)
+    first = tl.reshape(block0, (TILE // BLOCK, BLOCK))
+    tl.store(scale + tl.max(first, axis=1), amax, mask=tl.max(first, axis=1) < nblocks)
+    if KIND == K_INT8:
+        tl.store(data + offs, code.to(tl.uint8), mask=inside)
     else:
-        blocks = tl.reshape(x, (TILE // BLOCK, BLOCK))
-        amax_bits = tl.max(blocks.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
-        amax = amax_bits.to(tl.float32, bitcast=True)  # (TILE // BLOCK,)
-        div = tl.where(amax != amax, amax, tl.maximum(amax, 1.17549435e-38))
-        normed = tl.reshape(tl.div_rn(blocks, div[:, None]), (TILE,))
-        y = normed + 0.0  # -0.0 -> +0.0
-        bits = y.to(tl.int32, bitcast=True)
-        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        inside = offs < nblocks * BLOCK
-        e = tl.load(table + (key >> 16) + 32768, mask=inside, other=0)
-        code = (e >> 17) + ((key & 0xFFFF) >= (e & 0x1FFFF)).to(tl.int32)
-        block0 = (offs // BLOCK)
-        first = tl.reshape(block0, (TILE // BLOCK, BLOCK))
-        tl.store(scale + tl.max(first, axis=1), amax, mask=tl.max(first, axis=1) < nblocks)
-        if KIND == K_INT8:
-            tl.store(data + offs, code.to(tl.uint8), mask=inside)
+        pairs = tl.reshape(code, (TILE // 2, 2))
+        weight = 16 - 15 * tl.arange(0, 2)  # (16, 1): the first code in the high half
+        byte = tl.sum(pairs * weight[None, :], axis=1)
+        boffs = tl.reshape(offs, (TILE // 2, 2))
+        b0 = tl.min(boffs, axis=1) // 2
+        tl.store(data + b0, byte.to(tl.uint8), mask=b0 * 2 < nblocks * BLOCK)
+
+
+@triton.jit
+def _encode_dense(x, data, offs, mask, key0, key1, counter, KIND: tl.constexpr):
+    """Store a moment kept element by element (fp32, bf16 to nearest, bf16 stochastically rounded from the
+    moment's stream (key0, key1) at counter + element), any layout."""
+    if KIND == K_FP32:
+        _store(data, offs, x, mask, False)
+    elif KIND == K_BF16:
+        _store(data, offs, x, mask, True)
+    else:
+        tl.store(data + offs, _stochastic_bf16_bits(x, offs + counter, key0, key1).to(tl.int16), mask=mask)
+
+
+@triton.jit
+def _ternary_sr(x, u):
+    """quant.stochastic_codes on the ternary map (-1, 0, 1): the bracketing pair (NaN above every point), up with
+    probability x - lo (the spacing is 1), clamped to [0, 1]; codes 0, 1, 2 (int32)."""
+    upper = ((x >= 0.0) | (x != x)).to(tl.int32)
+    p_up = x - (upper.to(tl.float32) - 1.0)
+    p_up = tl.where(p_up < 0.0, 0.0, p_up)  # NaN stays NaN and compares false
+    p_up = tl.where(p_up > 1.0, 1.0, p_up)
+    return upper + (u < p_up).to(tl.int32)
+
+
+@triton.jit
+def _encode_ternary(x, data, scale, err, table, offs, d, valid, pid, n, nblocks, key0, key1, counter,
+                    BLOCK: tl.constexpr, SCALE_KIND: tl.constexpr, SCALE_BF16: tl.constexpr, EF: tl.constexpr):
+    """TernaryCodec.encode of one tile of the byte layout: x (BLOCK, 8) fp32, element offs = 5 (BLOCK pid + i) + d
+    (d: (1, 8), each slot's digit) for d < 5 (valid: d < 5 and inside the padded moment; x zero beyond the tensor), i.e. five whole blocks and
+    BLOCK whole bytes. The block scale (absmax as an integer max; mean of |x| or rms in fp64, over the block's own
+    values, as quant.block_absmean / block_rms; rounded to bf16 where stored so), x / scale, stochastic rounding
+    with the moment's stream (ternary_sr*), or the nearest trit and twice the residual rounded stochastically
+    to a trit (EF; x already holds the carried residual); bytes of five trits (digits beyond the padded moment 0)."""
+    base = pid.to(tl.int64) * 5 * BLOCK
+    blk = (offs - base) // BLOCK  # 0..4 on the valid slots
+    lane = tl.arange(0, 8)
+    scales = tl.zeros((8,), tl.float32)
+    s_each = tl.zeros_like(x)
+    for b in tl.static_range(5):
+        sel = valid & (blk == b)
+        if SCALE_KIND == S_ABSMAX:
+            bits = tl.where(sel, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+            s = tl.max(tl.max(bits, axis=1), axis=0).to(tl.float32, bitcast=True)
         else:
-            pairs = tl.reshape(code, (TILE // 2, 2))
-            weight = 16 - 15 * tl.arange(0, 2)  # (16, 1): the first code in the high half
-            byte = tl.sum(pairs * weight[None, :], axis=1)
-            boffs = tl.reshape(offs, (TILE // 2, 2))
-            b0 = tl.min(boffs, axis=1) // 2
-            tl.store(data + b0, byte.to(tl.uint8), mask=b0 * 2 < nblocks * BLOCK)
+            if SCALE_KIND == S_MEAN:
+                terms = tl.abs(x)
+            else:
+                terms = x * x
+            acc = tl.sum(tl.sum(tl.where(sel, terms, 0.0).to(tl.float64), axis=1), axis=0)
+            count = tl.maximum(tl.minimum(n - (base + b * BLOCK), BLOCK), 1).to(tl.float64)
+            if SCALE_KIND == S_MEAN:
+                s = (acc / count).to(tl.float32)
+            else:
+                s = tl.sqrt(acc / count).to(tl.float32)  # fp64: correctly rounded (sqrt_rn is fp32 only)
+        if SCALE_BF16:
+            s = _round_bf16(s)
+        scales = tl.where(lane == b, s, scales)
+        s_each = tl.where(blk == b, s, s_each)
+    block_index = pid.to(tl.int64) * 5 + lane
+    in_blocks = (lane < 5) & (block_index < nblocks)
+    if SCALE_BF16:
+        tl.store(scale + block_index, _bf16_bits(scales).to(tl.int16), mask=in_blocks)
+    else:
+        tl.store(scale + block_index, scales, mask=in_blocks)
+    div = tl.where(s_each != s_each, s_each, tl.maximum(s_each, 1.17549435e-38))
+    normed = tl.div_rn(x, div)
+    u = _uniform(offs + counter, key0, key1)
+    power = tl.where(d == 0, 1, tl.where(d == 1, 3, tl.where(d == 2, 9, tl.where(d == 3, 27, 81))))
+    nbytes = (nblocks * BLOCK + 4) // 5
+    byte_index = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if EF:
+        trit = _nearest_code(normed, table, valid)
+        resid = _ternary_sr((normed - (trit - 1).to(tl.float32)) * 2.0, u)
+        tl.store(err + byte_index, tl.sum(tl.where(valid, resid * power, 0), axis=1).to(tl.uint8),
+                 mask=byte_index < nbytes)
+    else:
+        trit = _ternary_sr(normed, u)
+    tl.store(data + byte_index, tl.sum(tl.where(valid, trit * power, 0), axis=1).to(tl.uint8),
+             mask=byte_index < nbytes)
 
 
 # the columns of a row of elementwise_step's tensor table
-COL_P, COL_G, COL_M_DATA, COL_M_SCALE, COL_V_DATA, COL_V_SCALE, COL_COMP, COL_KEY0, COL_KEY1, COL_COUNTER = range(10)
-COLUMNS = 10
+(COL_P, COL_G, COL_M_DATA, COL_M_SCALE, COL_V_DATA, COL_V_SCALE, COL_COMP, COL_KEY0, COL_KEY1, COL_COUNTER,
+ COL_M_ERR, COL_M_KEY0, COL_M_KEY1, COL_M_COUNTER, COL_V_KEY0, COL_V_KEY1, COL_V_COUNTER) = range(17)
+COLUMNS = 17
 A_FP32, A_INT16, A_UINT8 = 0, 1, 2  # what an address of the table points to
 
 
@@ -148,35 +266,36 @@ def _address(row, col, POINTS_TO: tl.constexpr):
 
 @triton.jit
 def _moment_address(row, col, KIND: tl.constexpr):
-    """The address of a moment's data: fp32 values, bf16 ones as int16, or uint8 codes (K_INT8, K_INT4)."""
-    if KIND == K_FP32:
+    """The address of a moment's data: fp32 values (K_FACTORED: the row means), bf16 ones as int16, or uint8
+    codes (K_INT8, K_INT4, K_TERNARY)."""
+    if KIND == K_FP32 or KIND == K_FACTORED:
         return _address(row, col, A_FP32)
-    elif KIND == K_BF16:
+    elif KIND == K_BF16 or KIND == K_BF16_SR:
         return _address(row, col, A_INT16)
     else:
         return _address(row, col, A_UINT8)
 
 
 @triton.jit
-def elementwise_step(tab, m_qmap, m_table, v_qmap, v_table, n, m_nblocks, v_nblocks, decay, alpha, w1, beta2, w2,
-                     b2s, eps, momentum,
-                     RULE: tl.constexpr, P_BF16: tl.constexpr, G_BF16: tl.constexpr, M_KIND: tl.constexpr,
-                     V_KIND: tl.constexpr, M_BLOCK: tl.constexpr, V_BLOCK: tl.constexpr, HAS_DECAY: tl.constexpr,
-                     EPS_BEFORE: tl.constexpr, DIRECTION: tl.constexpr, ROUNDING: tl.constexpr,
-                     TILE: tl.constexpr):
-    """The step of k tensors of n elements each, one program a (tile, tensor): grid (cdiv(n, TILE), k).
+def _scale_address(row, col, BF16: tl.constexpr):
+    """The address of a moment's block scales (K_FACTORED: its column means): fp32, or bf16 as int16."""
+    if BF16:
+        return _address(row, col, A_INT16)
+    else:
+        return _address(row, col, A_FP32)
 
-    tab: (k, COLUMNS) int64, a row a tensor: the addresses of its weight p (n,) (fp32, or bf16 as int16), its
-    gradient g (the same), its moments' data and scales (m_*, v_*: v unused by Lion and SGDM, none read by the
-    state-free rules 3, sign, and 4, sgd; a moment's data (n,) fp32 | (n,) bf16 as int16 | uint8 codes, its scale
-    (nb,) fp32) and its compensation comp ((n,) bf16 as int16, W_KAHAN), then its weight stream's key words and
-    the counter of its element 0 (W_STOCHASTIC); an address a setting does not read points to a placeholder.
-    m_qmap, m_table, v_qmap, v_table: the block codecs' maps (2^bits,) fp32 and count tables (65536,) int32,
-    shared by the k tensors. decay = 1 - lr wd; alpha = -lr / (1 - beta1^t) (AdamW), -lr free_scale (state-free)
-    or -lr; w1 = 1 - beta1, w2 = 1 - beta2, b2s = sqrt(1 - beta2^t). DIRECTION: write the direction d into p
-    (fp32) instead of stepping it. ROUNDING (bf16 weights): W_NEAREST, W_STOCHASTIC or W_KAHAN."""
-    pid = tl.program_id(0)
-    row = tab + tl.program_id(1).to(tl.int64) * COLUMNS
+
+@triton.jit
+def _tile(row, m_qmap, m_table, v_qmap, v_table, offs, mask, n, m_nblocks, v_nblocks, cols, denom,
+          decay, alpha, w1, beta2, w2, b2s, eps, momentum,
+          RULE: tl.constexpr, P_BF16: tl.constexpr, G_BF16: tl.constexpr, M_KIND: tl.constexpr,
+          V_KIND: tl.constexpr, M_BLOCK: tl.constexpr, V_BLOCK: tl.constexpr, M_SCALE_BF16: tl.constexpr,
+          HAS_DECAY: tl.constexpr, EPS_BEFORE: tl.constexpr, DIRECTION: tl.constexpr, ROUNDING: tl.constexpr,
+          LAYOUT: tl.constexpr, DEFER_M: tl.constexpr, TILE: tl.constexpr):
+    """The step of the elements at offs (mask: inside the tensor) of the tensor whose table row is `row`:
+    decode, the rule, the weight's write, the moments kept element by element (and, in the flat layout, those
+    of block codecs) stored; DEFER_M leaves the first moment to the moment pass. Returns the new v (fp32; m for
+    the rules without one), which the rows layout sums into a factored moment's means."""
     if P_BF16 and not DIRECTION:
         p = _address(row, COL_P, A_INT16)
     else:
@@ -186,17 +305,18 @@ def elementwise_step(tab, m_qmap, m_table, v_qmap, v_table, n, m_nblocks, v_nblo
     else:
         g = _address(row, COL_G, A_FP32)
     m_data = _moment_address(row, COL_M_DATA, M_KIND)
-    m_scale = _address(row, COL_M_SCALE, A_FP32)
+    m_scale = _scale_address(row, COL_M_SCALE, M_SCALE_BF16)
     v_data = _moment_address(row, COL_V_DATA, V_KIND)
     v_scale = _address(row, COL_V_SCALE, A_FP32)
     comp = _address(row, COL_COMP, A_INT16)
-    offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
-    mask = offs < n
     grad = _load(g, offs, mask, G_BF16)
     if RULE < 3:
-        m = _decode(m_data, m_scale, m_qmap, offs, mask, M_KIND, M_BLOCK)
+        m = _decode(m_data, m_scale, m_qmap, offs, mask, M_KIND, M_BLOCK, M_SCALE_BF16)
     if RULE == 0:  # AdamW
-        v = _decode(v_data, v_scale, v_qmap, offs, mask, V_KIND, V_BLOCK)
+        if V_KIND == K_FACTORED:
+            v = _decode_factored(v_data, v_scale, denom, offs, mask, cols)
+        else:
+            v = _decode(v_data, v_scale, v_qmap, offs, mask, V_KIND, V_BLOCK, False)
         m = _lerp(m, grad, w1)
         v = tl.fma(w2 * grad, grad, v * beta2)  # addcmul_: fma(value * t1, t2, self)
         if EPS_BEFORE:
@@ -214,8 +334,10 @@ def elementwise_step(tab, m_qmap, m_table, v_qmap, v_table, n, m_nblocks, v_nblo
         v = m
     elif RULE == 3:  # the state-free sign step (FRUGAL's residual, signSGD): torch.sign, 0 for NaN
         d = tl.where(grad > 0, 1.0, tl.where(grad < 0, -1.0, 0.0))
+        v = d
     else:  # the state-free SGD step
         d = grad
+        v = d
     if DIRECTION:  # p is an fp32 buffer for the direction (a projected step's subspace rule)
         tl.store(p + offs, d, mask=mask)
     elif ROUNDING == W_NEAREST:
@@ -239,10 +361,124 @@ def elementwise_step(tab, m_qmap, m_table, v_qmap, v_table, n, m_nblocks, v_nblo
         else:
             wkey0, wkey1, wcounter = tl.load(row + COL_KEY0), tl.load(row + COL_KEY1), tl.load(row + COL_COUNTER)
             tl.store(p + offs, _stochastic_bf16_bits(y, offs + wcounter, wkey0, wkey1).to(tl.int16), mask=mask)
-    if RULE < 3:
-        _encode(tl.where(mask, m, 0.0), m_data, m_scale, m_table, offs, n, m_nblocks, M_KIND, M_BLOCK, TILE)
+    if RULE < 3 and not DEFER_M:
+        if M_KIND == K_INT8 or M_KIND == K_INT4:
+            _encode(tl.where(mask, m, 0.0), m_data, m_scale, m_table, offs, n, m_nblocks, M_KIND, M_BLOCK, TILE)
+        else:
+            _encode_dense(m, m_data, offs, mask, tl.load(row + COL_M_KEY0), tl.load(row + COL_M_KEY1),
+                          tl.load(row + COL_M_COUNTER), M_KIND)
     if RULE == 0:
-        _encode(tl.where(mask, v, 0.0), v_data, v_scale, v_table, offs, n, v_nblocks, V_KIND, V_BLOCK, TILE)
+        if V_KIND == K_INT8 or V_KIND == K_INT4:
+            _encode(tl.where(mask, v, 0.0), v_data, v_scale, v_table, offs, n, v_nblocks, V_KIND, V_BLOCK, TILE)
+        elif V_KIND != K_FACTORED:
+            _encode_dense(v, v_data, offs, mask, tl.load(row + COL_V_KEY0), tl.load(row + COL_V_KEY1),
+                          tl.load(row + COL_V_COUNTER), V_KIND)
+    return v
+
+
+@triton.jit
+def elementwise_step(tab, m_qmap, m_table, v_qmap, v_table, n, m_nblocks, v_nblocks, cols, denoms, row_sums,
+                     col_sums, decay, alpha, w1, beta2, w2, b2s, eps, momentum,
+                     RULE: tl.constexpr, P_BF16: tl.constexpr, G_BF16: tl.constexpr, M_KIND: tl.constexpr,
+                     V_KIND: tl.constexpr, M_BLOCK: tl.constexpr, V_BLOCK: tl.constexpr, M_SCALE_BF16: tl.constexpr,
+                     HAS_DECAY: tl.constexpr, EPS_BEFORE: tl.constexpr, DIRECTION: tl.constexpr,
+                     ROUNDING: tl.constexpr, LAYOUT: tl.constexpr, DEFER_M: tl.constexpr, TILE: tl.constexpr,
+                     RB: tl.constexpr, CB: tl.constexpr, ITERS: tl.constexpr):
+    """The step of k tensors of n elements each: grid (tiles, k), one program a (tile, tensor).
+
+    tab: (k, COLUMNS) int64, a row a tensor: the addresses of its weight p (n,) (fp32, or bf16 as int16), its
+    gradient g (the same), its moments' data and scales (m_*, v_*: v unused by Lion and SGDM, none read by the
+    state-free rules 3, sign, and 4, sgd; a moment's data (n,) fp32 | (n,) bf16 as int16 | uint8 codes | fp32 row
+    means (R,) of a factored v, its scale (nb,) fp32 or bf16 | the factored v's column means (cols,)), its
+    compensation comp ((n,) bf16 as int16, W_KAHAN), its weight stream's key words and the counter of its element
+    0 (W_STOCHASTIC), a ternary m's residual trits (its EF form), and each moment's stream (key words, counter)
+    where it rounds stochastically; an address a setting does not read points to a placeholder.
+    m_qmap, m_table, v_qmap, v_table: the block codecs' maps (2^bits,) fp32 and count tables (65536,) int32,
+    shared by the k tensors. decay = 1 - lr wd; alpha = -lr / (1 - beta1^t) (AdamW), -lr free_scale (state-free)
+    or -lr; w1 = 1 - beta1, w2 = 1 - beta2, b2s = sqrt(1 - beta2^t). DIRECTION: write the direction d into p
+    (fp32) instead of stepping it. ROUNDING (bf16 weights): W_NEAREST, W_STOCHASTIC or W_KAHAN.
+
+    LAYOUT L_FLAT: a program steps TILE consecutive elements (whole codec blocks). L_ROWS (a factored v of an
+    (n / cols, cols) moment): a program steps RB x CB elements ITERS times down the rows, and writes the fp64 sums
+    of the new v along each row of each tile into row_sums (k, cdiv(cols, CB), R) and its column sums over its
+    RB ITERS rows into col_sums (k, cdiv(R, RB ITERS), cols); denoms (k,) fp32: each v's mean before the step.
+    DEFER_M: the first moment is left to ``moment_step`` (a ternary one, or block codes in the rows layout)."""
+    pid = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    row = tab + t * COLUMNS
+    if LAYOUT == L_FLAT:
+        offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
+        _tile(row, m_qmap, m_table, v_qmap, v_table, offs, offs < n, n, m_nblocks, v_nblocks, cols, 1.0, decay,
+              alpha, w1, beta2, w2, b2s, eps, momentum, RULE, P_BF16, G_BF16, M_KIND, V_KIND, M_BLOCK, V_BLOCK,
+              M_SCALE_BF16, HAS_DECAY, EPS_BEFORE, DIRECTION, ROUNDING, LAYOUT, DEFER_M, TILE)
+    else:
+        rows = n // cols
+        col_tiles = (cols + CB - 1) // CB
+        pr = pid // col_tiles
+        pc = pid % col_tiles
+        c = pc * CB + tl.arange(0, CB)
+        denom = tl.load(denoms + t)
+        col_acc = tl.zeros((CB,), tl.float64)
+        for it in range(ITERS):
+            r = (pr * ITERS + it) * RB + tl.arange(0, RB)
+            offs = r[:, None].to(tl.int64) * cols + c[None, :]
+            mask = (r[:, None] < rows) & (c[None, :] < cols)
+            v = _tile(row, m_qmap, m_table, v_qmap, v_table, offs, mask, n, m_nblocks, v_nblocks, cols, denom,
+                      decay, alpha, w1, beta2, w2, b2s, eps, momentum, RULE, P_BF16, G_BF16, M_KIND, V_KIND,
+                      M_BLOCK, V_BLOCK, M_SCALE_BF16, HAS_DECAY, EPS_BEFORE, DIRECTION, ROUNDING, LAYOUT, DEFER_M,
+                      TILE)
+            v64 = tl.where(mask, v, 0.0).to(tl.float64)
+            tl.store(row_sums + (t * col_tiles + pc) * rows + r, tl.sum(v64, axis=1), mask=r < rows)
+            col_acc += tl.sum(v64, axis=0)
+        tl.store(col_sums + (t * ((rows + RB * ITERS - 1) // (RB * ITERS)) + pr) * cols + c, col_acc,
+                 mask=c < cols)
+
+
+@triton.jit
+def moment_step(tab, m_qmap, m_table, n, m_nblocks, w1, w2, momentum,
+                RULE: tl.constexpr, G_BF16: tl.constexpr, M_KIND: tl.constexpr, M_BLOCK: tl.constexpr,
+                M_SCALE: tl.constexpr, M_SCALE_BF16: tl.constexpr, M_EF: tl.constexpr, TILE: tl.constexpr):
+    """The first moment's update and store that ``elementwise_step`` left (DEFER_M), after it: m decoded again,
+    m' = the rule's update of m by g (the same arithmetic, so the same m' the direction used), stored. A ternary
+    m in the byte layout (a program: M_BLOCK bytes, five blocks, and their residual trits under M_EF), int8 or
+    int4 codes in the flat one (TILE elements). grid (tiles, k); tab as elementwise_step's."""
+    pid = tl.program_id(0)
+    row = tab + tl.program_id(1).to(tl.int64) * COLUMNS
+    if G_BF16:
+        g = _address(row, COL_G, A_INT16)
+    else:
+        g = _address(row, COL_G, A_FP32)
+    m_data = _moment_address(row, COL_M_DATA, M_KIND)
+    m_scale = _scale_address(row, COL_M_SCALE, M_SCALE_BF16)
+    if M_KIND == K_TERNARY:
+        i = tl.arange(0, M_BLOCK)[:, None]
+        d = tl.arange(0, 8)[None, :]
+        offs = pid.to(tl.int64) * 5 * M_BLOCK + 5 * i + d
+        mask = (d < 5) & (offs < n)
+        valid = (d < 5) & (offs < m_nblocks * M_BLOCK)
+    else:
+        offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
+        mask = offs < n
+    grad = _load(g, offs, mask, G_BF16)
+    m = _decode(m_data, m_scale, m_qmap, offs, mask, M_KIND, M_BLOCK, M_SCALE_BF16)
+    if RULE == 0:
+        m = _lerp(m, grad, w1)
+    elif RULE == 1:
+        m = _lerp(m, grad, w2)
+    else:
+        m = m * momentum + grad
+    m = tl.where(mask, m, 0.0)
+    if M_KIND == K_TERNARY:
+        err = _address(row, COL_M_ERR, A_UINT8)
+        if M_EF:  # the carried residual, ((digit - 1) * 0.5) * the old scale, added to the tensor's elements
+            byte = tl.load(err + offs // 5, mask=mask, other=0).to(tl.int32)
+            s = _load(m_scale, offs // M_BLOCK, mask, M_SCALE_BF16)
+            m = m + tl.where(mask, ((_digit(byte, offs % 5) - 1).to(tl.float32) * 0.5) * s, 0.0)
+        _encode_ternary(m, m_data, m_scale, err, m_table, offs, d, valid, pid, n, m_nblocks, tl.load(row + COL_M_KEY0),
+                        tl.load(row + COL_M_KEY1), tl.load(row + COL_M_COUNTER), M_BLOCK, M_SCALE, M_SCALE_BF16,
+                        M_EF)
+    else:
+        _encode(m, m_data, m_scale, m_table, offs, n, m_nblocks, M_KIND, M_BLOCK, TILE)
 
 
 @triton.jit

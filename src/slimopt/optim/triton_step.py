@@ -46,17 +46,23 @@ import torch
 from torch import Tensor
 
 from . import native
-from .codecs import Bf16Codec, BlockCodec, Fp32Codec
+from .codecs import Bf16Codec, BlockCodec, FactoredCodec, Fp32Codec, TernaryCodec
+from .noise import CounterStream
 
 __all__ = ["available", "applies", "prepare", "run", "failed", "fallbacks", "column_best_applies", "column_best"]
 
-_K_FP32, _K_BF16, _K_INT8, _K_INT4 = range(4)
+_K_FP32, _K_BF16, _K_INT8, _K_INT4, _K_BF16_SR, _K_TERNARY, _K_FACTORED = range(7)
+_BLOCK_KINDS = (_K_INT8, _K_INT4)
+_DENSE_KINDS = (_K_FP32, _K_BF16, _K_BF16_SR)  # stored element by element: any layout writes them
+_L_FLAT, _L_ROWS = 0, 1
+_SCALES = {"absmax": 0, "mean": 1, "rms": 2}  # S_* of the kernel: a ternary moment's block scale
 _RULES = {"adamw": 0, "taco": 0, "lion": 1, "sgdm": 2}
 _FREE_RULES = {"sign": 3, "sgd": 4}  # the state-free update of a residual or an inactive block (no codecs)
 _MOMENT_KEYS = native._MOMENT_KEYS
 _DTYPES = (torch.float32, torch.bfloat16)
 _ROUNDINGS = {"nearest": 0, "stochastic": 1, "kahan": 2}  # W_* of the kernel: how a bf16 weight is written
 _TILE = 256  # elements a program: a power of two holding whole int8 (256) and int4 (128) blocks
+_RB, _CB, _MAX_ITERS = 16, 64, 8  # the rows layout: a program steps 16 x 64 elements, down at most 8 x 16 rows
 
 _state: dict[str, Any] = {}
 _failed: dict[tuple, str] = {}  # kernel settings -> why their launch failed
@@ -103,12 +109,32 @@ def _find_kind(codec: Any) -> int | None:
     if isinstance(codec, Fp32Codec):
         return _K_FP32 if codec.dtype == torch.float32 else None
     if isinstance(codec, Bf16Codec):
-        return None if codec.stochastic else _K_BF16
+        return _K_BF16_SR if codec.stochastic else _K_BF16
     if isinstance(codec, BlockCodec) and _TILE % codec.block_size == 0:
         if native.map_tables(codec.map_name)[2] is None:  # a map with two decision points in one range
             return None
         return _K_INT8 if codec.bits == 8 else _K_INT4
+    if isinstance(codec, TernaryCodec):
+        # the byte layout: a program steps B bytes (five blocks of B trits), B a power of two
+        b = codec.block_size
+        return _K_TERNARY if b & (b - 1) == 0 and 8 <= b <= 1024 else None
+    if isinstance(codec, FactoredCodec):
+        return _K_FACTORED  # of a 2-D moment; any other shape is stored fp32 (``_kinds``)
     return None
+
+
+def _kinds(codecs: list[tuple[str, Any]], shape: torch.Size) -> tuple[int, ...]:
+    """The kernel's K_* of each moment of a `shape` moment: a factored codec stores a moment that is not 2-D in
+    fp32."""
+    return tuple(_K_FP32 if k == _K_FACTORED and len(shape) != 2 else k for k in (_kind(c) for _, c in codecs))
+
+
+def _layout(kinds: tuple[int, ...]) -> tuple[int, bool]:
+    """(the main pass's layout, whether it leaves the first moment to the moment pass): the rows layout for a
+    factored v; a ternary m always (its bytes want tiles of five blocks), block codes in the rows layout."""
+    rows = len(kinds) > 1 and kinds[1] == _K_FACTORED
+    defer = bool(kinds) and (kinds[0] == _K_TERNARY or (rows and kinds[0] in _BLOCK_KINDS))
+    return (_L_ROWS if rows else _L_FLAT), defer
 
 
 def _device_ok(t: Tensor) -> bool:
@@ -122,8 +148,11 @@ def _device_ok(t: Tensor) -> bool:
 @functools.lru_cache(maxsize=None)
 def _rule_ok(rule: str, codecs: tuple[tuple[str, Any], ...]) -> bool:
     """Whether the kernel has `rule` on these (key, codec) moments (asked for every tensor of every step)."""
-    return rule in _RULES and [k for k, _ in codecs] == _MOMENT_KEYS[rule] and all(_kind(c) is not None
-                                                                                 for _, c in codecs)
+    if rule not in _RULES or [k for k, _ in codecs] != _MOMENT_KEYS[rule]:
+        return False
+    kinds = [_kind(c) for _, c in codecs]
+    # a ternary moment is only ever a first one, a factored one a second one (codecs.M_SPECS, V_SPECS)
+    return (None not in kinds and _K_FACTORED not in kinds[:1] and _K_TERNARY not in kinds[1:])
 
 
 _PLAIN = (Tensor, torch.nn.Parameter)  # no tensor subclass (a DTensor, a quantized weight): its data is not flat
@@ -156,8 +185,16 @@ def applies(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[s
 def _settings(group, p, grad, codecs) -> tuple:
     """What selects one compiled specialization of the kernel."""
     rule = group["rule"] if codecs else group["free_rule"]
-    return (rule, p.dtype, grad.dtype, tuple(_kind(c) for _, c in codecs), group["eps_placement"], p.device.type,
+    return (rule, p.dtype, grad.dtype, _kinds(codecs, p.shape), group["eps_placement"], p.device.type,
             _rounding(group, p))
+
+
+def _codec_key(codec: Any) -> tuple:
+    """What of a codec selects a specialization beyond its kind: a block codec's map and block, a ternary one's
+    block, scale, scale dtype and rounding."""
+    if isinstance(codec, TernaryCodec):
+        return ("ternary", codec.block_size, codec.scale, codec.scale_dtype, codec.feedback)
+    return (getattr(codec, "map_name", None), getattr(codec, "block_size", 1))
 
 
 def _rounding(group: dict[str, Any], p: Tensor) -> str:
@@ -176,63 +213,87 @@ def _placeholder(device: torch.device) -> Tensor:
     return _PLACEHOLDERS[device]
 
 
-def _tables(codec: Any, device: torch.device) -> tuple[Tensor, Tensor]:
-    """(qmap fp32, packed nearest-count table int32 (65536,)) of a block codec's map on `device`, built once."""
-    key = (codec.map_name, device)
+def _tables(map_name: str, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(qmap fp32, packed nearest-count table int32 (65536,)) of a map on `device`, built once."""
+    key = (map_name, device)
     if key not in _TABLES:
-        qmap, _, packed, _, _ = native.map_tables(codec.map_name)
+        qmap, _, packed, _, _ = native.map_tables(map_name)
         _TABLES[key] = (qmap.to(device), packed.to(device))
     return _TABLES[key]
 
 
-def _moment_addresses(codec: Any, key: str, state: dict[str, Tensor], dummy: Tensor) -> tuple[int, int, int]:
-    """(data address, scale address, blocks) of one moment; a plain moment's scale is the placeholder."""
-    data = state[key]
-    if _kind(codec) in (_K_FP32, _K_BF16):
-        return data.data_ptr(), dummy.data_ptr(), 0
+def _moment_addresses(kind: int, key: str, state: dict[str, Tensor], dummy: Tensor) -> tuple[int, int, int, int]:
+    """(data address, scale address, blocks, residual address) of one moment: a factored one's row means and
+    column means; a moment kept element by element has the placeholder for a scale, all but a ternary moment's
+    error-feedback form for a residual."""
+    data, none = state[key], dummy.data_ptr()
+    if kind in _DENSE_KINDS:
+        return data.data_ptr(), none, 0, none
+    if kind == _K_FACTORED:
+        return data.data_ptr(), state[key + "_col"].data_ptr(), 0, none
     scale = state[key + "_scale"]
-    return data.data_ptr(), scale.data_ptr(), scale.numel()
+    err = state.get(key + "_err") if kind == _K_TERNARY else None
+    return data.data_ptr(), scale.data_ptr(), scale.numel(), err.data_ptr() if err is not None else none
 
 
 class Launch:
-    """One tensor's part of a launch (``prepare``): the row of addresses the kernel reads it by, and what selects
-    the launch it can share (``key``: the group, the kernel's settings, the size, the moments' age)."""
+    """One tensor's part of a launch (``prepare``): the row of addresses the kernel reads it by, what selects
+    the launch it can share (``key``: the group, the kernel's settings, the size, the moments' age), and a
+    factored v's (row means, column means), which ``run`` writes after the kernel."""
 
-    __slots__ = ("group", "codecs", "age", "direction", "n", "blocks", "row", "key", "device")
+    __slots__ = ("group", "codecs", "age", "direction", "n", "blocks", "row", "key", "device", "factored")
 
-    def __init__(self, group, codecs, age, direction, n, blocks, row, key, device):
+    def __init__(self, group, codecs, age, direction, n, blocks, row, key, device, factored=None):
         self.group, self.codecs, self.age, self.direction = group, codecs, age, direction
         self.n, self.blocks, self.row, self.key, self.device = n, blocks, row, key, device
+        self.factored = factored
 
 
 def prepare(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
             codecs: list[tuple[str, Any]], age: int, direction: bool = False, comp: Tensor | None = None,
-            gen: Any = None) -> Launch:
+            gen: Any = None, streams: list[CounterStream | None] | None = None) -> Launch:
     """p's step from grad against its coded moments (no codecs: the state-free update), ready to launch alone or
     with others of the same ``key`` (``run``); age: the moments' step count, already counted; direction: p is an
     fp32 buffer that receives the rule's direction d instead (``windowed.directions``); a bf16 weight under
     ``param_rounding`` ``kahan`` needs comp (its bf16 compensation), under ``stochastic`` gen (its rounding's
-    counter-based stream at element 0)."""
+    counter-based stream at element 0); streams: each moment's stream at element 0 where its codec rounds
+    stochastically (bf16_sr, ternary), else None."""
     rounding = "nearest" if direction else _rounding(group, p)
     if rounding == "kahan" and (comp is None or comp.dtype != torch.bfloat16 or not comp.is_contiguous()):
         raise ValueError("param_rounding='kahan' needs the weight's bf16 compensation (rules.comp_of)")
     if rounding == "stochastic" and gen is None:
         raise ValueError("param_rounding='stochastic' needs the weight's random stream")
+    streams = list(streams or [None] * len(codecs))
+    if any(c.needs_generator and s is None for (_, c), s in zip(codecs, streams)):
+        raise ValueError("a stochastically rounded moment needs its random stream (prepare's streams)")
     dummy = _placeholder(p.device)
-    moments = [_moment_addresses(c, k, state, dummy) for k, c in codecs]
-    m = moments[0] if moments else (dummy.data_ptr(), dummy.data_ptr(), 0)
+    kinds = _kinds(codecs, p.shape)
+    moments = [_moment_addresses(kind, k, state, dummy) for kind, (k, _) in zip(kinds, codecs)]
+    none = dummy.data_ptr()
+    m = moments[0] if moments else (none, none, 0, none)
     v = moments[1] if len(moments) > 1 else m
-    (key0, key1), counter = gen.key_words if gen is not None else (0, 0), gen.offset if gen is not None else 0
+
+    def words(s: CounterStream | None) -> tuple[int, int, int]:
+        return (*s.key_words, s.offset) if s is not None else (0, 0, 0)
+
+    m_words = words(streams[0]) if streams else (0, 0, 0)
+    v_words = words(streams[1]) if len(streams) > 1 else (0, 0, 0)
     row = (p.data_ptr(), grad.data_ptr(), m[0], m[1], v[0], v[1],
-           comp.data_ptr() if rounding == "kahan" else dummy.data_ptr(), key0, key1, counter)
-    maps = tuple((getattr(c, "map_name", None), getattr(c, "block_size", 1)) for _, c in codecs)
-    key = (id(group), _settings(group, p, grad, codecs), maps, p.numel(), age, direction, rounding)
-    return Launch(group, codecs, age, direction, p.numel(), (m[2], v[2]), row, key, p.device)
+           comp.data_ptr() if rounding == "kahan" else none, *words(gen), m[3], *m_words, *v_words)
+    factored = None
+    if len(kinds) > 1 and kinds[1] == _K_FACTORED:
+        vkey = codecs[1][0]
+        factored = (state[vkey], state[vkey + "_col"])
+    maps = tuple(_codec_key(c) for _, c in codecs)
+    shape = tuple(p.shape) if factored is not None else p.numel()  # the rows layout: rows and columns
+    key = (id(group), _settings(group, p, grad, codecs), maps, shape, age, direction, rounding)
+    return Launch(group, codecs, age, direction, p.numel(), (m[2], v[2]), row, key, p.device, factored)
 
 
 _ROWS: "OrderedDict[tuple, tuple[Tensor, Tensor]]" = OrderedDict()  # recent tables (device, host), by contents
 _MAX_ROWS = 4096
 _CAPTURED: list[Tensor] = []  # host tables copied inside a CUDA-graph capture: a replay copies them again
+_COMPILED: set[tuple] = set()  # (settings, size) whose moment pass is compiled and loaded
 
 
 def _table(launches: list[Launch]) -> Tensor:
@@ -262,13 +323,16 @@ def _table(launches: list[Launch]) -> Tensor:
 
 
 def run(launches: list[Launch]) -> float | None:
-    """Step every tensor of `launches` (all of one ``key``) in one kernel launch. Returns the rule's coefficient c
-    (the update is lr c d), or None (after one warning) where this kernel's settings failed to compile or launch:
-    the caller then runs the eager step for each, and so does every later step with these settings."""
+    """Step every tensor of `launches` (all of one ``key``) in one kernel launch, two where the first moment is
+    left to the moment pass (``_layout``), and write a factored v's means from the kernel's fp64 sums. Returns
+    the rule's coefficient c (the update is lr c d), or None (after one warning) where this kernel's settings
+    failed to compile or launch: the caller then runs the eager step for each, and so does every later step with
+    these settings. The moment pass is compiled (launched on an empty grid) before the first pass writes anything,
+    so that a failure of either leaves every tensor as it was."""
     kernels = _triton()
     first = launches[0]
     group, codecs, age = first.group, first.codecs, first.age
-    _, settings, *_ = first.key
+    _, settings, maps, shape, *_ = first.key
     if settings in _failed:  # failed already, in a launch queued in the same step: one warning is enough
         return None
     rule = group["rule"] if codecs else group["free_rule"]
@@ -288,23 +352,57 @@ def run(launches: list[Launch]) -> float | None:
         w1, w2 = 1.0 - beta1, 1.0 - beta2
     else:
         momentum = float(group["momentum"])
-    dummy = _placeholder(first.device)
-    kinds = [_kind(c) for _, c in codecs]
-    maps = [_tables(c, first.device) if k in (_K_INT8, _K_INT4) else (dummy, dummy) for (_, c), k in zip(codecs, kinds)]
-    blocks = [getattr(c, "block_size", 1) if k in (_K_INT8, _K_INT4) else 1 for (_, c), k in zip(codecs, kinds)]
-    m_kind, m_map, m_block = (kinds[0], maps[0], blocks[0]) if codecs else (_K_FP32, (dummy, dummy), 1)
-    v_kind, v_map, v_block = (kinds[1], maps[1], blocks[1]) if len(codecs) > 1 else (m_kind, m_map, m_block)
+    device, k = first.device, len(launches)
+    dummy = _placeholder(device)
+    kinds = settings[3]
+    tables = [_tables("ternary" if kind == _K_TERNARY else c.map_name, device)
+              if kind in _BLOCK_KINDS or kind == _K_TERNARY else (dummy, dummy) for (_, c), kind in zip(codecs, kinds)]
+    blocks = [getattr(c, "block_size", 1) if kind in _BLOCK_KINDS or kind == _K_TERNARY else 1
+              for (_, c), kind in zip(codecs, kinds)]
+    m_kind, m_map, m_block = (kinds[0], tables[0], blocks[0]) if codecs else (_K_FP32, (dummy, dummy), 1)
+    v_kind, v_map, v_block = (kinds[1], tables[1], blocks[1]) if len(codecs) > 1 else (m_kind, m_map, m_block)
+    ternary = codecs[0][1] if m_kind == _K_TERNARY else None
+    m_scale_bf16 = ternary is not None and ternary.scale_dtype == torch.bfloat16
+    layout, defer = _layout(kinds)
     rounding = first.key[-1]
+    rule_id = _RULES[rule] if codecs else _FREE_RULES[rule]
+    g_bf16 = settings[2] == torch.bfloat16
     try:
         table = _table(launches)
-        kernels.elementwise_step[(_cdiv(first.n, _TILE), len(launches))](
-            table, *m_map, *v_map, first.n, first.blocks[0], first.blocks[1],
+        moment = None
+        if defer:
+            moment_grid = (_cdiv(first.blocks[0], 5) if ternary is not None else _cdiv(first.n, _TILE), k)
+
+            def moment(grid: tuple[int, int]) -> None:
+                kernels.moment_step[grid](
+                    table, *m_map, first.n, first.blocks[0], float(w1), float(w2), float(momentum), RULE=rule_id,
+                    G_BF16=g_bf16, M_KIND=m_kind, M_BLOCK=m_block,
+                    M_SCALE=_SCALES[ternary.scale] if ternary is not None else 0, M_SCALE_BF16=m_scale_bf16,
+                    M_EF=ternary is not None and ternary.feedback, TILE=_TILE)
+
+            if (settings, maps, first.n) not in _COMPILED:
+                moment((0, k))  # compiled and loaded, nothing run: a failure here writes nothing
+                _COMPILED.add((settings, maps, first.n))
+        cols, denoms, row_sums, col_sums, iters = 1, dummy, dummy, dummy, 1
+        if layout == _L_ROWS:
+            rows, cols = shape
+            iters = min(_MAX_ITERS, _cdiv(rows, _RB))
+            col_tiles, row_tiles = _cdiv(cols, _CB), _cdiv(rows, _RB * iters)
+            means = [x.factored[0] for x in launches]
+            denoms = torch.stack([r.mean() for r in means]).clamp_min_(torch.finfo(torch.float32).tiny)
+            row_sums = torch.empty((k, col_tiles, rows), dtype=torch.float64, device=device)
+            col_sums = torch.empty((k, row_tiles, cols), dtype=torch.float64, device=device)
+            grid = (row_tiles * col_tiles, k)
+        else:
+            grid = (_cdiv(first.n, _TILE), k)
+        kernels.elementwise_step[grid](
+            table, *m_map, *v_map, first.n, first.blocks[0], first.blocks[1], cols, denoms, row_sums, col_sums,
             float(1.0 - lr * wd), float(-lr * coef), float(w1), float(beta2), float(w2), float(b2s), float(eps),
             float(momentum),
-            RULE=_RULES[rule] if codecs else _FREE_RULES[rule], P_BF16=settings[1] == torch.bfloat16,
-            G_BF16=settings[2] == torch.bfloat16, M_KIND=m_kind, V_KIND=v_kind, M_BLOCK=m_block, V_BLOCK=v_block,
-            HAS_DECAY=wd != 0.0, EPS_BEFORE=group["eps_placement"] == "galore", DIRECTION=first.direction,
-            ROUNDING=_ROUNDINGS[rounding], TILE=_TILE)
+            RULE=rule_id, P_BF16=settings[1] == torch.bfloat16, G_BF16=g_bf16, M_KIND=m_kind, V_KIND=v_kind,
+            M_BLOCK=m_block, V_BLOCK=v_block, M_SCALE_BF16=m_scale_bf16, HAS_DECAY=wd != 0.0,
+            EPS_BEFORE=group["eps_placement"] == "galore", DIRECTION=first.direction,
+            ROUNDING=_ROUNDINGS[rounding], LAYOUT=layout, DEFER_M=defer, TILE=_TILE, RB=_RB, CB=_CB, ITERS=iters)
     except Exception as exc:  # a compile or launch failure on a device the kernel was never run on
         why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         _failed[settings] = why
@@ -312,6 +410,11 @@ def run(launches: list[Launch]) -> float | None:
                       f"codecs {[c.name for _, c in codecs]} ({why}); these settings run the eager step from now "
                       "on", RuntimeWarning, stacklevel=3)
         return None
+    if layout == _L_ROWS:  # codecs.FactoredCodec's means: fp64 sums over the tiles, divided, rounded to fp32
+        torch._foreach_copy_([x.factored[0] for x in launches], list((row_sums.sum(1) / cols).float().unbind(0)))
+        torch._foreach_copy_([x.factored[1] for x in launches], list((col_sums.sum(1) / rows).float().unbind(0)))
+    if moment is not None:  # compiled and loaded above: what fails now is no compile or load, and is raised
+        moment(moment_grid)
     return coef
 
 

@@ -135,13 +135,21 @@ def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any
 
     if triton_step.applies(group, p, grad, codecs):
         launch = triton_step.prepare(p, grad, state, group, codecs, age, comp=comp,
-                                     gen=stream(PARAM_STREAM, 0) if rounding == "stochastic" else None)
+                                     gen=stream(PARAM_STREAM, 0) if rounding == "stochastic" else None,
+                                     streams=moment_streams(codecs, stream))
         if batch is not None:
             batch.launch(launch, eager)
             return
         if triton_step.run([launch]) is not None:
             return  # the whole tensor in one launch: the kernel allocates nothing
     eager()
+
+
+def moment_streams(codecs: list[tuple[str, Any]], stream: Callable[[int, int], CounterStream]
+                   ) -> list[CounterStream | None]:
+    """Each moment's random stream from element 0 where its codec rounds stochastically, else None (what a
+    whole-tensor kernel reads: ``triton_step.prepare``)."""
+    return [stream(i, 0) if codec.needs_generator else None for i, (_, codec) in enumerate(codecs)]
 
 
 def spans(p: Tensor, group: dict[str, Any], codecs: list[tuple[str, Any]], rounding: str) -> list[tuple[int, int]]:
@@ -355,7 +363,8 @@ def directions(low: Tensor, out: Tensor, state: dict[str, Tensor], group: dict[s
     itself is fine: each window reads its gradient before it writes); `held`: what the caller keeps allocated.
     Returns the rule's coefficient c (the same for every window)."""
     if triton_step.applies(group, out, low, codecs):  # out, low: fp32 (or fp64: no kernel), contiguous
-        c = triton_step.run([triton_step.prepare(out, low, state, group, codecs, age, direction=True)])  # one launch
+        c = triton_step.run([triton_step.prepare(out, low, state, group, codecs, age, direction=True,
+                                                 streams=moment_streams(codecs, stream))])
         if c is not None:
             return c
     windows = [(i, key, codec, codec.open(key, state, low.shape)) for i, (key, codec) in enumerate(codecs)]
