@@ -47,7 +47,8 @@ def main() -> None:
     kernels = triton_step._triton()
     if kernels is None:
         raise SystemExit("triton is not installed (pip install triton)")
-    kernels.elementwise_step = _Launches()
+    for name in ("elementwise_step", "moment_step", "taco_columns", "column_best"):  # every kernel a step launches
+        setattr(kernels, name, _Launches())
     model = build_model(args.model, 8192, 1, dtype=torch.bfloat16, seed=0, device=torch.device("cpu"))
     params = list(model.parameters())
     for p in params:

@@ -160,8 +160,11 @@ def main():
                                               "plans": sum(isinstance(fast._plans.get(p), kernel_plan.LaunchPlan)
                                                            for p in a)}
     # ternary_adamw's moments (ternary m, factored v): the two 2-D weights of one shape share their launches (the
-    # rows layout and the moment pass), the 1-D weight's v is fp32 (a factored codec keeps a 1-D moment so)
-    for dtype in (torch.float32, torch.bfloat16):
+    # rows layout and the moment pass), the 1-D weight's v is fp32 (a factored codec keeps a 1-D moment so); with
+    # a scratch budget under one weight's fp64 sums, each 2-D weight launches on its own
+    budget = triton_step._SCRATCH_BYTES
+    for dtype, split in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
+        triton_step._SCRATCH_BYTES = 1 if split else budget
         gen = torch.Generator().manual_seed(2)
         shapes = [(24, 300), (7200,), (24, 300), (30,)]
         a = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
@@ -171,25 +174,31 @@ def main():
         before, tensors = counting.calls, counting.tensors
         run(a, fast, 0, 3)
         run(b, eager, 0, 3)
-        report[f"batched ternary/{str(dtype)[6:]}"] = {**compare(a, b, fast, eager, dtype),
-                                                      "launches": counting.calls - before,
-                                                      "tensors": counting.tensors - tensors}
-    # TACO's one-candidate search as a Triton kernel (k = 1, the stored row hidden; k = 0), against the torch search
-    # of the eager step; gradients rounded to a few levels so that ties across the row chunks are common
-    searches = {"n": 0}
-    search = triton_step.column_best
+        report[f"batched ternary{' split' if split else ''}/{str(dtype)[6:]}"] = {
+            **compare(a, b, fast, eager, dtype), "launches": counting.calls - before,
+            "tensors": counting.tensors - tensors}
+    triton_step._SCRATCH_BYTES = budget
+    # TACO at taco_k 1: its whole step as Triton kernels (taco_one); at k = 0 the one-candidate search as a Triton
+    # kernel (column_best) and the rest tensor operations; against the eager step's torch search. Gradients
+    # rounded to a few levels so that ties across the row chunks are common
+    counts = {"search": 0, "taco": 0}
+    search, whole = triton_step.column_best, triton_step.taco_one
 
     def counted_search(*args):
-        searches["n"] += 1
+        counts["search"] += 1
         return search(*args)
 
-    triton_step.column_best = counted_search
+    def counted_whole(*args):
+        counts["taco"] += 1
+        return whole(*args)
+
+    triton_step.column_best, triton_step.taco_one = counted_search, counted_whole
     for dtype in (torch.float32, torch.bfloat16):
-        for k in (1, 0):
-            kw = dict(lr=1e-2, weight_decay=0.1, rule="taco", taco_k=k)
+        for k, extra in ((1, {}), (1, dict(taco_format="int8", taco_scale_dtype="fp32")), (0, {})):
+            kw = dict(lr=1e-2, weight_decay=0.1, rule="taco", taco_k=k, **extra)
             a, b = params(dtype), params(dtype)
             fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
-            before = searches["n"]
+            before = dict(counts)
             for t in range(3):
                 gen = torch.Generator().manual_seed(200 + t)
                 for pa, pb in zip(a, b):
@@ -197,8 +206,11 @@ def main():
                     pa.grad, pb.grad = g.clone(), g.clone()
                 fast.step()
                 eager.step()
-            report[f"taco k={k} {str(dtype)[6:]}"] = {**compare(a, b, fast, eager, dtype),
-                                                      "searches": searches["n"] - before}
+            two_d = torch.equal(a[0], b[0]) and all(torch.equal(fast.state[a[0]][key], eager.state[b[0]][key])
+                                                    for key in eager.state[b[0]])
+            name = f"taco k={k}{' int8' if extra else ''} {str(dtype)[6:]}"
+            report[name] = {**compare(a, b, fast, eager, dtype), "searches": counts["search"] - before["search"],
+                            "whole steps": counts["taco"] - before["taco"], "2-D exact": two_d}
     # a checkpoint written by the Triton path resumes on the eager one (and back) with the same results
     kw = settings("adamw", "int8", "int4", {})
     a, b = params(torch.bfloat16), params(torch.bfloat16)

@@ -139,9 +139,11 @@ class Batch:
     def run(self) -> None:
         """Step everything queued, then forget it."""
         for queued in self._launches.values():
-            if triton_step.run([launch for launch, _ in queued]) is None:
-                for _, eager in queued:
-                    eager()
+            size = triton_step.batch_size(queued[0][0])  # what one launch may allocate bounds its tensors
+            for part in (queued[i:i + size] for i in range(0, len(queued), size)):
+                if triton_step.run([launch for launch, _ in part]) is None:
+                    for _, eager in part:
+                        eager()
         for (gid, _), (params, grads, exp_avgs, exp_avg_sqs, steps) in self._adamw.items():
             group = self._groups[gid]
             beta1, beta2 = group["betas"]

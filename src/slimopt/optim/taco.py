@@ -420,9 +420,11 @@ def _window_best(g: Tensor, r0: int, r1: int, rows: Tensor, live: Tensor, kc: in
 
 def one_pass_step(p: Tensor, grad: Tensor, state: MutableMapping[str, Tensor], group: Mapping[str, Any]) -> bool:
     """``sparse_update`` then ``apply_sparse`` of a (m, n) weight in the C kernel where it applies (a fused CPU
-    group at taco_k 1, the weight written to nearest: ``native.taco_applies``): one pass over the gradient, one
-    over the weight, the same arithmetic. Returns False where it does not apply."""
-    if not native.taco_applies(group, p, grad):
+    group at taco_k 1, the weight written to nearest: ``native.taco_applies``), or as Triton kernels on a CUDA
+    weight (``triton_step.taco_applies``): one pass over the gradient, one over the weight, the same arithmetic.
+    Returns False where neither applies (or a Triton kernel failed: the caller runs the tensor operations)."""
+    on_cpu = native.taco_applies(group, p, grad)
+    if not on_cpu and not triton_step.taco_applies(group, p, grad):
         return False
     m, n = p.shape
     if "taco_rows" not in state or state["taco_rows"].shape != (1, n):
@@ -431,6 +433,8 @@ def one_pass_step(p: Tensor, grad: Tensor, state: MutableMapping[str, Tensor], g
         return False
     c = float(group["taco_alpha"]) * dimension_factor(p.shape, group["taco_norm"])
     lr, wd = float(group["lr"]), float(group["weight_decay"])
+    if not on_cpu:  # the same step as Triton kernels (a CUDA weight)
+        return triton_step.taco_one(p, grad, state, float(group["taco_decay"]), lr, wd, c)
     kept = native.taco_one(p, grad, state, float(group["taco_decay"]), lr, wd, c)
     if kept is not None:  # a NaN kept value: stored and applied as the tensor operations do
         rows, values = kept

@@ -1,9 +1,12 @@
 """The Triton kernel of ``triton_step.py`` (imported only where triton is installed).
 
-One program steps TILE consecutive elements of one of the tensors of a launch, which finds them in a table of
-addresses (one launch steps every tensor of one size and one setting). bf16 tensors are read as int16 and converted
-on their bit patterns (exact, and round-to-nearest-even as c10::BFloat16 on the way back), so that the interpreter
-and the GPU compute the same values. Shapes in the comments: n elements of a tensor, nb blocks of a moment.
+One program of ``elementwise_step`` steps a tile of one of the tensors of a launch, which finds them in a table of
+addresses (one launch steps every tensor of one size and one setting): TILE consecutive elements (whole codec
+blocks), or a block of rows and columns where a factored v needs its row and column sums. ``moment_step`` stores
+what the first pass left of a first moment (a ternary one, in tiles of five whole blocks of trits and their bytes);
+``taco_columns`` and ``column_best`` are TACO's step. bf16 tensors are read as int16 and converted on their bit
+patterns (exact, and round-to-nearest-even as c10::BFloat16 on the way back), so that the interpreter and the GPU
+compute the same values. Shapes in the comments: n elements of a tensor, nb blocks of a moment.
 """
 
 import triton
@@ -511,3 +514,92 @@ def column_best(g, hidden, out, m, n, CHUNK: tl.constexpr, HAS_HIDDEN: tl.conste
         key = k * 4294967296 + (4294967295 - r)
         best = tl.where(rmask & (key > best), key, best)
     tl.store(out + pid1.to(tl.int64) * n + cols, best, mask=cmask)
+
+
+@triton.jit
+def _taco_stored(codes, absmax, rows, fp8_values, g, cols, mask, n, top, beta, w, FP8: tl.constexpr,
+                 SCALE_BF16: tl.constexpr, G_BF16: tl.constexpr):
+    """Steps 1-2 of TACO's update at one component a column, for columns `cols`: the stored component decoded
+    (code * (scale / top)) and, where live (non-zero), its EMA with the gradient at its row,
+    fma(g, 1 - beta, v beta), as the C kernel's taco_one. Returns (stored row int64, live, value fp32)."""
+    if FP8:
+        code = tl.load(fp8_values + tl.load(codes + cols, mask=mask, other=0).to(tl.int32), mask=mask, other=0.0)
+    else:
+        code = tl.load(codes + cols, mask=mask, other=0).to(tl.float32)
+    v = code * tl.div_rn(_load(absmax, cols, mask, SCALE_BF16), top)
+    r = tl.load(rows + cols, mask=mask, other=0).to(tl.int64)
+    live = mask & (v != 0.0)
+    gr = _load(g, r * n + cols, live, G_BF16)
+    return r, live, tl.where(live, tl.fma(gr, w, v * beta), 0.0)
+
+
+@triton.jit
+def _rint(x):
+    """x rounded to the nearest integer, ties to even (C's nearbyintf), for |x| < 2^22: adding and taking away
+    1.5 * 2^23 leaves no fraction bits (libdevice.rint has no interpreter form)."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _fp8_e4m3fn(x):
+    """fp32 x, |x| <= 448 and not NaN -> float8_e4m3fn codes (int32), round to nearest even: normal values keep
+    3 mantissa bits, rounded on the integer pattern; below 2^-6 the code counts 2^-9 steps (the C kernel's)."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    small = _rint(tl.abs(x) * 512.0).to(tl.int32)
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    return sign | tl.where(a < (121 << 23), small, normal)
+
+
+@triton.jit
+def taco_columns(codes, absmax, rows, fp8_values, g, p, hidden, keys, n, chunks, top, beta, w, alpha,
+                 KEEP: tl.constexpr, FP8: tl.constexpr, SCALE_BF16: tl.constexpr, G_BF16: tl.constexpr,
+                 P_BF16: tl.constexpr, BLOCK_N: tl.constexpr):
+    """TACO's per-column work at taco_k 1 (taco.sparse_update then apply_sparse's entries, nearest rounding),
+    BLOCK_N columns a program: grid (cdiv(n, BLOCK_N),).
+
+    codes: (n,) uint8 (float8_e4m3fn codes, FP8; fp8_values (256,) fp32 their values) or int8; absmax: (n,) fp32,
+    or bf16 as int16; rows: (n,) uint8 / int16 / int32 / int64; g, p: (m, n) row-major, fp32 or bf16 as int16.
+    KEEP False: hidden (n,) int64 <- the stored row of each live column, else -1 (what ``column_best`` leaves out).
+    KEEP True, after ``column_best`` wrote keys (chunks, n) int64 and the weight was decayed: the best candidate
+    (the largest key over the chunks; a NaN |g| is no valid candidate), its value (1 - beta) g, the larger |value|
+    of stored and candidate kept (the stored one on ties, a NaN candidate over a stored number), its sign the
+    direction, the kept component stored (|value| the scale, rounded as stored; value / scale * top as a code),
+    and p[row, c] moved by alpha sign (alpha = -lr c) in fp32, rounded once."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < n
+    r, live, stored = _taco_stored(codes, absmax, rows, fp8_values, g, cols, mask, n, top, beta, w, FP8,
+                                   SCALE_BF16, G_BF16)
+    if not KEEP:
+        tl.store(hidden + cols, tl.where(live, r, -1), mask=mask)
+    else:
+        best = tl.full((BLOCK_N,), -1, tl.int64) * 4294967296 - 1
+        for ch in range(0, chunks):
+            best = tl.maximum(best, tl.load(keys + ch * n + cols, mask=mask, other=-1))
+        key = best >> 32
+        cand = 4294967295 - (best & 4294967295)
+        valid = mask & (key >= 0) & (key <= 0x7F800000)
+        cv = tl.where(valid, _load(g, cand * n + cols, valid, G_BF16) * w, 0.0)
+        sa = tl.abs(stored)
+        ca = tl.abs(cv)
+        take = (ca > sa) | ((ca != ca) & (sa == sa))
+        kept_row = tl.where(take, cand, r)
+        v = tl.where(take, cv, stored)
+        sign = tl.where(v > 0, 1.0, tl.where(v < 0, -1.0, 0.0))  # torch.sign: 0 for NaN
+        scale = tl.abs(v)
+        if SCALE_BF16:
+            sbits = _bf16_bits(scale)
+            tl.store(absmax + cols, sbits.to(tl.int16), mask=mask)
+            scale = (sbits << 16).to(tl.float32, bitcast=True)
+        else:
+            tl.store(absmax + cols, scale, mask=mask)
+        normed = tl.where(scale > 0.0, tl.div_rn(v, tl.maximum(scale, 1.17549435e-38)), 0.0)
+        normed = tl.minimum(tl.maximum(normed, -1.0), 1.0) * top
+        if FP8:
+            tl.store(codes + cols, _fp8_e4m3fn(normed).to(tl.uint8), mask=mask)
+        else:
+            tl.store(codes + cols, _rint(normed).to(tl.int8), mask=mask)
+        tl.store(rows + cols, kept_row.to(rows.dtype.element_ty), mask=mask)
+        at = kept_row * n + cols
+        _store(p, at, tl.fma(sign, alpha, _load(p, at, mask, P_BF16)), mask, P_BF16)

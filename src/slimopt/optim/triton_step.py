@@ -9,12 +9,27 @@ exactly where the fp32 moment agrees), the packing. One launch steps every tenso
 (``prepare`` makes a tensor's row of addresses, ``run`` launches a list of them; ``multi_tensor.Batch`` queues
 them during ``step()``), the kernel finding each tensor through a small device table of addresses that is copied
 once and kept while the same tensors step (``_table``). Rules: AdamW (arXiv 1711.05101; eps after or before the bias
-correction), Lion (arXiv 2302.06675), heavy-ball SGD momentum; moments fp32, bf16 (nearest), int8 or int4
-blockwise absmax (arXiv 2110.02861, 2309.01507); and the state-free sign or SGD update (FRUGAL's residual,
-arXiv 2411.07837, an inactive block, signSGD); weights fp32, or bf16 written with nearest rounding, with
-stochastic rounding (the weight's counter-based stream, ``noise.py``, hashed in the kernel) or with a Kahan
-compensation; gradients fp32 or bf16. Other moments (ternary, factored, stochastically rounded bf16) take the
-eager step.
+correction), Lion (arXiv 2302.06675), heavy-ball SGD momentum; moments fp32, bf16 (nearest, or stochastically
+rounded from the moment's own counter-based stream, ``noise.py``, hashed in the kernel), int8 or int4 blockwise
+absmax (arXiv 2110.02861, 2309.01507), ternary in every form of ``codecs.TERNARY_SPECS``, and a factored second
+moment (Adafactor, arXiv 1804.04235); and the state-free sign or SGD update (FRUGAL's residual, arXiv 2411.07837,
+an inactive block, signSGD); weights fp32, or bf16 written with nearest rounding, with stochastic rounding (the
+weight's stream) or with a Kahan compensation; gradients fp32 or bf16.
+
+Two codecs tie elements together across more than a tile of consecutive ones, and take a pass of their own:
+
+- a factored v: the rule's pass runs in a rows layout (a program 16 x 64 elements, down up to 128 rows) and
+  writes the fp64 sums of the new v along each tile row and down each tile column; ``run`` adds them up into the
+  row and column means (``codecs.FactoredCodec``'s arithmetic: fp64 sums divided, rounded to fp32);
+- a ternary m (and the block codes of m beside a factored v): the rule's pass decodes m in place and leaves it;
+  the moment pass (``triton_kernels.moment_step``) then recomputes m' from m and g with the same arithmetic (so
+  the very m' the direction used) and stores it, a ternary one in a layout of five whole blocks of trits, and
+  their bytes, a program.
+
+TACO's step at one component a column (``taco_one``: the C kernel's ``taco_one``) is four launches a weight: the
+stored rows to hide from the search, the one-candidate search (``column_best``), the weight's decay, then the
+keep, the fp8 or int8 store and the move at the kept rows. Muon and the projections' matrix products stay torch
+operations.
 
 The arithmetic is the C kernel's, which follows torch's CPU kernels operation for operation (explicit fma where
 they fuse, correctly rounded division and square root, bf16 rounding done on the bit pattern): run on CPU tensors
@@ -29,7 +44,9 @@ rate, the bias corrections, the noise keys) and the host counters advance only w
 the captured step, so a graph serves one step, not a training loop (that needs the scalars in device memory,
 as torch's capturable optimizers keep them). A kernel that fails to compile or launch (written where no
 GPU can run it) costs one warning naming it and its settings, and that setting falls back to the eager step for
-the rest of the process (``fallbacks()`` lists them). ``SLIMOPT_TRITON=0`` turns the kernels off; ``fused=False``
+the rest of the process (``fallbacks()`` lists them); where a step takes two launches, the second is compiled
+and loaded (launched on an empty grid) before the first writes anything, so a failure leaves every tensor as it
+was. ``SLIMOPT_TRITON=0`` turns the kernels off; ``fused=False``
 on a group selects the eager step everywhere.
 """
 
@@ -49,7 +66,8 @@ from . import native
 from .codecs import Bf16Codec, BlockCodec, FactoredCodec, Fp32Codec, TernaryCodec
 from .noise import CounterStream
 
-__all__ = ["available", "applies", "prepare", "run", "failed", "fallbacks", "column_best_applies", "column_best"]
+__all__ = ["available", "applies", "prepare", "run", "failed", "fallbacks", "column_best_applies", "column_best",
+           "taco_applies", "taco_one"]
 
 _K_FP32, _K_BF16, _K_INT8, _K_INT4, _K_BF16_SR, _K_TERNARY, _K_FACTORED = range(7)
 _BLOCK_KINDS = (_K_INT8, _K_INT4)
@@ -63,6 +81,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 _ROUNDINGS = {"nearest": 0, "stochastic": 1, "kahan": 2}  # W_* of the kernel: how a bf16 weight is written
 _TILE = 256  # elements a program: a power of two holding whole int8 (256) and int4 (128) blocks
 _RB, _CB, _MAX_ITERS = 16, 64, 8  # the rows layout: a program steps 16 x 64 elements, down at most 8 x 16 rows
+_SCRATCH_BYTES = 64 << 20  # what one launch may allocate (the rows layout's sums): windowed.WINDOW_BYTES
 
 _state: dict[str, Any] = {}
 _failed: dict[tuple, str] = {}  # kernel settings -> why their launch failed
@@ -322,6 +341,23 @@ def _table(launches: list[Launch]) -> Tensor:
     return table
 
 
+def _rows_geometry(shape: tuple[int, int]) -> tuple[int, int, int]:
+    """The rows layout of a (rows, cols) moment: (iterations down the rows, column tiles, row tiles)."""
+    rows, cols = shape
+    iters = min(_MAX_ITERS, _cdiv(rows, _RB))
+    return iters, _cdiv(cols, _CB), _cdiv(rows, _RB * iters)
+
+
+def batch_size(launch: Launch) -> int:
+    """How many tensors of `launch`'s key one launch may step: all, but where the rows layout's fp64 sums
+    (``run``) of that many would allocate more than WINDOW_BYTES (64 MiB; about 0.19 bytes an element a tensor)."""
+    if launch.factored is None:
+        return 1 << 30
+    rows, cols = launch.key[3]
+    _, col_tiles, row_tiles = _rows_geometry((rows, cols))
+    return max(1, _SCRATCH_BYTES // (8 * (col_tiles * rows + row_tiles * cols)))
+
+
 def run(launches: list[Launch]) -> float | None:
     """Step every tensor of `launches` (all of one ``key``) in one kernel launch, two where the first moment is
     left to the moment pass (``_layout``), and write a factored v's means from the kernel's fp64 sums. Returns
@@ -386,8 +422,7 @@ def run(launches: list[Launch]) -> float | None:
         cols, denoms, row_sums, col_sums, iters = 1, dummy, dummy, dummy, 1
         if layout == _L_ROWS:
             rows, cols = shape
-            iters = min(_MAX_ITERS, _cdiv(rows, _RB))
-            col_tiles, row_tiles = _cdiv(cols, _CB), _cdiv(rows, _RB * iters)
+            iters, col_tiles, row_tiles = _rows_geometry(shape)
             means = [x.factored[0] for x in launches]
             denoms = torch.stack([r.mean() for r in means]).clamp_min_(torch.finfo(torch.float32).tiny)
             row_sums = torch.empty((k, col_tiles, rows), dtype=torch.float64, device=device)
@@ -453,6 +488,74 @@ def column_best(g: Tensor, hidden: Tensor | None) -> tuple[Tensor, Tensor] | Non
     rows = 4294967295 - (best & 4294967295)
     absval = torch.where((key >= 0) & (key <= 0x7F800000), key.to(torch.int32).view(torch.float32), -1.0)
     return rows, absval
+
+
+def taco_applies(group: dict[str, Any], p: Tensor, grad: Tensor) -> bool:
+    """Whether TACO's whole step at taco_k 1 of the 2-D weight p runs as Triton kernels (``taco_one``): a fused
+    group, a CUDA weight (or a CPU one under the interpreter hook) of fp32 or bf16 written to nearest, a gradient
+    of fp32 or bf16, both contiguous plain tensors; the C kernel's conditions (``native.taco_applies``)."""
+    if not (group["fused"] and group["taco_k"] == 1 and p.dim() == 2 and grad.shape == p.shape):
+        return False
+    if p.dtype not in _DTYPES or grad.dtype not in _DTYPES or not _device_ok(p):
+        return False
+    if group["param_rounding"] != "nearest" and p.dtype != torch.float32:
+        return False
+    if not (type(p) in _PLAIN and type(grad) in _PLAIN and p.is_contiguous() and grad.is_contiguous()):
+        return False
+    return available() and ("taco", p.dtype, grad.dtype, p.device.type) not in _failed
+
+
+_TACO_BLOCK = 256  # columns a program of taco_columns
+_FP8_VALUES: dict[torch.device, Tensor] = {}
+
+
+def taco_one(p: Tensor, grad: Tensor, state: dict[str, Tensor], beta: float, lr: float, weight_decay: float,
+             coef: float) -> bool:
+    """``native.taco_one`` on the GPU: TACO's step at taco_k 1 (``taco.sparse_update`` then ``taco.apply_sparse``
+    at nearest rounding, the same arithmetic) as four launches, whatever the weight's width: the stored rows to
+    hide (``taco_columns``), the candidate search (``column_best``), the weight's decay (torch's), then the keep,
+    the store and the kept entries' move (``taco_columns``). Returns False (after one warning; the step then runs
+    as tensor operations, and so do later ones of this kind) where a kernel failed to compile or launch; the last
+    kernel is compiled on an empty grid before anything is written."""
+    kernels = _triton()
+    m, n = p.shape
+    rows, codes, absmax = state["taco_rows"], state["taco_values"], state["taco_absmax"]
+    fp8 = codes.dtype == torch.float8_e4m3fn
+    if p.device not in _FP8_VALUES:
+        _FP8_VALUES[p.device] = native._fp8_values().to(p.device)
+    view = (lambda t: t.view(torch.int16) if t.dtype == torch.bfloat16 else t)
+    chunks = _cdiv(m, _CHUNK)
+    hidden = torch.empty(n, dtype=torch.int64, device=p.device)
+    keys = torch.empty((chunks, n), dtype=torch.int64, device=p.device)
+    code_view = codes.view(torch.uint8) if fp8 else codes
+    kind = ("taco", p.dtype, grad.dtype, p.device.type)
+
+    def columns(keep: bool, grid: tuple[int]) -> None:
+        kernels.taco_columns[grid](
+            code_view, view(absmax), rows, _FP8_VALUES[p.device], view(grad), view(p), hidden, keys, n, chunks,
+            448.0 if fp8 else 127.0, float(beta), float(1.0 - beta), float(-lr * coef), KEEP=keep, FP8=fp8,
+            SCALE_BF16=absmax.dtype == torch.bfloat16, G_BF16=grad.dtype == torch.bfloat16,
+            P_BF16=p.dtype == torch.bfloat16, BLOCK_N=_TACO_BLOCK)
+
+    grid = (_cdiv(n, _TACO_BLOCK),)
+    try:
+        if kind not in _COMPILED:
+            columns(True, (0,))  # compiled and loaded, nothing run
+            _COMPILED.add(kind)
+        columns(False, grid)
+        kernels.column_best[(_cdiv(n, _BLOCK_N), chunks)](
+            view(grad) if grad.dtype == torch.bfloat16 else grad.view(torch.int32), hidden, keys, m, n, CHUNK=_CHUNK,
+            HAS_HIDDEN=True, G_BF16=grad.dtype == torch.bfloat16, BLOCK_N=_BLOCK_N)
+    except Exception as exc:  # nothing written but scratch
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        _failed[kind] = why
+        warnings.warn(f"slimopt: the Triton TACO step failed for a {p.dtype} weight ({why}); it runs as torch "
+                      "ops from now on", RuntimeWarning, stacklevel=3)
+        return False
+    if weight_decay != 0.0:
+        p.mul_(1.0 - lr * weight_decay)  # rules.decay, as apply_sparse decays before the entries move
+    columns(True, grid)
+    return True
 
 
 def _cdiv(a: int, b: int) -> int:
