@@ -2,9 +2,12 @@
 
 Run by tests/test_triton.py in a process of its own, with TRITON_INTERPRET=1 and SLIMOPT_TRITON_CPU=1 set before
 triton is imported (the interpreter is chosen when a kernel is defined); prints one JSON object: per case whether
-weights and every state tensor match, and how many launches ran.
+weights and every state tensor match, and how many launches ran; and under "specializations" every distinct kernel
+specialization the steps launched (argument types, constexprs, compile options), which
+tests/triton_compile_worker.py compiles for a GPU.
 """
 
+import inspect
 import io
 import json
 import os
@@ -14,6 +17,7 @@ import warnings
 assert os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("SLIMOPT_TRITON_CPU") == "1"
 
 import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 import slimopt  # noqa: E402
 from slimopt.optim import kernel_plan, multi_tensor, native, triton_step  # noqa: E402
@@ -49,6 +53,39 @@ CASES = [  # (rule, m codec, v codec, settings)
     ("adamw", "bf16_sr", "factored", dict(param_rounding="stochastic")),
 ]
 LRS = [1e-2, 6e-3, 4e-3]
+KERNELS = ("elementwise_step", "moment_step", "taco_columns", "column_best")
+_POINTEE = {torch.float32: "fp32", torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32",
+            torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8"}
+
+
+class Recorder:
+    """Stands in for a kernel: keeps each launch's argument types, constexprs and options, then runs it."""
+
+    def __init__(self, name, fn, seen):
+        self.name, self.fn, self.seen = name, fn, seen
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            params = inspect.signature(self.fn.fn).parameters  # the Python function's
+            names = list(params)
+            values = dict(zip(names, args))
+            values.update({k: v for k, v in kwargs.items() if k in names})
+            options = {k: v for k, v in kwargs.items() if k not in names}
+            signature, constexprs = {}, {}
+            for name in names:
+                value = values[name]
+                if params[name].annotation in (tl.constexpr, "tl.constexpr"):
+                    signature[name], constexprs[name] = "constexpr", value
+                elif isinstance(value, torch.Tensor):
+                    signature[name] = "*" + _POINTEE[value.dtype]
+                elif isinstance(value, int):
+                    signature[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+                else:
+                    signature[name] = "fp32"
+            spec = {"kernel": self.name, "signature": signature, "constexprs": constexprs, "options": options}
+            self.seen.setdefault(json.dumps(spec, sort_keys=True), spec)
+            self.fn[grid](*args, **kwargs)
+        return launch
 
 
 class Counting:
@@ -119,6 +156,10 @@ def main():
     warnings.simplefilter("error", RuntimeWarning)  # a kernel failure must not pass silently here
     counting = Counting()
     triton_step.run = counting  # what windowed.py and multi_tensor.py call (the module's attribute)
+    kernels = triton_step._triton()
+    specializations = {}
+    for name in KERNELS:
+        setattr(kernels, name, Recorder(name, getattr(kernels, name), specializations))
     report = {}
     for dtype in (torch.float32, torch.bfloat16):
         for rule, m, v, extra in CASES:
@@ -237,7 +278,6 @@ def main():
                                             "launches": counting.calls - before}
     # a kernel that fails to compile or launch: one warning, the eager step, and no second try
     warnings.simplefilter("default", RuntimeWarning)
-    kernels = triton_step._triton()
     real = kernels.elementwise_step
 
     class Broken:
@@ -274,6 +314,7 @@ def main():
     run(b, eager, 0, 3)
     messages = [str(w.message) for w in caught if "Triton element-wise step failed" in str(w.message)]
     report["failed moment pass"] = {**compare(a, b, broken, eager, torch.bfloat16), "warnings": len(messages)}
+    report["specializations"] = list(specializations.values())
     json.dump(report, sys.stdout)
 
 

@@ -12,10 +12,21 @@ compute the same values. Shapes in the comments: n elements of a tensor, nb bloc
 import triton
 import triton.language as tl
 
-K_FP32, K_BF16, K_INT8, K_INT4, K_BF16_SR, K_TERNARY, K_FACTORED = range(7)  # a moment's storage
-L_FLAT, L_ROWS = 0, 1  # elementwise_step's layouts: consecutive elements, or rows x columns (a factored v)
-S_ABSMAX, S_MEAN, S_RMS = 0, 1, 2  # a ternary moment's block scale
-W_NEAREST, W_STOCHASTIC, W_KAHAN = 0, 1, 2  # how a bf16 weight is written (rules.rounded)
+
+
+def _constants(count: int) -> list:
+    """0 .. count - 1 as tl.constexpr: a compiled kernel reads no other module-level value (the interpreter does,
+    so only a compile for a GPU shows the difference: tests/test_triton.py compiles the kernels for sm_90)."""
+    return [tl.constexpr(i) for i in range(count)]
+
+
+K_FP32, K_BF16, K_INT8, K_INT4, K_BF16_SR, K_TERNARY, K_FACTORED = _constants(7)  # a moment's storage
+L_FLAT, L_ROWS = _constants(2)  # elementwise_step's layouts: consecutive elements, or rows x columns (a factored v)
+S_ABSMAX, S_MEAN, S_RMS = _constants(3)  # a ternary moment's block scale
+W_NEAREST, W_STOCHASTIC, W_KAHAN = _constants(3)  # how a bf16 weight is written (rules.rounded)
+# fp32's smallest normal number, 2^-126 exactly (torch.finfo.tiny, the clamp of a zero block's scale): a literal a
+# hair below it, as 1.17549435e-38, is an fp64 constant to triton 3.6, and fp64 operands fail tl.div_rn there
+TINY = tl.constexpr(1.1754943508222875e-38)
 
 
 @triton.jit
@@ -150,7 +161,7 @@ def _encode(x, data, scale, table, offs, n, nblocks, KIND: tl.constexpr, BLOCK: 
     blocks = tl.reshape(x, (TILE // BLOCK, BLOCK))
     amax_bits = tl.max(blocks.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
     amax = amax_bits.to(tl.float32, bitcast=True)  # (TILE // BLOCK,)
-    div = tl.where(amax != amax, amax, tl.maximum(amax, 1.17549435e-38))
+    div = tl.where(amax != amax, amax, tl.maximum(amax, TINY))
     normed = tl.reshape(tl.div_rn(blocks, div[:, None]), (TILE,))
     inside = offs < nblocks * BLOCK
     code = _nearest_code(normed, table, inside)
@@ -231,7 +242,7 @@ def _encode_ternary(x, data, scale, err, table, offs, d, valid, pid, n, nblocks,
         tl.store(scale + block_index, _bf16_bits(scales).to(tl.int16), mask=in_blocks)
     else:
         tl.store(scale + block_index, scales, mask=in_blocks)
-    div = tl.where(s_each != s_each, s_each, tl.maximum(s_each, 1.17549435e-38))
+    div = tl.where(s_each != s_each, s_each, tl.maximum(s_each, TINY))
     normed = tl.div_rn(x, div)
     u = _uniform(offs + counter, key0, key1)
     power = tl.where(d == 0, 1, tl.where(d == 1, 3, tl.where(d == 2, 9, tl.where(d == 3, 27, 81))))
@@ -250,9 +261,9 @@ def _encode_ternary(x, data, scale, err, table, offs, d, valid, pid, n, nblocks,
 
 # the columns of a row of elementwise_step's tensor table
 (COL_P, COL_G, COL_M_DATA, COL_M_SCALE, COL_V_DATA, COL_V_SCALE, COL_COMP, COL_KEY0, COL_KEY1, COL_COUNTER,
- COL_M_ERR, COL_M_KEY0, COL_M_KEY1, COL_M_COUNTER, COL_V_KEY0, COL_V_KEY1, COL_V_COUNTER) = range(17)
-COLUMNS = 17
-A_FP32, A_INT16, A_UINT8 = 0, 1, 2  # what an address of the table points to
+ COL_M_ERR, COL_M_KEY0, COL_M_KEY1, COL_M_COUNTER, COL_V_KEY0, COL_V_KEY1, COL_V_COUNTER) = _constants(17)
+COLUMNS = tl.constexpr(17)
+A_FP32, A_INT16, A_UINT8 = _constants(3)  # what an address of the table points to
 
 
 @triton.jit
@@ -594,7 +605,7 @@ def taco_columns(codes, absmax, rows, fp8_values, g, p, hidden, keys, n, chunks,
             scale = (sbits << 16).to(tl.float32, bitcast=True)
         else:
             tl.store(absmax + cols, scale, mask=mask)
-        normed = tl.where(scale > 0.0, tl.div_rn(v, tl.maximum(scale, 1.17549435e-38)), 0.0)
+        normed = tl.where(scale > 0.0, tl.div_rn(v, tl.maximum(scale, TINY)), 0.0)
         normed = tl.minimum(tl.maximum(normed, -1.0), 1.0) * top
         if FP8:
             tl.store(codes + cols, _fp8_e4m3fn(normed).to(tl.uint8), mask=mask)

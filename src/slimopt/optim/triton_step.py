@@ -35,7 +35,8 @@ The arithmetic is the C kernel's, which follows torch's CPU kernels operation fo
 they fuse, correctly rounded division and square root, bf16 rounding done on the bit pattern): run on CPU tensors
 under ``TRITON_INTERPRET=1`` (how the tests run it: ``SLIMOPT_TRITON_CPU=1`` lets CPU tensors take this path) it
 equals the eager step bit for bit, as the C kernel does. On a GPU torch's own eager kernels contract other
-products into fma, so the eager CUDA step and this kernel agree within rounding; ``benchmarks/gpu_bench.sh``
+products into fma, so the eager CUDA step and this kernel agree within rounding, while the kernels, compiled
+without that contraction (``_OPTIONS``), compute the CPU reference's arithmetic; ``benchmarks/gpu_bench.sh``
 compares both with the CPU reference.
 
 The bias corrections and every other scalar come from host-side counters: a step launches kernels and reads no
@@ -82,6 +83,10 @@ _ROUNDINGS = {"nearest": 0, "stochastic": 1, "kahan": 2}  # W_* of the kernel: h
 _TILE = 256  # elements a program: a power of two holding whole int8 (256) and int4 (128) blocks
 _RB, _CB, _MAX_ITERS = 16, 64, 8  # the rows layout: a program steps 16 x 64 elements, down at most 8 x 16 rows
 _SCRATCH_BYTES = 64 << 20  # what one launch may allocate (the rows layout's sums): windowed.WINDOW_BYTES
+# Every launch's compile options: no contraction of a product and a sum into one fma but where the kernel writes
+# tl.fma (as torch's CPU kernels and the C kernel compute), so that a GPU computes what the interpreter's tests
+# check; the kernels are memory-bound, so the separate roundings cost nothing measurable.
+_OPTIONS = {"enable_fp_fusion": False}
 
 _state: dict[str, Any] = {}
 _failed: dict[tuple, str] = {}  # kernel settings -> why their launch failed
@@ -414,7 +419,7 @@ def run(launches: list[Launch]) -> float | None:
                     table, *m_map, first.n, first.blocks[0], float(w1), float(w2), float(momentum), RULE=rule_id,
                     G_BF16=g_bf16, M_KIND=m_kind, M_BLOCK=m_block,
                     M_SCALE=_SCALES[ternary.scale] if ternary is not None else 0, M_SCALE_BF16=m_scale_bf16,
-                    M_EF=ternary is not None and ternary.feedback, TILE=_TILE)
+                    M_EF=ternary is not None and ternary.feedback, TILE=_TILE, **_OPTIONS)
 
             if (settings, maps, first.n) not in _COMPILED:
                 moment((0, k))  # compiled and loaded, nothing run: a failure here writes nothing
@@ -437,7 +442,8 @@ def run(launches: list[Launch]) -> float | None:
             RULE=rule_id, P_BF16=settings[1] == torch.bfloat16, G_BF16=g_bf16, M_KIND=m_kind, V_KIND=v_kind,
             M_BLOCK=m_block, V_BLOCK=v_block, M_SCALE_BF16=m_scale_bf16, HAS_DECAY=wd != 0.0,
             EPS_BEFORE=group["eps_placement"] == "galore", DIRECTION=first.direction,
-            ROUNDING=_ROUNDINGS[rounding], LAYOUT=layout, DEFER_M=defer, TILE=_TILE, RB=_RB, CB=_CB, ITERS=iters)
+            ROUNDING=_ROUNDINGS[rounding], LAYOUT=layout, DEFER_M=defer, TILE=_TILE, RB=_RB, CB=_CB, ITERS=iters,
+            **_OPTIONS)
     except Exception as exc:  # a compile or launch failure on a device the kernel was never run on
         why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         _failed[settings] = why
@@ -476,7 +482,7 @@ def column_best(g: Tensor, hidden: Tensor | None) -> tuple[Tensor, Tensor] | Non
     try:
         kernels.column_best[(_cdiv(n, _BLOCK_N), chunks)](
             view, h, out, m, n, CHUNK=_CHUNK, HAS_HIDDEN=hidden is not None, G_BF16=g.dtype == torch.bfloat16,
-            BLOCK_N=_BLOCK_N)
+            BLOCK_N=_BLOCK_N, **_OPTIONS)
     except Exception as exc:
         why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         _failed[("column_best", g.dtype, g.device.type)] = why
@@ -535,7 +541,7 @@ def taco_one(p: Tensor, grad: Tensor, state: dict[str, Tensor], beta: float, lr:
             code_view, view(absmax), rows, _FP8_VALUES[p.device], view(grad), view(p), hidden, keys, n, chunks,
             448.0 if fp8 else 127.0, float(beta), float(1.0 - beta), float(-lr * coef), KEEP=keep, FP8=fp8,
             SCALE_BF16=absmax.dtype == torch.bfloat16, G_BF16=grad.dtype == torch.bfloat16,
-            P_BF16=p.dtype == torch.bfloat16, BLOCK_N=_TACO_BLOCK)
+            P_BF16=p.dtype == torch.bfloat16, BLOCK_N=_TACO_BLOCK, **_OPTIONS)
 
     grid = (_cdiv(n, _TACO_BLOCK),)
     try:
@@ -545,7 +551,7 @@ def taco_one(p: Tensor, grad: Tensor, state: dict[str, Tensor], beta: float, lr:
         columns(False, grid)
         kernels.column_best[(_cdiv(n, _BLOCK_N), chunks)](
             view(grad) if grad.dtype == torch.bfloat16 else grad.view(torch.int32), hidden, keys, m, n, CHUNK=_CHUNK,
-            HAS_HIDDEN=True, G_BF16=grad.dtype == torch.bfloat16, BLOCK_N=_BLOCK_N)
+            HAS_HIDDEN=True, G_BF16=grad.dtype == torch.bfloat16, BLOCK_N=_BLOCK_N, **_OPTIONS)
     except Exception as exc:  # nothing written but scratch
         why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         _failed[kind] = why
