@@ -206,8 +206,8 @@ def _ternary_sr(x, u):
 def _encode_ternary(x, data, scale, err, table, offs, d, valid, pid, n, nblocks, key0, key1, counter,
                     BLOCK: tl.constexpr, SCALE_KIND: tl.constexpr, SCALE_BF16: tl.constexpr, EF: tl.constexpr):
     """TernaryCodec.encode of one tile of the byte layout: x (BLOCK, 8) fp32, element offs = 5 (BLOCK pid + i) + d
-    (d: (1, 8), each slot's digit) for d < 5 (valid: d < 5 and inside the padded moment; x zero beyond the tensor), i.e. five whole blocks and
-    BLOCK whole bytes. The block scale (absmax as an integer max; mean of |x| or rms in fp64, over the block's own
+    (d: (1, 8), each slot's digit) for d < 5 (valid: d < 5 and inside the padded moment; x zero beyond the
+    tensor), i.e. five whole blocks and BLOCK whole bytes. The block scale (absmax as an integer max; mean of |x| or rms in fp64, over the block's own
     values, as quant.block_absmean / block_rms; rounded to bf16 where stored so), x / scale, stochastic rounding
     with the moment's stream (ternary_sr*), or the nearest trit and twice the residual rounded stochastically
     to a trit (EF; x already holds the carried residual); bytes of five trits (digits beyond the padded moment 0)."""
