@@ -13,12 +13,13 @@ way the general path sets them (``native.set_scalars``; ``triton_step.run`` read
 kernel, or queues the launch. Anything else, or anything changed, takes the general path, which plans again.
 
 Planned: a full-space element-wise step (rule adamw, lion or sgdm, no projector) of a contiguous weight whose
-moments the kernel reads and writes in place (fp32, bf16, int8, int4, ternary, factored), the weight written to
-nearest, with a Kahan compensation or (on a CPU) stochastically; and an orthonormal projector's step between
-refreshes without a residual (GaLore: ``ProjectedPlan`` on a CPU, ``ProjectedLaunchPlan`` on CUDA; the matrix
-products run every step, the kernels' arguments are kept). Not planned (the general path every step): moments
-stepped through an fp32 buffer (stochastically rounded bf16), projected steps with a residual (FRUGAL's svd or
-random projections), coordinate projectors, blocks, TACO and Muon.
+moments the kernel reads and writes in place (fp32, bf16, int8, int4, ternary, factored; on CUDA stochastically
+rounded bf16 too), the weight written to nearest, with a Kahan compensation or stochastically (each run sets the
+step's random streams); and an orthonormal projector's step between refreshes without a residual (GaLore:
+``ProjectedPlan`` on a CPU, ``ProjectedLaunchPlan`` on CUDA; the matrix products run every step, the kernels'
+arguments are kept). Not planned (the general path every step): moments stepped through an fp32 buffer on a CPU
+(stochastically rounded bf16), projected steps with a residual (FRUGAL's svd or random projections), coordinate
+projectors, blocks, TACO and Muon.
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ class CpuPlan(Plan):
 
 
 class LaunchPlan(Plan):
-    """A Triton launch's part for the weight (``triton_step.Launch``) but the gradient's address and the age."""
+    """A Triton launch's part for the weight (``triton_step.Launch``) but the gradient's address, the age and,
+    where a moment or the weight rounds stochastically, the step's random streams."""
 
     replays = True
 
@@ -123,6 +125,7 @@ class LaunchPlan(Plan):
         super().__init__(group, p, grad, refs)
         self.launch, self.codecs, self.comp = launch, codecs, comp
         self.rounding = rounding_of(group, p)
+        self.needs_stream = self.rounding == "stochastic" or any(c.needs_generator for _, c in codecs)
 
     def matches(self, p, grad, group, state) -> bool:
         # a launch of these settings that failed sends the weight to the eager step, as triton_step.applies does
@@ -131,11 +134,16 @@ class LaunchPlan(Plan):
 
     def run(self, p, grad, state, group, age, batch, stream=None) -> None:
         codecs, rounding, comp = self.codecs, self.rounding, self.comp
+        stream = stream if self.needs_stream else _no_stream
 
         def eager() -> None:
-            windowed.in_windows(p, grad, state, group, codecs, age, _no_stream, rounding, comp)
+            windowed.in_windows(p, grad, state, group, codecs, age, stream, rounding, comp)
 
-        batch.launch(_relaunch(self.launch, group, codecs, age, grad.data_ptr()), eager)
+        launch = _relaunch(self.launch, group, codecs, age, grad.data_ptr())
+        if self.needs_stream:
+            launch.row = triton_step.with_streams(launch.row, stream(PARAM_STREAM, 0) if rounding == "stochastic"
+                                                  else None, windowed.moment_streams(codecs, stream))
+        batch.launch(launch, eager)
 
 
 def _relaunch(x: Any, group: dict[str, Any], codecs: list, age: int, grad: int, param: int | None = None) -> Any:
@@ -267,9 +275,10 @@ def build(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, An
     # every state tensor, checked by identity and address before each replay (the kernel points into them)
     refs = [(k, t, t.data_ptr()) for k, t in state.items()]
     if triton_step.applies(group, p, grad, codecs):  # as windowed.step chooses
-        if rounding == "stochastic" or any(c.needs_generator for _, c in codecs):
-            return unplanned  # the streams' keys, new every step, are in the launch's row of addresses
-        launch = triton_step.prepare(p, grad, state, group, codecs, 1, comp=comp)
+        # stand-in streams where the weight or a moment rounds stochastically: every run sets the step's own
+        launch = triton_step.prepare(p, grad, state, group, codecs, 1, comp=comp,
+                                     gen=_any_stream(PARAM_STREAM, 0) if rounding == "stochastic" else None,
+                                     streams=windowed.moment_streams(codecs, _any_stream))
         return LaunchPlan(group, p, grad, refs, launch, codecs, comp)
     if not native.applies(group, p, grad, codecs) or not all(native.in_kernel(c) for _, c in codecs):
         return unplanned

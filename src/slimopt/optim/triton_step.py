@@ -297,13 +297,9 @@ def prepare(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, 
     m = moments[0] if moments else (none, none, 0, none)
     v = moments[1] if len(moments) > 1 else m
 
-    def words(s: CounterStream | None) -> tuple[int, int, int]:
-        return (*s.key_words, s.offset) if s is not None else (0, 0, 0)
-
-    m_words = words(streams[0]) if streams else (0, 0, 0)
-    v_words = words(streams[1]) if len(streams) > 1 else (0, 0, 0)
-    row = (p.data_ptr(), grad.data_ptr(), m[0], m[1], v[0], v[1],
-           comp.data_ptr() if rounding == "kahan" else none, *words(gen), m[3], *m_words, *v_words)
+    row = with_streams((p.data_ptr(), grad.data_ptr(), m[0], m[1], v[0], v[1],
+                        comp.data_ptr() if rounding == "kahan" else none) + (0,) * 3 + (m[3],) + (0,) * 6,
+                       gen, streams)
     factored = None
     if len(kinds) > 1 and kinds[1] == _K_FACTORED:
         vkey = codecs[1][0]
@@ -312,6 +308,18 @@ def prepare(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, 
     shape = tuple(p.shape) if factored is not None else p.numel()  # the rows layout: rows and columns
     key = (id(group), _settings(group, p, grad, codecs), maps, shape, age, direction, rounding)
     return Launch(group, codecs, age, direction, p.numel(), (m[2], v[2]), row, key, p.device, factored)
+
+
+def _words(s: CounterStream | None) -> tuple[int, int, int]:
+    return (*s.key_words, s.offset) if s is not None else (0, 0, 0)
+
+
+def with_streams(row: tuple, gen: CounterStream | None, streams: list[CounterStream | None]) -> tuple:
+    """A launch's row of addresses with this step's random streams in it (keyed by the step): the weight's
+    stochastic rounding (gen) and each moment's (streams; None where a codec draws nothing)."""
+    m = _words(streams[0]) if streams else (0, 0, 0)
+    v = _words(streams[1]) if len(streams) > 1 else (0, 0, 0)
+    return row[:7] + _words(gen) + row[10:11] + m + v
 
 
 _ROWS: "OrderedDict[tuple, tuple[Tensor, Tensor]]" = OrderedDict()  # recent tables (device, host), by contents
