@@ -278,7 +278,6 @@ def main():
                                             "launches": counting.calls - before}
     # a kernel that fails to compile or launch: one warning, the eager step, and no second try
     warnings.simplefilter("default", RuntimeWarning)
-    real = kernels.elementwise_step
 
     class Broken:
         def __getitem__(self, grid):
@@ -286,34 +285,29 @@ def main():
                 raise RuntimeError("PTX assembly failed (a test's stand-in)")
             return launch
 
-    kernels.elementwise_step = Broken()
-    kw = settings("adamw", "int8", "int8", {})
-    a, b = params(torch.float32), params(torch.float32)
-    broken, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        run(a, broken, 0, 3)
-    kernels.elementwise_step = real
-    run(b, eager, 0, 3)
-    messages = [str(w.message) for w in caught if "Triton element-wise step failed" in str(w.message)]
-    report["failed kernel"] = {**compare(a, b, broken, eager, torch.float32), "warnings": len(messages),
+    def broken_run(name, kw, dtype):
+        """Three steps with kernel `name` failing at every launch, against the eager step; the warnings it cost."""
+        real = getattr(kernels, name)
+        setattr(kernels, name, Broken())
+        a, b = params(dtype), params(dtype)
+        broken, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run(a, broken, 0, 3)
+        setattr(kernels, name, real)
+        run(b, eager, 0, 3)
+        messages = [str(w.message) for w in caught if "Triton element-wise step failed" in str(w.message)]
+        return compare(a, b, broken, eager, dtype), messages
+
+    result, messages = broken_run("elementwise_step", settings("adamw", "int8", "int8", {}), torch.float32)
+    report["failed kernel"] = {**result, "warnings": len(messages),
                                "names_kernel": bool(messages) and "PTX assembly failed" in messages[0],
                                "fallbacks": len(triton_step.fallbacks())}
     # a second pass (the moment pass) that fails to compile: compiled before the first pass writes anything, so
     # the tensors are as they were and step eagerly
-    real = kernels.moment_step
-    kernels.moment_step = Broken()
     triton_step._COMPILED.clear()  # as in a process that has not compiled these settings yet
-    kw = settings("adamw", "ternary", "factored", {})
-    a, b = params(torch.bfloat16), params(torch.bfloat16)
-    broken, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        run(a, broken, 0, 3)
-    kernels.moment_step = real
-    run(b, eager, 0, 3)
-    messages = [str(w.message) for w in caught if "Triton element-wise step failed" in str(w.message)]
-    report["failed moment pass"] = {**compare(a, b, broken, eager, torch.bfloat16), "warnings": len(messages)}
+    result, messages = broken_run("moment_step", settings("adamw", "ternary", "factored", {}), torch.bfloat16)
+    report["failed moment pass"] = {**result, "warnings": len(messages)}
     report["specializations"] = list(specializations.values())
     json.dump(report, sys.stdout)
 

@@ -292,7 +292,8 @@ def _moment_address(row, col, KIND: tl.constexpr):
 
 @triton.jit
 def _scale_address(row, col, BF16: tl.constexpr):
-    """The address of a moment's block scales (K_FACTORED: its column means): fp32, or bf16 as int16."""
+    """The address of fp32 values, or of bf16 ones as int16 (BF16): a moment's block scales (K_FACTORED: its
+    column means), a gradient."""
     if BF16:
         return _address(row, col, A_INT16)
     else:
@@ -314,10 +315,7 @@ def _tile(row, m_qmap, m_table, v_qmap, v_table, offs, mask, n, m_nblocks, v_nbl
         p = _address(row, COL_P, A_INT16)
     else:
         p = _address(row, COL_P, A_FP32)
-    if G_BF16:
-        g = _address(row, COL_G, A_INT16)
-    else:
-        g = _address(row, COL_G, A_FP32)
+    g = _scale_address(row, COL_G, G_BF16)
     m_data = _moment_address(row, COL_M_DATA, M_KIND)
     m_scale = _scale_address(row, COL_M_SCALE, M_SCALE_BF16)
     v_data = _moment_address(row, COL_V_DATA, V_KIND)
@@ -458,10 +456,7 @@ def moment_step(tab, m_qmap, m_table, n, m_nblocks, w1, w2, momentum,
     int4 codes in the flat one (TILE elements). grid (tiles, k); tab as elementwise_step's."""
     pid = tl.program_id(0)
     row = tab + tl.program_id(1).to(tl.int64) * COLUMNS
-    if G_BF16:
-        g = _address(row, COL_G, A_INT16)
-    else:
-        g = _address(row, COL_G, A_FP32)
+    g = _scale_address(row, COL_G, G_BF16)
     m_data = _moment_address(row, COL_M_DATA, M_KIND)
     m_scale = _scale_address(row, COL_M_SCALE, M_SCALE_BF16)
     if M_KIND == K_TERNARY:
