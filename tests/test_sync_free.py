@@ -1,0 +1,59 @@
+"""A CUDA step makes the host wait for nothing between subspace refreshes, asked without a GPU: CPU tensors take the
+CUDA route with the Triton launches stubbed out, and every operation that would synchronize a CUDA device is
+recorded (tests/sync_free_worker.py, in a process of its own). On a GPU, benchmarks/gpu_step_checks.py asks the same
+under torch.cuda.set_sync_debug_mode("error")."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import slimopt
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# the subspace methods whose refresh is a decomposition: its finite checks keep the previous subspace when a
+# gradient or the decomposition is not finite, which needs the answer on the host
+DECOMPOSING = {"galore", "galore_rsvd", "galore8bit", "galore kahan"}
+
+
+@pytest.fixture(scope="module")
+def report():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (pip install triton)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "SLIMOPT_TRITON_CPU": "1", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, os.path.join(HERE, "sync_free_worker.py")], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_the_trap_sees_each_way_of_reading_a_device_value(report):
+    found = " | ".join(report["control"])
+    for why in ("reads a value on the host", "index.Tensor with a boolean mask", "index_put_", "Tensor.tolist()"):
+        assert why in found, (why, found)
+
+
+def test_every_method_took_the_cuda_route(report):
+    methods = [m for m in report if m != "control"]
+    assert set(slimopt.methods()) <= set(methods)
+    for method in methods:  # every method steps at least its embeddings, norms and head through the kernel
+        assert report[method]["launches between refreshes"] > 0, method
+
+
+def test_no_step_between_refreshes_synchronizes(report):
+    for method, r in report.items():
+        if method != "control":
+            assert r["between refreshes"] == [], (method, r["between refreshes"])
+
+
+def test_a_refresh_synchronizes_only_in_a_decomposition_s_finite_checks(report):
+    for method, r in report.items():
+        if method == "control":
+            continue
+        if method in DECOMPOSING:
+            assert r["refresh"] and all(" _refresh" in x for x in r["refresh"]), (method, r["refresh"])
+        else:  # random bases, coordinates, blocks: drawn from the stream without looking at the gradient
+            assert r["refresh"] == [], (method, r["refresh"])
