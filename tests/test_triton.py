@@ -108,11 +108,15 @@ def test_taco_steps_equal_the_tensor_operations(report):
     for dtype in ("float32", "bfloat16"):
         for name in ("taco k=1", "taco k=1 int8"):  # fp8 and int8 values: the whole step as kernels
             r = report[f"{name} {dtype}"]
-            assert r["whole steps"] == 3 and r["searches"] == 0, (name, dtype, r)
-            # the 2-D weight and its history bit for bit (no square root on the way); the 1-D ones take AdamW
+            # each step: the two 24 x 300 weights in one set of launches, the 300 x 24 one in another
+            assert r["runs"] == 3 * 2 and r["stepped"] == 3 * 3 and r["searches"] == 0, (name, dtype, r)
+            # the 2-D weights and their history bit for bit (no square root on the way); the 1-D ones take AdamW
             assert r["2-D exact"] and r["weights"] and r["state"], (name, dtype, r)
         r = report[f"taco k=0 {dtype}"]  # no history: the search as a kernel, the rest tensor operations
-        assert r["searches"] == 3 and r["whole steps"] == 0 and r["2-D exact"] and r["weights"], (dtype, r)
+        assert r["searches"] == 3 * 3 and r["runs"] == 0 and r["2-D exact"] and r["weights"], (dtype, r)
+    # at most the scratch budget a set of launches (here under one weight's): each weight alone, the same results
+    r = report["taco k=1 split bfloat16"]
+    assert r["runs"] == 3 * 3 and r["stepped"] == 3 * 3 and r["2-D exact"], r
 
 
 def test_a_checkpoint_switches_path_at_resume(report):

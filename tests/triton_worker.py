@@ -20,7 +20,7 @@ import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import slimopt  # noqa: E402
-from slimopt.optim import kernel_plan, multi_tensor, native, triton_step  # noqa: E402
+from slimopt.optim import kernel_plan, multi_tensor, native, triton_step, triton_taco  # noqa: E402
 
 # 2-D with partial last blocks (the kernel), 1-D and small (fp32 moments: the kernel for bf16 weights, torch's fused
 # AdamW for fp32 ones, whose v may differ by an ulp from the eager step's)
@@ -219,39 +219,51 @@ def main():
             **compare(a, b, fast, eager, dtype), "launches": counting.calls - before,
             "tensors": counting.tensors - tensors}
     triton_step._SCRATCH_BYTES = budget
-    # TACO at taco_k 1: its whole step as Triton kernels (taco_one); at k = 0 the one-candidate search as a Triton
-    # kernel (column_best) and the rest tensor operations; against the eager step's torch search. Gradients
-    # rounded to a few levels so that ties across the row chunks are common
-    counts = {"search": 0, "taco": 0}
-    search, whole = triton_step.column_best, triton_step.taco_one
+    # TACO at taco_k 1: its whole step as Triton kernels (triton_taco), every weight of one shape in the same
+    # launches; at k = 0 the one-candidate search as a Triton kernel (column_best) and the rest tensor operations;
+    # against the eager step's torch search. Two 2-D weights of one shape (rows stored as uint8) and one of
+    # another (300 rows: int16, five row chunks of the search); gradients rounded to a few levels so that ties
+    # across the row chunks are common. With a scratch budget under one weight's, each weight launches alone
+    counts = {"search": 0, "runs": 0, "stepped": 0}
+    search, whole = triton_taco.column_best, triton_taco.run
 
     def counted_search(*args):
         counts["search"] += 1
         return search(*args)
 
-    def counted_whole(*args):
-        counts["taco"] += 1
-        return whole(*args)
+    def counted_whole(launches):
+        counts["runs"] += 1
+        counts["stepped"] += len(launches)
+        return whole(launches)
 
-    triton_step.column_best, triton_step.taco_one = counted_search, counted_whole
-    for dtype in (torch.float32, torch.bfloat16):
-        for k, extra in ((1, {}), (1, dict(taco_format="int8", taco_scale_dtype="fp32")), (0, {})):
-            kw = dict(lr=1e-2, weight_decay=0.1, rule="taco", taco_k=k, **extra)
-            a, b = params(dtype), params(dtype)
-            fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
-            before = dict(counts)
-            for t in range(3):
-                gen = torch.Generator().manual_seed(200 + t)
-                for pa, pb in zip(a, b):
-                    g = torch.randint(-4, 5, pa.shape, generator=gen).to(dtype)
-                    pa.grad, pb.grad = g.clone(), g.clone()
-                fast.step()
-                eager.step()
-            two_d = torch.equal(a[0], b[0]) and all(torch.equal(fast.state[a[0]][key], eager.state[b[0]][key])
-                                                    for key in eager.state[b[0]])
-            name = f"taco k={k}{' int8' if extra else ''} {str(dtype)[6:]}"
-            report[name] = {**compare(a, b, fast, eager, dtype), "searches": counts["search"] - before["search"],
-                            "whole steps": counts["taco"] - before["taco"], "2-D exact": two_d}
+    triton_taco.column_best, triton_taco.run = counted_search, counted_whole
+    taco_shapes = [(24, 300), (300, 24), (24, 300), (3000,), (30,)]
+    for dtype, k, extra, split in ((torch.float32, 1, {}, False), (torch.bfloat16, 1, {}, False),
+                                   (torch.float32, 1, dict(taco_format="int8", taco_scale_dtype="fp32"), False),
+                                   (torch.bfloat16, 1, dict(taco_format="int8", taco_scale_dtype="fp32"), False),
+                                   (torch.bfloat16, 1, {}, True), (torch.float32, 0, {}, False),
+                                   (torch.bfloat16, 0, {}, False)):
+        triton_step._SCRATCH_BYTES = 1 if split else budget
+        kw = dict(lr=1e-2, weight_decay=0.1, rule="taco", taco_k=k, **extra)
+        gen = torch.Generator().manual_seed(3)
+        a = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in taco_shapes]
+        b = [torch.nn.Parameter(x.detach().clone()) for x in a]
+        fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
+        before = dict(counts)
+        for t in range(3):
+            gen = torch.Generator().manual_seed(200 + t)
+            for pa, pb in zip(a, b):
+                g = torch.randint(-4, 5, pa.shape, generator=gen).to(dtype)
+                pa.grad, pb.grad = g.clone(), g.clone()
+            fast.step()
+            eager.step()
+        two_d = all(torch.equal(x, y) and all(torch.equal(fast.state[x][key], eager.state[y][key])
+                                              for key in eager.state[y]) for x, y in zip(a, b) if x.dim() == 2)
+        name = f"taco k={k}{' int8' if extra else ''}{' split' if split else ''} {str(dtype)[6:]}"
+        report[name] = {**compare(a, b, fast, eager, dtype), "searches": counts["search"] - before["search"],
+                        "runs": counts["runs"] - before["runs"], "stepped": counts["stepped"] - before["stepped"],
+                        "2-D exact": two_d}
+    triton_step._SCRATCH_BYTES = budget
     # a checkpoint written by the Triton path resumes on the eager one (and back) with the same results
     kw = settings("adamw", "int8", "int4", {})
     a, b = params(torch.bfloat16), params(torch.bfloat16)

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from . import native, triton_step
+from . import native, triton_step, triton_taco
 from .codecs import Bf16Codec, Fp32Codec
 from .rules import decay_factor
 
@@ -132,16 +132,19 @@ class Batch:
         grads.append(grad)
 
     def launch(self, launch: Any, eager: Callable[[], None]) -> None:
-        """Queue a tensor's Triton step (``triton_step.prepare``), to run in one launch with the others of its key;
-        eager: its step without the kernel, run instead where the launch fails."""
+        """Queue a tensor's Triton step (``triton_step.prepare``, or ``triton_taco.prepare``), to run in one launch
+        with the others of its key; eager: its step without the kernel, run instead where the launch fails."""
         self._launches[launch.key].append((launch, eager))
 
     def run(self) -> None:
         """Step everything queued, then forget it."""
         for queued in self._launches.values():
-            size = triton_step.batch_size(queued[0][0])  # what one launch may allocate bounds its tensors
+            # the element-wise step's launches, or TACO's (triton_taco.py)
+            kernels = triton_taco if isinstance(queued[0][0], triton_taco.Launch) else triton_step
+            size = kernels.batch_size(queued[0][0])  # what one launch may allocate bounds its tensors
             for part in (queued[i:i + size] for i in range(0, len(queued), size)):
-                if triton_step.run([launch for launch, _ in part]) is None:
+                ok = kernels.run([launch for launch, _ in part])  # None (False for TACO's) where it failed
+                if ok is None or ok is False:
                     for _, eager in part:
                         eager()
         for (gid, _), (params, grads, exp_avgs, exp_avg_sqs, steps) in self._adamw.items():

@@ -384,7 +384,7 @@ class SlimOptimizer(torch.optim.Optimizer):
             return
         if layout == "none" and group["fused"] and taco.owns(group, p.shape) and grad.shape == p.shape:
             # one entry a column to write, not a dense pass; the gradient read in row windows
-            if taco.one_pass_step(p, grad, state, group):
+            if taco.one_pass_step(p, grad, state, group, self._batch):
                 return
             rows, signs, c = taco.sparse_update(state, grad, group, p.shape)
             rounding = rounding_of(group, p)

@@ -71,7 +71,7 @@ import torch
 from torch import Tensor
 
 from . import native
-from . import triton_step
+from . import triton_taco
 from .noise import CounterStream
 from .rules import decay, rounded, rounding_of, value_of, write
 from .windowed import ROUNDING_SCRATCH, window_elems
@@ -371,8 +371,8 @@ def _one_pass_best(g: Tensor, hidden: Tensor | None, group: Mapping[str, Any]) -
         return None
     if native.column_best_applies(group, g.dtype, g.device.type):
         return native.column_best(g, hidden)
-    if triton_step.column_best_applies(group, g):
-        return triton_step.column_best(g, hidden)
+    if triton_taco.column_best_applies(group, g):
+        return triton_taco.column_best(g, hidden)
     return None
 
 
@@ -418,13 +418,16 @@ def _window_best(g: Tensor, r0: int, r1: int, rows: Tensor, live: Tensor, kc: in
     return cand + r0, cand_abs
 
 
-def one_pass_step(p: Tensor, grad: Tensor, state: MutableMapping[str, Tensor], group: Mapping[str, Any]) -> bool:
+def one_pass_step(p: Tensor, grad: Tensor, state: MutableMapping[str, Tensor], group: Mapping[str, Any],
+                  batch: Any = None) -> bool:
     """``sparse_update`` then ``apply_sparse`` of a (m, n) weight in the C kernel where it applies (a fused CPU
     group at taco_k 1, the weight written to nearest: ``native.taco_applies``), or as Triton kernels on a CUDA
-    weight (``triton_step.taco_applies``): one pass over the gradient, one over the weight, the same arithmetic.
+    weight (``triton_taco.applies``): one pass over the gradient, one over the weight, the same arithmetic. On
+    CUDA the step is queued in `batch` (a ``multi_tensor.Batch``), to run with the other weights of its shape at
+    the end of ``step()`` (the tensor operations where the kernels fail); without a batch it runs now.
     Returns False where neither applies (or a Triton kernel failed: the caller runs the tensor operations)."""
     on_cpu = native.taco_applies(group, p, grad)
-    if not on_cpu and not triton_step.taco_applies(group, p, grad):
+    if not on_cpu and not triton_taco.applies(group, p, grad):
         return False
     m, n = p.shape
     if "taco_rows" not in state or state["taco_rows"].shape != (1, n):
@@ -434,7 +437,16 @@ def one_pass_step(p: Tensor, grad: Tensor, state: MutableMapping[str, Tensor], g
     c = float(group["taco_alpha"]) * dimension_factor(p.shape, group["taco_norm"])
     lr, wd = float(group["lr"]), float(group["weight_decay"])
     if not on_cpu:  # the same step as Triton kernels (a CUDA weight)
-        return triton_step.taco_one(p, grad, state, float(group["taco_decay"]), lr, wd, c)
+        launch = triton_taco.prepare(p, grad, state, float(group["taco_decay"]), lr, wd, c, group)
+        if batch is None:
+            return triton_taco.run([launch])
+
+        def tensor_ops() -> None:
+            rows, signs, coef = sparse_update(state, grad, group, p.shape)
+            apply_sparse(p, rows, signs, coef, group)
+
+        batch.launch(launch, tensor_ops)
+        return True
     kept = native.taco_one(p, grad, state, float(group["taco_decay"]), lr, wd, c)
     if kept is not None:  # a NaN kept value: stored and applied as the tensor operations do
         rows, values = kept

@@ -263,7 +263,7 @@ def _encode_ternary(x, data, scale, err, table, offs, d, valid, pid, n, nblocks,
 (COL_P, COL_G, COL_M_DATA, COL_M_SCALE, COL_V_DATA, COL_V_SCALE, COL_COMP, COL_KEY0, COL_KEY1, COL_COUNTER,
  COL_M_ERR, COL_M_KEY0, COL_M_KEY1, COL_M_COUNTER, COL_V_KEY0, COL_V_KEY1, COL_V_COUNTER) = _constants(17)
 COLUMNS = tl.constexpr(17)
-A_FP32, A_INT16, A_UINT8 = _constants(3)  # what an address of the table points to
+A_FP32, A_INT16, A_UINT8, A_INT8, A_INT32, A_INT64 = _constants(6)  # what an address of a table points to
 
 
 @triton.jit
@@ -274,8 +274,14 @@ def _address(row, col, POINTS_TO: tl.constexpr):
         return a.to(tl.pointer_type(tl.float32))
     elif POINTS_TO == A_INT16:
         return a.to(tl.pointer_type(tl.int16))
-    else:
+    elif POINTS_TO == A_UINT8:
         return a.to(tl.pointer_type(tl.uint8))
+    elif POINTS_TO == A_INT8:
+        return a.to(tl.pointer_type(tl.int8))
+    elif POINTS_TO == A_INT32:
+        return a.to(tl.pointer_type(tl.int32))
+    else:
+        return a.to(tl.pointer_type(tl.int64))
 
 
 @triton.jit
@@ -490,21 +496,34 @@ def moment_step(tab, m_qmap, m_table, n, m_nblocks, w1, w2, momentum,
         _encode(m, m_data, m_scale, m_table, offs, n, m_nblocks, M_KIND, M_BLOCK, TILE)
 
 
+# TACO's table: a row a weight of one shape, the addresses of its gradient g (m, n) row-major (fp32, or bf16 as
+# int16), its weight p (m, n) (likewise), its stored component's codes (n,) (float8_e4m3fn codes as uint8, or int8),
+# their scales (n,) (fp32, or bf16 as int16) and rows (n,) (uint8, int16, int32 or int64: ROWS, an A_*)
+T_G, T_P, T_CODES, T_ABSMAX, T_ROWS = _constants(5)
+TACO_COLUMNS = tl.constexpr(5)
+
+
 @triton.jit
-def column_best(g, hidden, out, m, n, CHUNK: tl.constexpr, HAS_HIDDEN: tl.constexpr, G_BF16: tl.constexpr,
-                BLOCK_N: tl.constexpr):
+def column_best(tab, hidden, out, m, n, chunks, CHUNK: tl.constexpr, HAS_HIDDEN: tl.constexpr,
+                G_BF16: tl.constexpr, BLOCK_N: tl.constexpr):
     """TACO's one-candidate search, rows [CHUNK * pid1, CHUNK * (pid1 + 1)) of columns [BLOCK_N * pid0, ...) of
-    g (m, n) row-major (fp32 as int32, or bf16 as int16): the largest |g| of each column among the rows not hidden
-    (hidden: (n,) int64, -1 for none), as the key (|g|'s bit pattern, every NaN the canonical one above +inf, -1
-    for a hidden entry) << 32 | (2^32 - 1 - row), so that the largest key over all chunks is the largest |g| and,
-    on ties, the smallest row (the first maximum, as torch's argmax). out: (chunks, n) int64."""
+    the gradient of weight t = pid2 of the table (tab: (k, TACO_COLUMNS) int64, only T_G read): the largest |g|
+    of each column among the rows not hidden (hidden: (k, n) int64, -1 for none), as the key (|g|'s bit pattern,
+    every NaN the canonical one above +inf, -1 for a hidden entry) << 32 | (2^32 - 1 - row), so that the largest
+    key over all chunks is the largest |g| and, on ties, the smallest row (the first maximum, as torch's argmax).
+    out: (k, chunks, n) int64. Grid (cdiv(n, BLOCK_N), chunks, k)."""
     pid0 = tl.program_id(0)
     pid1 = tl.program_id(1)
+    t = tl.program_id(2).to(tl.int64)
+    if G_BF16:
+        g = _address(tab + t * TACO_COLUMNS, T_G, A_INT16)
+    else:
+        g = _address(tab + t * TACO_COLUMNS, T_G, A_INT32)
     cols = pid0 * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < n
     hid = tl.full((BLOCK_N,), -1, tl.int64)
     if HAS_HIDDEN:
-        hid = tl.load(hidden + cols, mask=cmask, other=-1)
+        hid = tl.load(hidden + t * n + cols, mask=cmask, other=-1)
     best = tl.full((BLOCK_N,), -1, tl.int64) * 4294967296 - 1  # below every entry, hidden ones included
     r0 = pid1 * CHUNK
     for i in range(0, CHUNK):
@@ -519,7 +538,7 @@ def column_best(g, hidden, out, m, n, CHUNK: tl.constexpr, HAS_HIDDEN: tl.conste
         k = tl.where(hid == r, -1, k)
         key = k * 4294967296 + (4294967295 - r)
         best = tl.where(rmask & (key > best), key, best)
-    tl.store(out + pid1.to(tl.int64) * n + cols, best, mask=cmask)
+    tl.store(out + (t * chunks + pid1) * n + cols, best, mask=cmask)
 
 
 @triton.jit
@@ -559,20 +578,31 @@ def _fp8_e4m3fn(x):
 
 
 @triton.jit
-def taco_columns(codes, absmax, rows, fp8_values, g, p, hidden, keys, n, chunks, top, beta, w, alpha,
-                 KEEP: tl.constexpr, FP8: tl.constexpr, SCALE_BF16: tl.constexpr, G_BF16: tl.constexpr,
-                 P_BF16: tl.constexpr, BLOCK_N: tl.constexpr):
+def taco_columns(tab, fp8_values, hidden, keys, n, chunks, top, beta, w, alpha, KEEP: tl.constexpr,
+                 FP8: tl.constexpr, SCALE_BF16: tl.constexpr, G_BF16: tl.constexpr, P_BF16: tl.constexpr,
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     """TACO's per-column work at taco_k 1 (taco.sparse_update then apply_sparse's entries, nearest rounding),
-    BLOCK_N columns a program: grid (cdiv(n, BLOCK_N),).
+    BLOCK_N columns of weight t = pid1 of the table a program: grid (cdiv(n, BLOCK_N), k).
 
-    codes: (n,) uint8 (float8_e4m3fn codes, FP8; fp8_values (256,) fp32 their values) or int8; absmax: (n,) fp32,
-    or bf16 as int16; rows: (n,) uint8 / int16 / int32 / int64; g, p: (m, n) row-major, fp32 or bf16 as int16.
-    KEEP False: hidden (n,) int64 <- the stored row of each live column, else -1 (what ``column_best`` leaves out).
-    KEEP True, after ``column_best`` wrote keys (chunks, n) int64 and the weight was decayed: the best candidate
+    tab: (k, TACO_COLUMNS) int64 (T_*); fp8_values (256,) fp32: the values of float8_e4m3fn codes (FP8).
+    KEEP False: hidden (k, n) int64 <- the stored row of each live column, else -1 (what ``column_best`` leaves out).
+    KEEP True, after ``column_best`` wrote keys (k, chunks, n) int64 and the weight was decayed: the best candidate
     (the largest key over the chunks; a NaN |g| is no valid candidate), its value (1 - beta) g, the larger |value|
     of stored and candidate kept (the stored one on ties, a NaN candidate over a stored number), its sign the
     direction, the kept component stored (|value| the scale, rounded as stored; value / scale * top as a code),
     and p[row, c] moved by alpha sign (alpha = -lr c) in fp32, rounded once."""
+    t = tl.program_id(1).to(tl.int64)
+    row = tab + t * TACO_COLUMNS
+    g = _scale_address(row, T_G, G_BF16)
+    p = _scale_address(row, T_P, P_BF16)
+    absmax = _scale_address(row, T_ABSMAX, SCALE_BF16)
+    rows = _address(row, T_ROWS, ROWS)
+    if FP8:
+        codes = _address(row, T_CODES, A_UINT8)
+    else:
+        codes = _address(row, T_CODES, A_INT8)
+    hidden = hidden + t * n
+    keys = keys + t * chunks * n
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < n
     r, live, stored = _taco_stored(codes, absmax, rows, fp8_values, g, cols, mask, n, top, beta, w, FP8,

@@ -26,10 +26,8 @@ Two codecs tie elements together across more than a tile of consecutive ones, an
   the very m' the direction used) and stores it, a ternary one in a layout of five whole blocks of trits, and
   their bytes, a program.
 
-TACO's step at one component a column (``taco_one``: the C kernel's ``taco_one``) is four launches a weight: the
-stored rows to hide from the search, the one-candidate search (``column_best``), the weight's decay, then the
-keep, the fp8 or int8 store and the move at the kept rows. Muon and the projections' matrix products stay torch
-operations.
+TACO's step at one component a column has kernels of its own (``triton_taco.py``), batched the same way. Muon and
+the projections' matrix products stay torch operations.
 
 The arithmetic is the C kernel's, which follows torch's CPU kernels operation for operation (explicit fma where
 they fuse, correctly rounded division and square root, bf16 rounding done on the bit pattern): run on CPU tensors
@@ -67,8 +65,7 @@ from . import native
 from .codecs import Bf16Codec, BlockCodec, FactoredCodec, Fp32Codec, TernaryCodec
 from .noise import CounterStream
 
-__all__ = ["available", "applies", "prepare", "run", "failed", "fallbacks", "column_best_applies", "column_best",
-           "taco_applies", "taco_one"]
+__all__ = ["available", "applies", "prepare", "run", "failed", "fallbacks"]
 
 _K_FP32, _K_BF16, _K_INT8, _K_INT4, _K_BF16_SR, _K_TERNARY, _K_FACTORED = range(7)
 _BLOCK_KINDS = (_K_INT8, _K_INT4)
@@ -465,111 +462,6 @@ def run(launches: list[Launch]) -> float | None:
     if moment is not None:  # compiled and loaded above: what fails now is no compile or load, and is raised
         moment(moment_grid)
     return coef
-
-
-def column_best_applies(group: dict[str, Any], g: Tensor) -> bool:
-    """Whether TACO's one-candidate search of the 2-D gradient g runs as a Triton kernel (``column_best``)."""
-    return (bool(group["fused"]) and _device_ok(g) and g.dtype in _DTYPES
-            and g.dim() == 2 and g.is_contiguous() and available()
-            and ("column_best", g.dtype, g.device.type) not in _failed)
-
-
-_CHUNK, _BLOCK_N = 64, 128  # rows and columns a program of the column search
-
-
-def column_best(g: Tensor, hidden: Tensor | None) -> tuple[Tensor, Tensor] | None:
-    """``native.column_best`` on the GPU: (rows (1, n) int64, |g| there (1, n) fp32, -1 where no candidate is
-    valid), from one launch over (column blocks, row chunks) and a max over the chunks' packed (|g|, row) keys;
-    None (after one warning) where the kernel failed to compile or launch."""
-    kernels = _triton()
-    m, n = g.shape
-    chunks = _cdiv(m, _CHUNK)
-    out = torch.empty((chunks, n), dtype=torch.int64, device=g.device)
-    view = g.view(torch.int16) if g.dtype == torch.bfloat16 else g.view(torch.int32)
-    h = hidden.contiguous() if hidden is not None else out  # a placeholder pointer when nothing is hidden
-    try:
-        kernels.column_best[(_cdiv(n, _BLOCK_N), chunks)](
-            view, h, out, m, n, CHUNK=_CHUNK, HAS_HIDDEN=hidden is not None, G_BF16=g.dtype == torch.bfloat16,
-            BLOCK_N=_BLOCK_N, **_OPTIONS)
-    except Exception as exc:
-        why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        _failed[("column_best", g.dtype, g.device.type)] = why
-        warnings.warn(f"slimopt: the Triton column search of TACO failed for a {g.dtype} gradient ({why}); it runs "
-                      "as torch ops from now on", RuntimeWarning, stacklevel=3)
-        return None
-    best = out.amax(dim=0, keepdim=True)  # (1, n): the largest |g|, then the smallest row
-    key = best >> 32
-    rows = 4294967295 - (best & 4294967295)
-    absval = torch.where((key >= 0) & (key <= 0x7F800000), key.to(torch.int32).view(torch.float32), -1.0)
-    return rows, absval
-
-
-def taco_applies(group: dict[str, Any], p: Tensor, grad: Tensor) -> bool:
-    """Whether TACO's whole step at taco_k 1 of the 2-D weight p runs as Triton kernels (``taco_one``): a fused
-    group, a CUDA weight (or a CPU one under the interpreter hook) of fp32 or bf16 written to nearest, a gradient
-    of fp32 or bf16, both contiguous plain tensors; the C kernel's conditions (``native.taco_applies``)."""
-    if not (group["fused"] and group["taco_k"] == 1 and p.dim() == 2 and grad.shape == p.shape):
-        return False
-    if p.dtype not in _DTYPES or grad.dtype not in _DTYPES or not _device_ok(p):
-        return False
-    if group["param_rounding"] != "nearest" and p.dtype != torch.float32:
-        return False
-    if not (type(p) in _PLAIN and type(grad) in _PLAIN and p.is_contiguous() and grad.is_contiguous()):
-        return False
-    return available() and ("taco", p.dtype, grad.dtype, p.device.type) not in _failed
-
-
-_TACO_BLOCK = 256  # columns a program of taco_columns
-_FP8_VALUES: dict[torch.device, Tensor] = {}
-
-
-def taco_one(p: Tensor, grad: Tensor, state: dict[str, Tensor], beta: float, lr: float, weight_decay: float,
-             coef: float) -> bool:
-    """``native.taco_one`` on the GPU: TACO's step at taco_k 1 (``taco.sparse_update`` then ``taco.apply_sparse``
-    at nearest rounding, the same arithmetic) as four launches, whatever the weight's width: the stored rows to
-    hide (``taco_columns``), the candidate search (``column_best``), the weight's decay (torch's), then the keep,
-    the store and the kept entries' move (``taco_columns``). Returns False (after one warning; the step then runs
-    as tensor operations, and so do later ones of this kind) where a kernel failed to compile or launch; the last
-    kernel is compiled on an empty grid before anything is written."""
-    kernels = _triton()
-    m, n = p.shape
-    rows, codes, absmax = state["taco_rows"], state["taco_values"], state["taco_absmax"]
-    fp8 = codes.dtype == torch.float8_e4m3fn
-    if p.device not in _FP8_VALUES:
-        _FP8_VALUES[p.device] = native._fp8_values().to(p.device)
-    view = (lambda t: t.view(torch.int16) if t.dtype == torch.bfloat16 else t)
-    chunks = _cdiv(m, _CHUNK)
-    hidden = torch.empty(n, dtype=torch.int64, device=p.device)
-    keys = torch.empty((chunks, n), dtype=torch.int64, device=p.device)
-    code_view = codes.view(torch.uint8) if fp8 else codes
-    kind = ("taco", p.dtype, grad.dtype, p.device.type)
-
-    def columns(keep: bool, grid: tuple[int]) -> None:
-        kernels.taco_columns[grid](
-            code_view, view(absmax), rows, _FP8_VALUES[p.device], view(grad), view(p), hidden, keys, n, chunks,
-            448.0 if fp8 else 127.0, float(beta), float(1.0 - beta), float(-lr * coef), KEEP=keep, FP8=fp8,
-            SCALE_BF16=absmax.dtype == torch.bfloat16, G_BF16=grad.dtype == torch.bfloat16,
-            P_BF16=p.dtype == torch.bfloat16, BLOCK_N=_TACO_BLOCK, **_OPTIONS)
-
-    grid = (_cdiv(n, _TACO_BLOCK),)
-    try:
-        if kind not in _COMPILED:
-            columns(True, (0,))  # compiled and loaded, nothing run
-            _COMPILED.add(kind)
-        columns(False, grid)
-        kernels.column_best[(_cdiv(n, _BLOCK_N), chunks)](
-            view(grad) if grad.dtype == torch.bfloat16 else grad.view(torch.int32), hidden, keys, m, n, CHUNK=_CHUNK,
-            HAS_HIDDEN=True, G_BF16=grad.dtype == torch.bfloat16, BLOCK_N=_BLOCK_N, **_OPTIONS)
-    except Exception as exc:  # nothing written but scratch
-        why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        _failed[kind] = why
-        warnings.warn(f"slimopt: the Triton TACO step failed for a {p.dtype} weight ({why}); it runs as torch "
-                      "ops from now on", RuntimeWarning, stacklevel=3)
-        return False
-    if weight_decay != 0.0:
-        p.mul_(1.0 - lr * weight_decay)  # rules.decay, as apply_sparse decays before the entries move
-    columns(True, grid)
-    return True
 
 
 def _cdiv(a: int, b: int) -> int:
