@@ -110,8 +110,10 @@ def test_taco_steps_equal_the_tensor_operations(report):
             r = report[f"{name} {dtype}"]
             # each step: the two 24 x 300 weights in one set of launches, the 300 x 24 one in another
             assert r["runs"] == 3 * 2 and r["stepped"] == 3 * 3 and r["searches"] == 0, (name, dtype, r)
-            # the 2-D weights and their history bit for bit (no square root on the way); the 1-D ones take AdamW
+            # the 2-D weights and their history bit for bit (no square root on the way); the 1-D ones take AdamW.
+            # From the second step on each 2-D weight replays its plan (kernel_plan.TacoLaunchPlan)
             assert r["2-D exact"] and r["weights"] and r["state"], (name, dtype, r)
+            assert r["plans"] == ["TacoLaunchPlan"], (name, dtype, r)
         r = report[f"taco k=0 {dtype}"]  # no history: the search as a kernel, the rest tensor operations
         assert r["searches"] == 3 * 3 and r["runs"] == 0 and r["2-D exact"] and r["weights"], (dtype, r)
     # at most the scratch budget a set of launches (here under one weight's): each weight alone, the same results
@@ -130,6 +132,11 @@ def test_a_failing_kernel_costs_one_warning_and_runs_eagerly(report):
     assert r["weights"] and r["state"]
     # one warning per kernel specialization that failed: int8 moments (the 2-D tensor) and fp32 ones (the rest)
     assert r["warnings"] == 2 and r["names_kernel"] and r["fallbacks"] == 2
+
+
+def test_a_failing_taco_kernel_costs_one_warning_and_the_tensor_operations(report):
+    r = report["failed taco kernel"]
+    assert r["warnings"] == 1 and r["weights"] and r["state"] and r["exact"], r
 
 
 def test_cpu_tensors_and_uncovered_settings_stay_off_the_kernel(monkeypatch):

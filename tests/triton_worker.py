@@ -262,7 +262,8 @@ def main():
         name = f"taco k={k}{' int8' if extra else ''}{' split' if split else ''} {str(dtype)[6:]}"
         report[name] = {**compare(a, b, fast, eager, dtype), "searches": counts["search"] - before["search"],
                         "runs": counts["runs"] - before["runs"], "stepped": counts["stepped"] - before["stepped"],
-                        "2-D exact": two_d}
+                        "2-D exact": two_d, "plans": sorted({type(fast._plans.get(x)).__name__ for x in a
+                                                             if x.dim() == 2})}
     triton_step._SCRATCH_BYTES = budget
     # a checkpoint written by the Triton path resumes on the eager one (and back) with the same results
     kw = settings("adamw", "int8", "int4", {})
@@ -297,8 +298,9 @@ def main():
                 raise RuntimeError("PTX assembly failed (a test's stand-in)")
             return launch
 
-    def broken_run(name, kw, dtype):
-        """Three steps with kernel `name` failing at every launch, against the eager step; the warnings it cost."""
+    def broken_run(name, kw, dtype, text="Triton element-wise step failed"):
+        """Three steps with kernel `name` failing at every launch, against the eager step; the warnings it cost
+        (those whose message holds `text`)."""
         real = getattr(kernels, name)
         setattr(kernels, name, Broken())
         a, b = params(dtype), params(dtype)
@@ -308,7 +310,7 @@ def main():
             run(a, broken, 0, 3)
         setattr(kernels, name, real)
         run(b, eager, 0, 3)
-        messages = [str(w.message) for w in caught if "Triton element-wise step failed" in str(w.message)]
+        messages = [str(w.message) for w in caught if text in str(w.message)]
         return compare(a, b, broken, eager, dtype), messages
 
     result, messages = broken_run("elementwise_step", settings("adamw", "int8", "int8", {}), torch.float32)
@@ -320,6 +322,10 @@ def main():
     triton_step._COMPILED.clear()  # as in a process that has not compiled these settings yet
     result, messages = broken_run("moment_step", settings("adamw", "ternary", "factored", {}), torch.bfloat16)
     report["failed moment pass"] = {**result, "warnings": len(messages)}
+    # TACO's kernels failing: one warning, the tensor operations for that step and every later one
+    result, messages = broken_run("taco_columns", dict(lr=1e-2, weight_decay=0.1, rule="taco"), torch.bfloat16,
+                                  "Triton TACO step failed")
+    report["failed taco kernel"] = {**result, "warnings": len(messages)}
     report["specializations"] = list(specializations.values())
     json.dump(report, sys.stdout)
 

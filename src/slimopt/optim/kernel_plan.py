@@ -17,9 +17,10 @@ moments the kernel reads and writes in place (fp32, bf16, int8, int4, ternary, f
 rounded bf16 too), the weight written to nearest, with a Kahan compensation or stochastically (each run sets the
 step's random streams); and an orthonormal projector's step between refreshes without a residual (GaLore:
 ``ProjectedPlan`` on a CPU, ``ProjectedLaunchPlan`` on CUDA; the matrix products run every step, the kernels'
-arguments are kept). Not planned (the general path every step): moments stepped through an fp32 buffer on a CPU
-(stochastically rounded bf16), projected steps with a residual (FRUGAL's svd or random projections), coordinate
-projectors, blocks, TACO and Muon.
+arguments are kept); and TACO's step at one component a column on CUDA (``TacoLaunchPlan``: the route's checks
+skipped, the launch row made anew each step). Not planned (the general path every step): moments stepped through
+an fp32 buffer on a CPU (stochastically rounded bf16), projected steps with a residual (FRUGAL's svd or random
+projections), coordinate projectors, blocks, TACO on a CPU (one C call a weight already) and Muon.
 """
 
 from __future__ import annotations
@@ -31,14 +32,16 @@ from torch import Tensor
 
 from . import native
 from . import projectors as P
+from . import taco
 from . import triton_step
+from . import triton_taco
 from . import windowed
 from .codecs import FactoredRows
 from .noise import CounterStream
 from .rules import PARAM_STREAM, apply_update, comp_of, rounding_of
 
-__all__ = ["Plan", "CpuPlan", "LaunchPlan", "ProjectedPlan", "ProjectedLaunchPlan", "build", "build_projected",
-           "SETTINGS"]
+__all__ = ["Plan", "CpuPlan", "LaunchPlan", "ProjectedPlan", "ProjectedLaunchPlan", "TacoLaunchPlan", "build",
+           "build_projected", "build_taco", "SETTINGS"]
 
 # The group settings that decide the route and the kernels' fixed arguments (lr, betas, eps, weight decay and
 # momentum are read again every step)
@@ -53,6 +56,7 @@ class Plan:
 
     replays = False
     needs_stream = False  # whether ``run`` draws from the step's random streams (``stream``)
+    ages = True  # whether ``run`` takes the moments' age (advanced by the caller): TACO keeps no moment_step
 
     def __init__(self, group: dict[str, Any], p: Tensor, grad: Tensor, refs: list[tuple[str, Tensor, int]]) -> None:
         self.group = group
@@ -221,6 +225,31 @@ class ProjectedLaunchPlan(ProjectedPlan):
     def lifted_write(self, p, full, group, coef) -> None:
         if triton_step.run([_relaunch(self.write, native.add_group(group, coef), [], 0, full.data_ptr())]) is None:
             apply_update(p, full.float(), coef, None, group, comp=self.comp)
+
+
+class TacoLaunchPlan(Plan):
+    """TACO's Triton step at one component a column (``taco.queue_triton``): every check the general path makes
+    before it is skipped while the weight, its gradient's layout, its stored component and the settings hold;
+    each run makes the weight's launch row anew (the gradient's address, the step's scalars) and queues it."""
+
+    replays = True
+    ages = False
+
+    def matches(self, p, grad, group, state) -> bool:
+        return (super().matches(p, grad, group, state) and group["taco_k"] == 1 and triton_step.available()
+                and not triton_step.failed(triton_taco._kind(p, grad)))
+
+    def run(self, p, grad, state, group, age, batch, stream=None) -> None:
+        taco.queue_triton(p, grad, state, group, batch)
+
+
+def build_taco(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]) -> Plan:
+    """The plan of p's TACO step, which the general path has just taken (``taco.one_pass_step``): planned where it
+    ran as Triton kernels; a plain ``Plan`` where it ran in the C kernel (one call a weight already) or not at
+    all."""
+    if not (triton_taco.applies(group, p, grad) and all(k in state for k in taco.KEYS)):
+        return Plan(group, p, grad, [])
+    return TacoLaunchPlan(group, p, grad, [(k, t, t.data_ptr()) for k, t in state.items()])
 
 
 def build_projected(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], projector: str,

@@ -362,7 +362,7 @@ class SlimOptimizer(torch.optim.Optimizer):
         elif plan is not None and plan.replays:
             step = advance(state["step"])
             stream = self._streams(p, group, step) if plan.needs_stream else None
-            plan.run(p, grad, state, group, advance(state["moment_step"]), self._batch, stream)
+            plan.run(p, grad, state, group, advance(state["moment_step"]) if plan.ages else 0, self._batch, stream)
             return
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32)
@@ -385,6 +385,8 @@ class SlimOptimizer(torch.optim.Optimizer):
         if layout == "none" and group["fused"] and taco.owns(group, p.shape) and grad.shape == p.shape:
             # one entry a column to write, not a dense pass; the gradient read in row windows
             if taco.one_pass_step(p, grad, state, group, self._batch):
+                if p not in self._plans:  # on CUDA the steps after replay the kernels' route (kernel_plan)
+                    self._plans[p] = kernel_plan.build_taco(p, grad, state, group)
                 return
             rows, signs, c = taco.sparse_update(state, grad, group, p.shape)
             rounding = rounding_of(group, p)

@@ -434,24 +434,34 @@ def one_pass_step(p: Tensor, grad: Tensor, state: MutableMapping[str, Tensor], g
         state.update(init_state(p.shape, 1, group["taco_format"], group["taco_scale_dtype"], p.device))
     if not all(state[key].is_contiguous() for key in KEYS):  # the kernel reads them through their pointers
         return False
+    if not on_cpu:  # the same step as Triton kernels (a CUDA weight)
+        return queue_triton(p, grad, state, group, batch)
     c = float(group["taco_alpha"]) * dimension_factor(p.shape, group["taco_norm"])
     lr, wd = float(group["lr"]), float(group["weight_decay"])
-    if not on_cpu:  # the same step as Triton kernels (a CUDA weight)
-        launch = triton_taco.prepare(p, grad, state, float(group["taco_decay"]), lr, wd, c, group)
-        if batch is None:
-            return triton_taco.run([launch])
-
-        def tensor_ops() -> None:
-            rows, signs, coef = sparse_update(state, grad, group, p.shape)
-            apply_sparse(p, rows, signs, coef, group)
-
-        batch.launch(launch, tensor_ops)
-        return True
     kept = native.taco_one(p, grad, state, float(group["taco_decay"]), lr, wd, c)
     if kept is not None:  # a NaN kept value: stored and applied as the tensor operations do
         rows, values = kept
         _encode(state, rows, values)
         apply_sparse(p, rows, values.sign(), c, group)
+    return True
+
+
+def queue_triton(p: Tensor, grad: Tensor, state: MutableMapping[str, Tensor], group: Mapping[str, Any],
+                 batch: Any = None) -> bool:
+    """p's step as Triton kernels (``triton_taco.applies`` holds, the stored component exists and is contiguous),
+    queued in `batch` to run with the other weights of its shape at the end of ``step()``, the tensor operations
+    standing by where the kernels fail; without a batch it runs now (False where the kernels failed)."""
+    c = float(group["taco_alpha"]) * dimension_factor(p.shape, group["taco_norm"])
+    launch = triton_taco.prepare(p, grad, state, float(group["taco_decay"]), float(group["lr"]),
+                                 float(group["weight_decay"]), c, group)
+    if batch is None:
+        return triton_taco.run([launch])
+
+    def tensor_ops() -> None:
+        rows, signs, coef = sparse_update(state, grad, group, p.shape)
+        apply_sparse(p, rows, signs, coef, group)
+
+    batch.launch(launch, tensor_ops)
     return True
 
 
