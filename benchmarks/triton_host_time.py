@@ -35,12 +35,8 @@ class _Launches:
         return launch
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("method", help="a slimopt method (slimopt.build), e.g. adamw8bit, frugal, adamw")
-    ap.add_argument("--model", default="small", help="a model config of slimopt.train.models (default small)")
-    ap.add_argument("--steps", type=int, default=20, help="timed steps (default 20; the median is printed)")
-    args = ap.parse_args()
+def route_as_cuda() -> None:
+    """CPU tensors take the CUDA route from here on, one torch thread, every kernel launch stubbed out."""
     torch.set_num_threads(1)
     native._state["lib"] = None  # the C kernel would take CPU tensors first
     multi_tensor._DEVICES = ()  # and torch's fused AdamW: route as on CUDA
@@ -49,6 +45,15 @@ def main() -> None:
         raise SystemExit("triton is not installed (pip install triton)")
     for name in ("elementwise_step", "moment_step", "taco_columns", "column_best"):  # every kernel a step launches
         setattr(kernels, name, _Launches())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("method", help="a slimopt method (slimopt.build), e.g. adamw8bit, frugal, adamw")
+    ap.add_argument("--model", default="small", help="a model config of slimopt.train.models (default small)")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps (default 20; the median is printed)")
+    args = ap.parse_args()
+    route_as_cuda()
     model = build_model(args.model, 8192, 1, dtype=torch.bfloat16, seed=0, device=torch.device("cpu"))
     params = list(model.parameters())
     for p in params:

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import io
+import json
+import os
+import subprocess
+import sys
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -65,3 +70,19 @@ def assert_continues_identically(model, opt, twin, twin_opt, data):
 def assert_params_close(a, b, rtol=1e-5, atol=1e-6):
     for (n, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
         torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=lambda m: f"{n}: {m}")
+
+
+def interpreted_worker(script: str) -> dict:
+    """Run tests/`script` in a process of its own with Triton's interpreter on and CPU tensors routed as CUDA ones
+    (both chosen when triton is imported) and return the JSON object it prints last; skips where triton is not
+    installed."""
+    import pytest
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (pip install triton)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "SLIMOPT_TRITON_CPU": "1", "OMP_NUM_THREADS": "1"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    res = subprocess.run([sys.executable, os.path.join(here, script)], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])

@@ -28,12 +28,13 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import slimopt  # noqa: E402
-from slimopt.optim import multi_tensor, native, triton_step  # noqa: E402
 from slimopt.train.models import build_model  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from triton_host_time import _Launches, route_as_cuda  # noqa: E402  (a stub counting its launches)
 
 aten = torch.ops.aten
 HOST_KEYS = ("step", "moment_step")  # the state tensors that live on the host whatever the weight's device
-KERNELS = ("elementwise_step", "moment_step", "taco_columns", "column_best")
 # operations that make a CUDA host wait: a value read back, or an output sized by the values
 SYNCING = {
     aten._local_scalar_dense.default: "reads a value on the host (item, bool, float, int)",
@@ -48,17 +49,6 @@ SYNCING = {
 }
 for name in ("repeat_interleave.Tensor", "repeat_interleave.self_Tensor"):
     SYNCING[getattr(aten.repeat_interleave, name.split(".")[1])] = "repeat_interleave without output_size"
-
-
-class _Stub:
-    """A kernel that launches nothing, counting the launches."""
-
-    launches = 0
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            _Stub.launches += 1
-        return launch
 
 
 def _where() -> str:
@@ -156,9 +146,9 @@ def check(name: str, update_gap: int) -> dict:
         if step <= 2:
             opt.step()
         elif step <= update_gap:
-            before = _Stub.launches
+            before = _Launches.count
             between += trapped_step(opt)
-            launches += _Stub.launches - before
+            launches += _Launches.count - before
         else:
             refresh += trapped_step(opt)
     return {"between refreshes": sorted(set(between)), "refresh": sorted(set(refresh)),
@@ -186,14 +176,7 @@ def control() -> list[str]:
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    native._state["lib"] = None  # the C kernel would take CPU tensors first
-    multi_tensor._DEVICES = ()  # and torch's fused AdamW: route as on CUDA
-    kernels = triton_step._triton()
-    if kernels is None:
-        raise SystemExit("triton is not installed")
-    for name in KERNELS:
-        setattr(kernels, name, _Stub())
+    route_as_cuda()
     methods = sys.argv[1].split(",") if len(sys.argv) > 1 else [*slimopt.methods(), *VARIANTS]
     report = {"control": control()}
     for method in methods:

@@ -3,17 +3,11 @@ CUDA route with the Triton launches stubbed out, and every operation that would 
 recorded (tests/sync_free_worker.py, in a process of its own). On a GPU, benchmarks/gpu_step_checks.py asks the same
 under torch.cuda.set_sync_debug_mode("error")."""
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 import slimopt
+from helpers import interpreted_worker
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 # the subspace methods whose refresh is a decomposition: its finite checks keep the previous subspace when a
 # gradient or the decomposition is not finite, which needs the answer on the host
 DECOMPOSING = {"galore", "galore_rsvd", "galore8bit", "galore kahan"}
@@ -21,13 +15,7 @@ DECOMPOSING = {"galore", "galore_rsvd", "galore8bit", "galore kahan"}
 
 @pytest.fixture(scope="module")
 def report():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (pip install triton)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "SLIMOPT_TRITON_CPU": "1", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, os.path.join(HERE, "sync_free_worker.py")], capture_output=True, text=True,
-                         env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return interpreted_worker("sync_free_worker.py")
 
 
 def test_the_trap_sees_each_way_of_reading_a_device_value(report):

@@ -14,20 +14,14 @@ import torch
 
 import slimopt
 from slimopt.optim import triton_step
+from helpers import interpreted_worker
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 @pytest.fixture(scope="module")
 def report():
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed (pip install triton)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "SLIMOPT_TRITON_CPU": "1", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, os.path.join(HERE, "triton_worker.py")], capture_output=True, text=True,
-                         env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return interpreted_worker("triton_worker.py")
 
 
 @pytest.fixture(scope="module")
