@@ -428,3 +428,32 @@ def test_projected_steps_run_their_subspace_rule_in_the_kernel(counted, settings
     assert counted.calls >= 4
     _run(b, eager, grads)
     _assert_same(fast, eager, a, b, torch.bfloat16, 4)
+
+
+LIFTED = [(torch.float32, "nearest"), (torch.bfloat16, "nearest"), (torch.bfloat16, "kahan"),
+          (torch.bfloat16, "stochastic")]
+
+
+@pytest.mark.parametrize("dtype,rounding", LIFTED, ids=[f"{str(d)[6:]}-{r}" for d, r in LIFTED])
+@pytest.mark.parametrize("projector,free_rule,proj_dtype", [("svd", "sign", "fp32"), ("random", "sgd", "fp32"),
+                                                            ("svd", "sgd", "grad")])
+def test_a_projected_write_with_a_residual_is_one_kernel_pass(counted, monkeypatch, dtype, rounding, projector,
+                                                               free_rule, proj_dtype):
+    # FRUGAL's projections: decay, c up(d) + free_scale free_rule(g - up(low)) and the write in one pass
+    # (native.lift_update), bit for bit with the eager write; SGD momentum in the subspace, so that no square root
+    # separates the two paths' directions on another processor
+    lifted = []
+    lift = native.lift_update
+    monkeypatch.setattr(native, "lift_update", lambda *a, **k: lifted.append(1) or lift(*a, **k))
+    kw = dict(lr=1e-2, weight_decay=0.1, rule="sgdm", momentum=0.9, projector=projector, rank=8, update_gap=2,
+              free_rule=free_rule, free_scale=0.5, param_rounding=rounding, proj_dtype=proj_dtype)
+    a = [torch.nn.Parameter(p.data) for p in _params(dtype)[:1]]  # 40 x 300: a right projection, one window
+    b = [torch.nn.Parameter(p.data.clone()) for p in a]
+    fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
+    grads = [[g[0]] for g in _grads(dtype, 4)]
+    _run(a, fast, grads)
+    _run(b, eager, grads)
+    assert len(lifted) == 4
+    assert torch.equal(a[0], b[0])
+    for key in eager.state[b[0]]:
+        assert torch.equal(fast.state[a[0]][key], eager.state[b[0]][key]), key

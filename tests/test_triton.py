@@ -62,6 +62,13 @@ def test_every_rule_and_codec_equals_the_eager_step(report):
             assert r["exact"], name
 
 
+def test_a_projected_write_with_a_residual_is_one_launch(report):
+    cases = {k: v for k, v in report.items() if k.startswith("lift ")}
+    assert len(cases) == 4
+    for name, r in cases.items():  # FRUGAL's svd and random projections: one write a step, bit for bit
+        assert r["lifts"] == 3 and r["exact"], (name, r)
+
+
 def test_ternary_and_factored_moments_of_one_shape_share_their_launches(report):
     for dtype in ("float32", "bfloat16"):
         r = report[f"batched ternary/{dtype}"]

@@ -53,6 +53,8 @@ CASES = [  # (rule, m codec, v codec, settings)
     ("adamw", "bf16_sr", "factored", dict(param_rounding="stochastic")),
 ]
 LRS = [1e-2, 6e-3, 4e-3]
+LIFTED = [(torch.float32, "svd", "sign", "nearest"), (torch.bfloat16, "svd", "sign", "nearest"),
+          (torch.bfloat16, "random", "sgd", "kahan"), (torch.bfloat16, "svd", "sgd", "stochastic")]
 KERNELS = ("elementwise_step", "moment_step", "taco_columns", "column_best")
 _POINTEE = {torch.float32: "fp32", torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32",
             torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8"}
@@ -92,12 +94,13 @@ class Counting:
     """triton_step.run, counting the launches that ran and the tensors they stepped."""
 
     def __init__(self):
-        self.calls, self.tensors, self.inner = 0, 0, triton_step.run
+        self.calls, self.tensors, self.lifts, self.inner = 0, 0, 0, triton_step.run
 
     def __call__(self, launches):
         ok = self.inner(launches)
         self.calls += ok is not None
         self.tensors += len(launches) if ok is not None else 0
+        self.lifts += ok is not None and launches[0].key[1][0].startswith("lift")  # a write with a residual
         return ok
 
 
@@ -172,6 +175,18 @@ def main():
             tag = (extra.get("eps_placement") or extra.get("free_rule") or "") + extra.get("param_rounding", "")
             name = f"{rule}/{m}/{v}/{extra.get('projector', '')}{tag}{extra.get('density', '')}/{str(dtype)[6:]}"
             report[name] = {**compare(a, b, fast, eager, dtype), "launches": counting.calls - before}
+    # FRUGAL's orthonormal projections with a residual: the write (decay, c L + free_scale free_rule(-up + g),
+    # the rounding) as one launch a step; SGD momentum in the subspace (no square root): bit for bit
+    for dtype, projector, free_rule, rounding in LIFTED:
+        kw = settings("sgdm", "fp32", None, dict(momentum=0.9, projector=projector, rank=8, update_gap=2,
+                                                 free_rule=free_rule, free_scale=0.5, param_rounding=rounding))
+        a, b = params(dtype)[:1], params(dtype)[:1]
+        fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
+        before = counting.lifts
+        run(a, fast, 0, 3)
+        run(b, eager, 0, 3)
+        report[f"lift {projector} {free_rule} {rounding} {str(dtype)[6:]}"] = {
+            **compare(a, b, fast, eager, dtype), "lifts": counting.lifts - before}
     # GaLore between refreshes replays its planned launches (kernel_plan.ProjectedLaunchPlan): one refresh, at step 1
     for dtype in (torch.float32, torch.bfloat16):
         kw = settings("adamw", "int8", "int4", dict(projector="svd", rank=8, update_gap=10, scale=0.25))

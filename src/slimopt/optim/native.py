@@ -61,6 +61,7 @@ _RULES = {"adamw": 0, "taco": 0, "lion": 1, "sgdm": 2}
 _MOMENT_KEYS = {"adamw": ["exp_avg", "exp_avg_sq"], "taco": ["exp_avg", "exp_avg_sq"], "lion": ["exp_avg"],
                 "sgdm": ["momentum_buffer"]}
 _FREE_RULES = {"sign": 3, "sgd": 4}  # the state-free update, no moments
+_LIFT_RULES = {"sign": 5, "sgd": 6}  # a projected step's write with a residual for the free rule (lift_update)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ROUNDINGS = {"nearest": 0, "stochastic": 1, "kahan": 2}  # W_* of the kernel: how a bf16 weight is written
 _C_FP32, _C_BF16, _C_BLOCK8, _C_BLOCK4, _C_TERNARY_SR, _C_TERNARY_EF, _C_FACTORED = range(7)
@@ -105,7 +106,9 @@ class _Step(ctypes.Structure):
                 ("bias2_sqrt", ctypes.c_float), ("eps", ctypes.c_float), ("eps_before", ctypes.c_int32),
                 ("momentum", ctypes.c_float), ("n_codecs", ctypes.c_int32), ("direction_only", ctypes.c_int32),
                 ("rounding", ctypes.c_int32), ("comp", ctypes.c_void_p), ("wkey0", ctypes.c_uint32),
-                ("wkey1", ctypes.c_uint32), ("wcounter", ctypes.c_int64), ("codecs", _Codec * 2)]
+                ("wkey1", ctypes.c_uint32), ("wcounter", ctypes.c_int64), ("codecs", _Codec * 2),
+                ("g", ctypes.c_void_p), ("g_dtype", ctypes.c_int32), ("up", ctypes.c_void_p),
+                ("lift_coef", ctypes.c_float), ("free_scale", ctypes.c_float)]
 
 
 _lock = threading.Lock()
@@ -374,6 +377,33 @@ def add_update(p: Tensor, d: Tensor, group: dict[str, Any], coef: float, comp: T
     as the group's ``param_rounding`` says (comp: the compensation's window; gen: the rounding's stream). It is
     the state-free SGD step with d for the gradient and coef for its scale (``add_group``)."""
     free_step(p, d, add_group(group, coef), comp, gen)
+
+
+def lift_applies(group: dict[str, Any], p: Tensor, grad: Tensor, full_dtype: torch.dtype) -> bool:
+    """Whether ``lift_update`` takes p (a contiguous CPU fp32 or bf16 weight or window of one), its gradient grad
+    (fp32 or bf16, contiguous) and a lifted direction of `full_dtype` (fp32 or bf16) under a sign or SGD free
+    rule."""
+    return (group["free_rule"] in _LIFT_RULES and full_dtype in (torch.float32, torch.bfloat16)
+            and grad.dtype in (torch.float32, torch.bfloat16) and grad.is_contiguous() and grad.numel() == p.numel()
+            and kernel_applies(add_group(group, 1.0), p.dtype, p.device.type, [])
+            and p.is_contiguous() and type(p.data) is Tensor)
+
+
+def lift_update(p: Tensor, full: Tensor, grad: Tensor, up: Tensor, group: dict[str, Any], coef: float,
+                comp: Tensor | None = None, gen: CounterStream | None = None) -> None:
+    """``rules.apply_update(p, full, coef, -up + grad, group, comp, gen)`` in one pass: a projected step's write
+    with FRUGAL's residual (``windowed._lift``), p decayed, p -= lr (coef full + free_scale free_rule(grad - up)),
+    written as the group's ``param_rounding`` says, where the eager write makes the residual, its sign and the sum
+    as tensors of their own. The state-free step's write with the direction formed in the kernel. full: the
+    lifted direction (``lift_applies``' dtype, p's size, contiguous); up: the gradient's part inside the subspace,
+    fp32, contiguous."""
+    s, keep, _ = prepare(p.view(-1), full.view(-1), {}, [], 0, _no_stream, group, comp=comp, gen=gen)
+    set_scalars(s, {**group, "free_scale": 1.0}, 0, False)  # alpha = -lr: the direction carries both scales
+    s.rule = _LIFT_RULES[group["free_rule"]]
+    s.g, s.g_dtype = grad.data_ptr(), _DTYPES[grad.dtype]
+    s.up, s.lift_coef, s.free_scale = up.data_ptr(), float(coef), float(group["free_scale"])
+    run(s, group, [])
+    del keep
 
 
 def add_group(group: dict[str, Any], coef: float) -> dict[str, Any]:

@@ -353,8 +353,16 @@ def _tile(row, m_qmap, m_table, v_qmap, v_table, offs, mask, n, m_nblocks, v_nbl
     elif RULE == 3:  # the state-free sign step (FRUGAL's residual, signSGD): torch.sign, 0 for NaN
         d = tl.where(grad > 0, 1.0, tl.where(grad < 0, -1.0, 0.0))
         v = d
-    else:  # the state-free SGD step
+    elif RULE == 4:  # the state-free SGD step
         d = grad
+        v = d
+    else:  # 5, 6: a projected step's write with FRUGAL's residual; grad is the lifted direction L, m_data the
+        # gradient g (M_KIND: K_FP32 or K_BF16), v_data its part inside the subspace up (fp32): the direction
+        # L.mul_(w1).add_(free_rule(-up + g), alpha=w2) as rules.apply_update forms it (5: sign, 6: identity)
+        r = -tl.load(v_data + offs, mask=mask, other=0.0) + _load(m_data, offs, mask, M_KIND == K_BF16)
+        if RULE == 5:
+            r = tl.where(r > 0, 1.0, tl.where(r < 0, -1.0, 0.0))
+        d = tl.fma(r, w2, grad * w1)
         v = d
     if DIRECTION:  # p is an fp32 buffer for the direction (a projected step's subspace rule)
         tl.store(p + offs, d, mask=mask)
@@ -406,15 +414,16 @@ def elementwise_step(tab, m_qmap, m_table, v_qmap, v_table, n, m_nblocks, v_nblo
 
     tab: (k, COLUMNS) int64, a row a tensor: the addresses of its weight p (n,) (fp32, or bf16 as int16), its
     gradient g (the same), its moments' data and scales (m_*, v_*: v unused by Lion and SGDM, none read by the
-    state-free rules 3, sign, and 4, sgd; a moment's data (n,) fp32 | (n,) bf16 as int16 | uint8 codes | fp32 row
-    means (R,) of a factored v, its scale (nb,) fp32 or bf16 | the factored v's column means (cols,)), its
+    state-free rules 3, sign, and 4, sgd; the write with a residual, 5 and 6, finds the gradient and its part
+    inside the subspace in m's and v's data; a moment's data (n,) fp32 | (n,) bf16 as int16 | uint8 codes | fp32
+    row means (R,) of a factored v, its scale (nb,) fp32 or bf16 | the factored v's column means (cols,)), its
     compensation comp ((n,) bf16 as int16, W_KAHAN), its weight stream's key words and the counter of its element
     0 (W_STOCHASTIC), a ternary m's residual trits (its EF form), and each moment's stream (key words, counter)
     where it rounds stochastically; an address a setting does not read points to a placeholder.
     m_qmap, m_table, v_qmap, v_table: the block codecs' maps (2^bits,) fp32 and count tables (65536,) int32,
     shared by the k tensors. decay = 1 - lr wd; alpha = -lr / (1 - beta1^t) (AdamW), -lr free_scale (state-free)
-    or -lr; w1 = 1 - beta1, w2 = 1 - beta2, b2s = sqrt(1 - beta2^t). DIRECTION: write the direction d into p
-    (fp32) instead of stepping it. ROUNDING (bf16 weights): W_NEAREST, W_STOCHASTIC or W_KAHAN.
+    or -lr; w1 = 1 - beta1, w2 = 1 - beta2, b2s = sqrt(1 - beta2^t) (the write with a residual: w1 the lifted
+    direction's scale, w2 free_scale). DIRECTION: write the direction d into p (fp32) instead of stepping it. ROUNDING (bf16 weights): W_NEAREST, W_STOCHASTIC or W_KAHAN.
 
     LAYOUT L_FLAT: a program steps TILE consecutive elements (whole codec blocks). L_ROWS (a factored v of an
     (n / cols, cols) moment): a program steps RB x CB elements ITERS times down the rows, and writes the fp64 sums

@@ -74,6 +74,8 @@ _L_FLAT, _L_ROWS = 0, 1
 _SCALES = {"absmax": 0, "mean": 1, "rms": 2}  # S_* of the kernel: a ternary moment's block scale
 _RULES = {"adamw": 0, "taco": 0, "lion": 1, "sgdm": 2}
 _FREE_RULES = {"sign": 3, "sgd": 4}  # the state-free update of a residual or an inactive block (no codecs)
+# a projected step's write with FRUGAL's residual (``lift_applies``): the rule's name in a launch's settings
+_LIFT_RULES = {"lift sign": 5, "lift sgd": 6}
 _MOMENT_KEYS = native._MOMENT_KEYS
 _DTYPES = (torch.float32, torch.bfloat16)
 _ROUNDINGS = {"nearest": 0, "stochastic": 1, "kahan": 2}  # W_* of the kernel: how a bf16 weight is written
@@ -203,6 +205,20 @@ def applies(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[s
     return available() and not (_failed and _settings(group, p, grad, codecs) in _failed)
 
 
+def lift_applies(group: dict[str, Any], p: Tensor, full: Tensor, grad: Tensor) -> bool:
+    """Whether a projected step's write with FRUGAL's residual runs as one launch (``prepare``'s `lift`): the
+    state-free write of the lifted direction `full` would (``applies`` with no codecs), under a sign or SGD free
+    rule, with a contiguous fp32 or bf16 gradient of p's size."""
+    return (grad.dtype in _DTYPES and grad.is_contiguous() and grad.numel() == p.numel() and type(grad) in _PLAIN
+            and applies(group, p, full, []) and not (_failed and _lift_settings(group, p, full, grad) in _failed))
+
+
+def _lift_settings(group, p, full, grad) -> tuple:
+    """``_settings`` of a write with a residual: the gradient's kind where the first moment's would be."""
+    return ("lift " + group["free_rule"], p.dtype, full.dtype, (_K_BF16 if grad.dtype == torch.bfloat16 else _K_FP32,
+            _K_FP32), group["eps_placement"], p.device.type, _rounding(group, p))
+
+
 def _settings(group, p, grad, codecs) -> tuple:
     """What selects one compiled specialization of the kernel."""
     rule = group["rule"] if codecs else group["free_rule"]
@@ -272,13 +288,16 @@ class Launch:
 
 def prepare(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
             codecs: list[tuple[str, Any]], age: int, direction: bool = False, comp: Tensor | None = None,
-            gen: Any = None, streams: list[CounterStream | None] | None = None) -> Launch:
+            gen: Any = None, streams: list[CounterStream | None] | None = None,
+            lift: tuple[Tensor, Tensor] | None = None) -> Launch:
     """p's step from grad against its coded moments (no codecs: the state-free update), ready to launch alone or
     with others of the same ``key`` (``run``); age: the moments' step count, already counted; direction: p is an
     fp32 buffer that receives the rule's direction d instead (``windowed.directions``); a bf16 weight under
     ``param_rounding`` ``kahan`` needs comp (its bf16 compensation), under ``stochastic`` gen (its rounding's
     counter-based stream at element 0); streams: each moment's stream at element 0 where its codec rounds
-    stochastically (bf16_sr, ternary), else None."""
+    stochastically (bf16_sr, ternary), else None. lift: (the gradient g, its part inside the subspace up, fp32),
+    with no codecs: a projected step's write with FRUGAL's residual, grad being the lifted direction L and the
+    update lift_coef L + free_scale free_rule(-up + g) (``rules.apply_update``; the group's ``lift_coef``)."""
     rounding = "nearest" if direction else _rounding(group, p)
     if rounding == "kahan" and (comp is None or comp.dtype != torch.bfloat16 or not comp.is_contiguous()):
         raise ValueError("param_rounding='kahan' needs the weight's bf16 compensation (rules.comp_of)")
@@ -303,7 +322,11 @@ def prepare(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, 
         factored = (state[vkey], state[vkey + "_col"])
     maps = tuple(_codec_key(c) for _, c in codecs)
     shape = tuple(p.shape) if factored is not None else p.numel()  # the rows layout: rows and columns
-    key = (id(group), _settings(group, p, grad, codecs), maps, shape, age, direction, rounding)
+    settings = _settings(group, p, grad, codecs)
+    if lift is not None:  # the gradient and its part inside the subspace where the moments' data would be
+        row = row[:2] + (lift[0].data_ptr(), none, lift[1].data_ptr()) + row[5:]
+        settings = _lift_settings(group, p, grad, lift[0])
+    key = (id(group), settings, maps, shape, age, direction, rounding)
     return Launch(group, codecs, age, direction, p.numel(), (m[2], v[2]), row, key, p.device, factored)
 
 
@@ -382,10 +405,13 @@ def run(launches: list[Launch]) -> float | None:
     if settings in _failed:  # failed already, in a launch queued in the same step: one warning is enough
         return None
     rule = group["rule"] if codecs else group["free_rule"]
+    lift = settings[0] in _LIFT_RULES
     lr, wd = float(group["lr"]), float(group["weight_decay"])
     w1 = beta2 = w2 = b2s = eps = momentum = 0.0
     coef = 1.0
-    if not codecs:
+    if lift:  # the direction carries both scales: w1 the lifted direction's, w2 the free rule's
+        w1, w2 = float(group["lift_coef"]), float(group["free_scale"])
+    elif not codecs:
         coef = float(group["free_scale"])
     elif rule in ("adamw", "taco"):
         beta1, beta2 = group["betas"]
@@ -407,11 +433,13 @@ def run(launches: list[Launch]) -> float | None:
               for (_, c), kind in zip(codecs, kinds)]
     m_kind, m_map, m_block = (kinds[0], tables[0], blocks[0]) if codecs else (_K_FP32, (dummy, dummy), 1)
     v_kind, v_map, v_block = (kinds[1], tables[1], blocks[1]) if len(codecs) > 1 else (m_kind, m_map, m_block)
+    if lift:  # the gradient's storage in the first moment's place, its part inside the subspace (fp32) in v's
+        m_kind, v_kind = kinds
     ternary = codecs[0][1] if m_kind == _K_TERNARY else None
     m_scale_bf16 = ternary is not None and ternary.scale_dtype == torch.bfloat16
     layout, defer = _layout(kinds)
     rounding = first.key[-1]
-    rule_id = _RULES[rule] if codecs else _FREE_RULES[rule]
+    rule_id = _RULES[rule] if codecs else _LIFT_RULES[settings[0]] if lift else _FREE_RULES[rule]
     g_bf16 = settings[2] == torch.bfloat16
     try:
         table = _table(launches)

@@ -39,8 +39,10 @@
 #include <immintrin.h>
 #endif
 
-/* RULE_SIGN, RULE_SGD: the state-free update (no moments) of FRUGAL's residual, an inactive block, signSGD */
-enum { RULE_ADAMW = 0, RULE_LION = 1, RULE_SGDM = 2, RULE_SIGN = 3, RULE_SGD = 4 };
+/* RULE_SIGN, RULE_SGD: the state-free update (no moments) of FRUGAL's residual, an inactive block, signSGD;
+ * RULE_LIFT_SIGN, RULE_LIFT_SGD: a projected step's write with FRUGAL's residual (step_t's lift fields) */
+enum { RULE_ADAMW = 0, RULE_LION = 1, RULE_SGDM = 2, RULE_SIGN = 3, RULE_SGD = 4, RULE_LIFT_SIGN = 5,
+       RULE_LIFT_SGD = 6 };
 enum { C_FP32 = 0, C_BF16 = 1, C_BLOCK8 = 2, C_BLOCK4 = 3, C_TERNARY_SR = 4, C_TERNARY_EF = 5, C_FACTORED = 6 };
 enum { D_FP32 = 0, D_BF16 = 1 };
 enum { W_NEAREST = 0, W_STOCHASTIC = 1, W_KAHAN = 2 };
@@ -110,6 +112,14 @@ typedef struct {
     uint32_t wkey0, wkey1; /* W_STOCHASTIC: the weight's stream (noise.CounterStream), key words */
     int64_t wcounter;      /* W_STOCHASTIC: the stream's counter of the window's first element */
     codec_t codecs[2];
+    /* RULE_LIFT_*: grad is the lifted state-full direction L (the subspace rule's, projected back), g the
+     * gradient, up its part inside the subspace U; the direction is fma(free(r), free_scale, L * lift_coef) with
+     * r = -U + g (projectors.residual) and free sign or the identity: rules.apply_update's arithmetic */
+    const void *g;         /* (n,) D_FP32 / D_BF16 */
+    int32_t g_dtype;
+    const float *up;       /* (n,) fp32 */
+    float lift_coef;
+    float free_scale;
 } step_t;
 
 static float TRITS[256][5];  /* base-3 digits of every byte value minus 1 (the trits -1, 0, 1), lowest first */
@@ -611,7 +621,8 @@ static inline float sign(float x) { return (float)((x > 0.0f) - (x < 0.0f)); }
 /* The step of one window. Returns 0, or -1 for arguments it does not know. */
 int slimopt_elementwise_step(step_t *s) {
     if (!trits_ready) init_trits();
-    const int state_free = s->rule == RULE_SIGN || s->rule == RULE_SGD;
+    const int state_free = s->rule == RULE_SIGN || s->rule == RULE_SGD || s->rule == RULE_LIFT_SIGN
+                           || s->rule == RULE_LIFT_SGD;
     if (s->n_codecs < (state_free ? 0 : 1) || s->n_codecs > (state_free ? 0 : 2)) return -1;
     int64_t align = 1;  /* a tile holds whole blocks of every codec (and whole bytes of five trits) */
     for (int k = 0; k < s->n_codecs; k++) {
@@ -665,6 +676,14 @@ int slimopt_elementwise_step(step_t *s) {
             for (int64_t i = 0; i < cnt; i++) d[i] = sign(g[i]);  /* torch's sign: 0 for NaN, as for zero */
         } else if (s->rule == RULE_SGD) {
             memcpy(d, g, (size_t)cnt * 4);
+        } else if (s->rule == RULE_LIFT_SIGN || s->rule == RULE_LIFT_SGD) {
+            float r[MAX_TILE];  /* the residual -up + g (projectors.residual), then its free rule */
+            if (s->g_dtype == D_FP32) memcpy(r, (const float *)s->g + t0, (size_t)cnt * 4);
+            else for (int64_t i = 0; i < cnt; i++) r[i] = bf16_to_f32(((const uint16_t *)s->g)[t0 + i]);
+            const float *up = s->up + t0, c = s->lift_coef, fs = s->free_scale;
+            for (int64_t i = 0; i < cnt; i++) r[i] = -up[i] + r[i];
+            if (s->rule == RULE_LIFT_SIGN) for (int64_t i = 0; i < cnt; i++) r[i] = sign(r[i]);
+            for (int64_t i = 0; i < cnt; i++) d[i] = fmaf(r[i], fs, g[i] * c);  /* L.mul_(c).add_(free, fs) */
         } else {
             return -1;
         }
