@@ -436,17 +436,20 @@ LIFTED = [(torch.float32, "nearest"), (torch.bfloat16, "nearest"), (torch.bfloat
 
 @pytest.mark.parametrize("dtype,rounding", LIFTED, ids=[f"{str(d)[6:]}-{r}" for d, r in LIFTED])
 @pytest.mark.parametrize("projector,free_rule,proj_dtype", [("svd", "sign", "fp32"), ("random", "sgd", "fp32"),
-                                                            ("svd", "sgd", "grad")])
+                                                            ("svd", "sgd", "grad"), ("columns", "sgd", "fp32"),
+                                                            ("rows", "sign", "fp32")])
 def test_a_projected_write_with_a_residual_is_one_kernel_pass(counted, monkeypatch, dtype, rounding, projector,
                                                                free_rule, proj_dtype):
-    # FRUGAL's projections: decay, c up(d) + free_scale free_rule(g - up(low)) and the write in one pass
+    # FRUGAL's projections (orthonormal and coordinate): decay, c up(d) + free_scale free_rule(g - up(low)) and the
+    # write in one pass
     # (native.lift_update), bit for bit with the eager write; SGD momentum in the subspace, so that no square root
     # separates the two paths' directions on another processor
     lifted = []
     lift = native.lift_update
     monkeypatch.setattr(native, "lift_update", lambda *a, **k: lifted.append(1) or lift(*a, **k))
-    kw = dict(lr=1e-2, weight_decay=0.1, rule="sgdm", momentum=0.9, projector=projector, rank=8, update_gap=2,
-              free_rule=free_rule, free_scale=0.5, param_rounding=rounding, proj_dtype=proj_dtype)
+    size = dict(density=0.25) if projector in ("columns", "rows") else dict(rank=8)
+    kw = dict(lr=1e-2, weight_decay=0.1, rule="sgdm", momentum=0.9, projector=projector, update_gap=2,
+              free_rule=free_rule, free_scale=0.5, param_rounding=rounding, proj_dtype=proj_dtype, **size)
     a = [torch.nn.Parameter(p.data) for p in _params(dtype)[:1]]  # 40 x 300: a right projection, one window
     b = [torch.nn.Parameter(p.data.clone()) for p in a]
     fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)

@@ -54,7 +54,8 @@ CASES = [  # (rule, m codec, v codec, settings)
 ]
 LRS = [1e-2, 6e-3, 4e-3]
 LIFTED = [(torch.float32, "svd", "sign", "nearest"), (torch.bfloat16, "svd", "sign", "nearest"),
-          (torch.bfloat16, "random", "sgd", "kahan"), (torch.bfloat16, "svd", "sgd", "stochastic")]
+          (torch.bfloat16, "random", "sgd", "kahan"), (torch.bfloat16, "svd", "sgd", "stochastic"),
+          (torch.bfloat16, "columns", "sign", "nearest")]
 KERNELS = ("elementwise_step", "moment_step", "taco_columns", "column_best")
 _POINTEE = {torch.float32: "fp32", torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32",
             torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8"}
@@ -178,8 +179,9 @@ def main():
     # FRUGAL's orthonormal projections with a residual: the write (decay, c L + free_scale free_rule(-up + g),
     # the rounding) as one launch a step; SGD momentum in the subspace (no square root): bit for bit
     for dtype, projector, free_rule, rounding in LIFTED:
-        kw = settings("sgdm", "fp32", None, dict(momentum=0.9, projector=projector, rank=8, update_gap=2,
-                                                 free_rule=free_rule, free_scale=0.5, param_rounding=rounding))
+        size = dict(density=0.25) if projector == "columns" else dict(rank=8)
+        kw = settings("sgdm", "fp32", None, dict(momentum=0.9, projector=projector, update_gap=2, free_rule=free_rule,
+                                                 free_scale=0.5, param_rounding=rounding, **size))
         a, b = params(dtype)[:1], params(dtype)[:1]
         fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
         before = counting.lifts

@@ -392,7 +392,8 @@ def lift_applies(group: dict[str, Any], p: Tensor, grad: Tensor, full_dtype: tor
 def lift_update(p: Tensor, full: Tensor, grad: Tensor, up: Tensor, group: dict[str, Any], coef: float,
                 comp: Tensor | None = None, gen: CounterStream | None = None) -> None:
     """``rules.apply_update(p, full, coef, -up + grad, group, comp, gen)`` in one pass: a projected step's write
-    with FRUGAL's residual (``windowed._lift``), p decayed, p -= lr (coef full + free_scale free_rule(grad - up)),
+    with FRUGAL's residual (``windowed._lift``; for the coordinate projectors -up + g is the gradient with the
+    chosen coordinates zeroed wherever it is finite), p decayed, p -= lr (coef full + free_scale free_rule(grad - up)),
     written as the group's ``param_rounding`` says, where the eager write makes the residual, its sign and the sum
     as tensors of their own. The state-free step's write with the direction formed in the kernel. full: the
     lifted direction (``lift_applies``' dtype, p's size, contiguous); up: the gradient's part inside the subspace,
