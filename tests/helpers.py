@@ -86,3 +86,18 @@ def interpreted_worker(script: str) -> dict:
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def assert_state_close(opt_a, opt_b, pa, pb) -> None:
+    """Two optimizers' states of a weight as the fast paths are held to them: the same keys, dtypes and shapes,
+    floats within 1e-6 relative, codes equal but for at most 1e-3 of them (another processor's torch may round a
+    few moments the other way)."""
+    sa, sb = opt_a.state[pa], opt_b.state[pb]
+    assert sorted(sa) == sorted(sb)
+    for key in sa:
+        x, y = sa[key], sb[key]
+        assert x.dtype == y.dtype and x.shape == y.shape, key
+        if x.is_floating_point():
+            torch.testing.assert_close(x.float(), y.float(), rtol=1e-6, atol=1e-12, msg=key)
+        else:
+            assert (x != y).float().mean().item() <= 1e-3, key

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import slimopt
+from helpers import assert_state_close
 
 RULES = ["adamw", "lion", "sgdm"]
 CODECS = ["fp32", "bf16", "bf16_sr", "int8", "int4", "ternary", "factored"]  # factored: AdamW's v
@@ -74,12 +75,4 @@ def test_the_fused_step_equals_the_eager_reference(rule, codec, projector, dtype
         # (after the decay and after the update: test_multi_tensor), so many elements sit a bf16 step apart
         if dtype == torch.bfloat16 and not (rule == "adamw" and codec == "bf16"):
             assert SHARES[-1] <= 0.01
-        sa, sb = fused.state[pa], eager.state[pb]
-        assert sorted(sa) == sorted(sb)
-        for key in sb:
-            x, y = sa[key], sb[key]
-            assert x.dtype == y.dtype and x.shape == y.shape, key
-            if x.is_floating_point():
-                torch.testing.assert_close(x.float(), y.float(), rtol=1e-6, atol=1e-12, msg=key)
-            else:
-                assert (x != y).float().mean().item() <= 1e-3, key
+        assert_state_close(fused, eager, pa, pb)

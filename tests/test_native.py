@@ -16,7 +16,7 @@ import torch
 import slimopt
 from slimopt.optim import native, windowed
 from slimopt.optim import quant as Q
-from helpers import save_and_load
+from helpers import assert_state_close, save_and_load
 
 SHAPES = [(40, 300), (5000,), (30,)]  # 2-D (partial last blocks, several tiles), 1-D, small (always fp32)
 LRS = [1e-2, 8e-3, 6e-3, 4e-3]
@@ -69,15 +69,7 @@ def _assert_same(opt_a, opt_b, a, b, dtype, steps):
         else:  # an update one fp32 ulp apart may round the bf16 weight the other way: one bf16 step a step
             ulp = torch.finfo(torch.bfloat16).eps * (pa.float().abs() + 2 * sum(LRS))
             assert bool(((pa.float() - pb.float()).abs() <= steps * ulp).all())
-        sa, sb = opt_a.state[pa], opt_b.state[pb]
-        assert sorted(sa) == sorted(sb)
-        for key in sa:
-            x, y = sa[key], sb[key]
-            assert x.dtype == y.dtype and x.shape == y.shape, key
-            if x.is_floating_point():
-                torch.testing.assert_close(x.float(), y.float(), rtol=1e-6, atol=1e-12, msg=key)
-            else:  # codes: equal here; another processor's torch may round a few moments the other way
-                assert (x != y).float().mean().item() <= 1e-3, key
+        assert_state_close(opt_a, opt_b, pa, pb)
 
 
 NEW_TERNARY = ("ternary_sr_rms64", "ternary_sr_mean64", "ternary_ef_mean64")
