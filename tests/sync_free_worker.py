@@ -47,6 +47,8 @@ SYNCING = {
     aten.unique_consecutive.default: "unique_consecutive: an output sized by the values",
     aten._linalg_check_errors.default: "a linear-algebra error check reads the device's error codes",
 }
+# indexing whose output is sized by the values when an index is a boolean mask
+MASKABLE = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)
 for name in ("repeat_interleave.Tensor", "repeat_interleave.self_Tensor"):
     SYNCING[getattr(aten.repeat_interleave, name.split(".")[1])] = "repeat_interleave without output_size"
 
@@ -79,7 +81,7 @@ class SyncTrap(TorchDispatchMode):
         why = SYNCING.get(func)
         if why is not None and not (func is aten._local_scalar_dense.default and self.on_host(args[0])):
             self._note(why)
-        elif func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default):
+        elif func in MASKABLE:
             if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())):
                 self._note(f"{func.__name__} with a boolean mask: an output sized by the values")
         elif func in (aten._to_copy.default, aten.to.device) and str(kwargs.get("device", "")) == "cpu":

@@ -143,8 +143,7 @@ class Batch:
             kernels = triton_taco if isinstance(queued[0][0], triton_taco.Launch) else triton_step
             size = kernels.batch_size(queued[0][0])  # what one launch may allocate bounds its tensors
             for part in (queued[i:i + size] for i in range(0, len(queued), size)):
-                ok = kernels.run([launch for launch, _ in part])  # None (False for TACO's) where it failed
-                if ok is None or ok is False:
+                if kernels.run([launch for launch, _ in part]) is None:  # a kernel failed: eagerly
                     for _, eager in part:
                         eager()
         for (gid, _), (params, grads, exp_avgs, exp_avg_sqs, steps) in self._adamw.items():

@@ -455,7 +455,7 @@ def queue_triton(p: Tensor, grad: Tensor, state: MutableMapping[str, Tensor], gr
     launch = triton_taco.prepare(p, grad, state, float(group["taco_decay"]), float(group["lr"]),
                                  float(group["weight_decay"]), c, group)
     if batch is None:
-        return triton_taco.run([launch])
+        return triton_taco.run([launch]) is not None
 
     def tensor_ops() -> None:
         rows, signs, coef = sparse_update(state, grad, group, p.shape)

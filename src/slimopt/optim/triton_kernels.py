@@ -423,7 +423,8 @@ def elementwise_step(tab, m_qmap, m_table, v_qmap, v_table, n, m_nblocks, v_nblo
     m_qmap, m_table, v_qmap, v_table: the block codecs' maps (2^bits,) fp32 and count tables (65536,) int32,
     shared by the k tensors. decay = 1 - lr wd; alpha = -lr / (1 - beta1^t) (AdamW), -lr free_scale (state-free)
     or -lr; w1 = 1 - beta1, w2 = 1 - beta2, b2s = sqrt(1 - beta2^t) (the write with a residual: w1 the lifted
-    direction's scale, w2 free_scale). DIRECTION: write the direction d into p (fp32) instead of stepping it. ROUNDING (bf16 weights): W_NEAREST, W_STOCHASTIC or W_KAHAN.
+    direction's scale, w2 free_scale). DIRECTION: write the direction d into p (fp32) instead of stepping it.
+    ROUNDING (bf16 weights): W_NEAREST, W_STOCHASTIC or W_KAHAN.
 
     LAYOUT L_FLAT: a program steps TILE consecutive elements (whole codec blocks). L_ROWS (a factored v of an
     (n / cols, cols) moment): a program steps RB x CB elements ITERS times down the rows, and writes the fp64 sums

@@ -205,17 +205,17 @@ def applies(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[s
     return available() and not (_failed and _settings(group, p, grad, codecs) in _failed)
 
 
-def lift_applies(group: dict[str, Any], p: Tensor, full: Tensor, grad: Tensor) -> bool:
-    """Whether a projected step's write with FRUGAL's residual runs as one launch (``prepare``'s `lift`): the
-    state-free write of the lifted direction `full` would (``applies`` with no codecs), under a sign or SGD free
-    rule, with a contiguous fp32 or bf16 gradient of p's size."""
-    return (grad.dtype in _DTYPES and grad.is_contiguous() and grad.numel() == p.numel() and type(grad) in _PLAIN
-            and applies(group, p, full, []) and not (_failed and _lift_settings(group, p, full, grad) in _failed))
+def lift_applies(group: dict[str, Any], p: Tensor, grad: Tensor, full_dtype: torch.dtype) -> bool:
+    """Whether a projected step's write with FRUGAL's residual runs as one launch (``prepare``'s `lift`): p's
+    state-free write would (``applies`` with no codecs), under a sign or SGD free rule, with a contiguous fp32 or
+    bf16 gradient of p's size and a lifted direction of `full_dtype` (fp32 or bf16)."""
+    return (full_dtype in _DTYPES and grad.numel() == p.numel() and applies(group, p, grad, [])
+            and not (_failed and _lift_settings(group, p, full_dtype, grad) in _failed))
 
 
-def _lift_settings(group, p, full, grad) -> tuple:
+def _lift_settings(group, p, full_dtype, grad) -> tuple:
     """``_settings`` of a write with a residual: the gradient's kind where the first moment's would be."""
-    return ("lift " + group["free_rule"], p.dtype, full.dtype, (_K_BF16 if grad.dtype == torch.bfloat16 else _K_FP32,
+    return ("lift " + group["free_rule"], p.dtype, full_dtype, (_K_BF16 if grad.dtype == torch.bfloat16 else _K_FP32,
             _K_FP32), group["eps_placement"], p.device.type, _rounding(group, p))
 
 
@@ -325,7 +325,7 @@ def prepare(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, 
     settings = _settings(group, p, grad, codecs)
     if lift is not None:  # the gradient and its part inside the subspace where the moments' data would be
         row = row[:2] + (lift[0].data_ptr(), none, lift[1].data_ptr()) + row[5:]
-        settings = _lift_settings(group, p, grad, lift[0])
+        settings = _lift_settings(group, p, grad.dtype, lift[0])
     key = (id(group), settings, maps, shape, age, direction, rounding)
     return Launch(group, codecs, age, direction, p.numel(), (m[2], v[2]), row, key, p.device, factored)
 

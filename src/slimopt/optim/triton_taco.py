@@ -132,15 +132,16 @@ def batch_size(launch: Launch) -> int:
     return max(1, triton_step._SCRATCH_BYTES // (8 * n * (1 + _cdiv(m, _CHUNK))))
 
 
-def run(launches: list[Launch]) -> bool:
+def run(launches: list[Launch]) -> bool | None:
     """Step every weight of `launches` (all of one ``key``): three kernel launches and one multi-tensor decay
-    whatever their number. Returns False (after one warning; the caller then runs each weight's tensor
-    operations, and so does every later step of this kind) where a kernel failed to compile or launch."""
+    whatever their number. Returns True, or None (after one warning; the caller then runs each weight's tensor
+    operations, and so does every later step of this kind) where a kernel failed to compile or launch, as
+    ``triton_step.run`` does."""
     kernels = _triton()
     first = launches[0]
     kind = first.kind
     if kind in _failed:  # failed already, in a launch queued in the same step
-        return False
+        return None
     (m, n), k, device = first.shape, len(launches), first.device
     top, beta, w, alpha, decay = first.scalars
     fp8, scale_bf16, g_bf16, p_bf16, rows_kind = first.flags
@@ -167,7 +168,7 @@ def run(launches: list[Launch]) -> bool:
             **_OPTIONS)
     except Exception as exc:  # nothing written but scratch
         _fail(kind, exc, f"the Triton TACO step failed for a {first.p.dtype} weight")
-        return False
+        return None
     if decay != 0.0:  # rules.decay, as apply_sparse decays before the entries move
         torch._foreach_mul_([x.p for x in launches], 1.0 - decay)
     columns(True, grid)

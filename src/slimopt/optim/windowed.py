@@ -338,22 +338,23 @@ def _lift(p: Tensor, grad: Tensor, comp: Tensor | None, d: Tensor, low: Tensor |
           gen: CounterStream | None) -> None:
     """Step 3 of ``projected`` on one slice window: p, grad, comp, d, low are its slices; the direction is lifted
     in the products' dtype mm, the residual formed in the work dtype (sign() needs its small entries)."""
-    if low is not None and (native.lift_applies(group, p, grad, mm) or triton_step._device_ok(p)):
-        # FRUGAL's residual -up + g, its free rule, the decay, the update and the write in one pass: the C kernel
-        # on a CPU, one Triton launch on CUDA. For the coordinate projectors up(low) holds the gradient's own
-        # entries at the chosen coordinates (zeros elsewhere), so -up + g is index_fill's residual wherever g is
-        # finite (a non-finite entry steps the weight to NaN either way)
-        inside = P.up(projector, side, low, q, grad.shape)  # the gradient's part inside the subspace, fp32
-        full = P.up(projector, side, d.to(mm), q, p.shape)
-        if native.lift_applies(group, p, grad, mm):
-            native.lift_update(p, full, grad, inside, group, coef, comp, gen)
-            return
-        write = {**group, "lift_coef": coef}
-        if triton_step.lift_applies(write, p, full, grad) and triton_step.run(
-                [triton_step.prepare(p, full, {}, write, [], 0, comp=comp, gen=gen, lift=(grad, inside))]) is not None:
-            return
-        apply_update(p, full.to(work), coef, inside.neg_().add_(grad.to(work)), group, comp=comp, generator=gen)
-        return
+    if low is not None:
+        on_cpu = native.lift_applies(group, p, grad, mm)
+        if on_cpu or triton_step.lift_applies(group, p, grad, mm):
+            # FRUGAL's residual -up + g, its free rule, the decay, the update and the write in one pass: the C
+            # kernel on a CPU, one Triton launch on CUDA. For the coordinate projectors up(low) holds the gradient's
+            # own entries at the chosen coordinates (zeros elsewhere), so -up + g is index_fill's residual wherever
+            # g is finite (a non-finite entry steps the weight to NaN either way)
+            inside = P.up(projector, side, low, q, grad.shape)  # the gradient's part inside the subspace, fp32
+            full = P.up(projector, side, d.to(mm), q, p.shape)
+            if on_cpu:
+                native.lift_update(p, full, grad, inside, group, coef, comp, gen)
+                return
+            write = {**group, "lift_coef": coef}
+            if triton_step.run([triton_step.prepare(p, full, {}, write, [], 0, comp=comp, gen=gen,
+                                                    lift=(grad, inside))]) is not None:
+                return
+            del inside, full  # the kernel failed (one warning; later steps do not ask it): the eager write
     resid = None
     if low is not None:
         g = grad.to(work)
