@@ -124,10 +124,13 @@ def run(args) -> int:
     import transformers
 
     from slimopt.finetune.run import run_finetune
+    from slimopt.hushed import progress_bars_off
 
     cfg = config_from_args(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()  # weight-loading reports; errors still raise
-    rows = run_finetune(cfg)
+    # One line per run and no bars (the Trainer's are off): transformers' model-loading bar would be the only one
+    with progress_bars_off():
+        rows = run_finetune(cfg)
     return 1 if any(r["status"] != "ok" for r in rows) else 0

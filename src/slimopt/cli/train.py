@@ -116,7 +116,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--max-train-tokens", type=_int, default=None,
                    help="cap on training tokens read from the source (default: all; a stream reads the budget)")
     g.add_argument("--no-save-model", action="store_true", help="do not write the final model into --out/final")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-progress", action="store_true",
+                   help="no progress bars: neither the run's nor those of transformers, datasets or the hub")
     return p
 
 

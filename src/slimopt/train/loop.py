@@ -78,7 +78,7 @@ class TrainConfig:
     threads: int | None = None          # CPU threads for torch (None: torch's default, one per core)
     fsdp: bool = False                  # shard weights, gradients and optimizer state with FSDP2 (train/fsdp.py)
     cache_dir: str | None = None
-    progress: bool = True
+    progress: bool = True               # False: no progress bar at all, the libraries' included
     save_model: bool = True
     tensorboard: bool = True
 
@@ -342,7 +342,13 @@ def train(config: TrainConfig, callback: Callable[[int, dict], None] | None = No
     c = config
     dist_info = _setup_distributed(c.device)
     try:
-        return _train(c, dist_info, callback, t_start, cpu_start)
+        # No bar means none from anyone: transformers draws one when it loads or saves a model, datasets and the
+        # hub when they read; every rank but the first keeps quiet, so ranks do not draw the same bar N times.
+        if c.progress and dist_info.main:
+            return _train(c, dist_info, callback, t_start, cpu_start)
+        from slimopt.hushed import progress_bars_off
+        with progress_bars_off():
+            return _train(c, dist_info, callback, t_start, cpu_start)
     finally:
         if dist_info.initialised_here:
             import torch.distributed as dist
