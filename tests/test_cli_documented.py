@@ -298,17 +298,19 @@ def check_compare(argv, rc, out, err, cwd):
         assert (folder / name).stat().st_size > 0
     if "--no-control" in argv:
         assert "frozen" not in [r["method"] for r in rows]
-    if "--tune-lr" in argv:  # one short run per method and multiplier of its lr
+    if "--tune-lr" in argv:  # one short run per method and multiplier of its lr, and each extension past an edge
         sweep = (folder / "lr_sweep.csv").read_text().splitlines()
         from slimopt.cli.compare import parse_lr_grid
-        from slimopt.train.compare import DEFAULT_CONTROL_LR_GRID
+        from slimopt.train.compare import DEFAULT_CONTROL_LR_GRID, DEFAULT_LR_EXTENSIONS
+        extensions = int(_flag(argv, "--lr-extensions")) if "--lr-extensions" in argv else DEFAULT_LR_EXTENSIONS
         grid = len(parse_lr_grid(_flag(argv, "--lr-grid"))) if "--lr-grid" in argv else None
         control_grid = (len(parse_lr_grid(_flag(argv, "--control-lr-grid"))) if "--control-lr-grid" in argv
                         else len(DEFAULT_CONTROL_LR_GRID))  # the control sweeps a grid of its own
         for r in rows:
             tried = [line for line in sweep[1:] if line.split(",")[0] == r["method"]]
             expected = control_grid if r["method"] == "frozen" else grid
-            assert tried and (expected is None or len(tried) == expected), (r["method"], sweep)
+            assert tried and (expected is None or expected <= len(tried) <= expected + extensions), (r["method"],
+                                                                                                     sweep)
     if "--seeds" in argv:
         per_seed = (folder / "results_per_seed.csv").read_text().splitlines()
         assert len(per_seed) - 1 == len(rows) * int(_flag(argv, "--seeds"))

@@ -20,8 +20,9 @@ from slimopt.optim.partition import classify
 from slimopt.train import models
 from slimopt.train.compare import CompareConfig, read_results, run_compare
 from slimopt.train.compare_analysis import (MIN_CONTROL_MARGIN, aggregate_seeds, baseline_full_rank_weights,
-                                            budget_warning, choose_lr, control_verdicts, full_rank_weights,
-                                            inside_noise, noise_pairs, ranking_text)
+                                            budget_warning, choose_lr, control_verdicts, extension_multiplier,
+                                            full_rank_weights, inside_noise, noise_pairs, on_grid_edge,
+                                            ranking_text)
 from slimopt.train.loop import make_optimizer, train
 
 
@@ -219,7 +220,7 @@ def tuned(data, tmp_path_factory):
     logged = []
     cfg = CompareConfig(base=fast_config(corpus, cache, max_steps=6), methods=["adamw", "galore"],
                         method_opts={"galore": {"rank": 128}}, out=str(out), isolate=False, progress=False,
-                        tune_lr=True, lr_grid=(0.5, 1.0, 2.0), tune_fraction=0.5, seeds=2)
+                        tune_lr=True, lr_grid=(0.5, 1.0, 2.0), tune_fraction=0.5, seeds=2, lr_extensions=0)
     rows = run_compare(cfg, log=logged.append)
     return cfg, rows, out, logged
 
@@ -329,7 +330,10 @@ def test_cli_options_and_bad_input(data, tmp_path, capsys):
         assert message in capsys.readouterr().err, extra
     assert not out.exists()
 
-    assert main(common + ["--no-control", "--tune-lr", "--lr-grid", "1/2,1", "--tune-fraction", "0.5"]) == 0
+    assert main(common + ["--tune-lr", "--lr-extensions", "-1"]) == 2
+    assert "--lr-extensions must be an integer >= 0" in capsys.readouterr().err
+    assert main(common + ["--no-control", "--tune-lr", "--lr-grid", "1/2,1", "--tune-fraction", "0.5",
+                          "--lr-extensions", "0"]) == 0
     text = capsys.readouterr().out
     assert "no control row" in text and "tune adamw lr 0.0005 (x0.5)" in text
     rows = read_results(out / "results.csv")
@@ -343,9 +347,79 @@ def test_a_failing_sweep_point_keeps_the_others(data, tmp_path):
     corpus, cache = data
     cfg = CompareConfig(base=fast_config(corpus, cache, max_steps=4), methods=["signsgd"], control=False,
                         out=str(tmp_path / "o"), isolate=False, progress=False, tune_lr=True,
-                        lr_grid=(1.0, 1e33), tune_fraction=0.5)  # x1e33: the weights overflow to inf
+                        lr_grid=(1.0, 1e33), tune_fraction=0.5,  # x1e33: the weights overflow to inf
+                        lr_extensions=0)
     rows = run_compare(cfg, log=lambda *_: None)
     sweep = read_results(tmp_path / "o" / "lr_sweep.csv")
     assert [p["status"] for p in sweep] == ["ok", "diverged"] and [p["chosen"] for p in sweep] == [True, False]
     assert rows[0]["status"] == "ok" and rows[0]["lr"] == pytest.approx(3e-4)
     assert "diverged" in (tmp_path / "o" / "results.md").read_text()
+
+
+# ------------------------------------------------------------------------------------- grid extension
+
+
+def _points(losses: dict[float, float | None]) -> list[dict]:
+    return [{"multiplier": m, "lr": m * 1e-3, "val_loss": v, "status": "ok" if v is not None else "diverged"}
+            for m, v in losses.items()]
+
+
+def test_extension_goes_past_the_edge_the_best_sits_on():
+    grid = (0.25, 0.5, 1.0, 2.0, 4.0)
+    rising = _points({m: 5.0 - m * 0.1 for m in grid})  # best at the largest multiplier
+    assert extension_multiplier(rising) == 8.0 and on_grid_edge(rising)
+    falling = _points({m: 5.0 + m for m in grid})  # best at the smallest
+    assert extension_multiplier(falling) == 0.125 and on_grid_edge(falling)
+    inside = _points({0.25: 5.0, 0.5: 4.0, 1.0: 4.5})
+    assert extension_multiplier(inside) is None and not on_grid_edge(inside)
+    # a diverged point beyond the best is a point tried: the best is inside what was tried
+    beyond = _points({1.0: 5.0, 2.0: 4.0, 4.0: None})
+    assert extension_multiplier(beyond) is None and not on_grid_edge(beyond)
+    assert extension_multiplier(_points({1.0: None, 2.0: None})) == 0.5  # every point diverged: go lower
+    crashed = [{"multiplier": 1.0, "lr": 1e-3, "val_loss": None, "status": "failed: RuntimeError: x"}]
+    assert extension_multiplier(crashed) is None  # a crash says nothing about the lr
+    assert extension_multiplier(_points({1.0: 4.0})) is None  # one point: no direction
+
+
+@pytest.fixture()
+def synthetic_loss(monkeypatch):
+    """compare's training replaced by a loss of the learning rate alone, (log2(lr / optimum))^2 + 1, where each
+    method's optimum is set by the test: the real sweep, extension, report and files, without training."""
+    from slimopt.train import compare as compare_mod
+    optimum: dict[str, float] = {}
+
+    def fake_train(tc):
+        loss = math.log2(tc.lr / optimum.get(tc.method, 1e-3)) ** 2 + 1.0
+        return {"val_loss": loss, "val_ppl": math.exp(loss), "val_tokens": 1024, "state_bytes": 8.0,
+                "state_bytes_per_param": 8.0, "peak_mem_bytes": 2**20, "peak_mem_kind": "synthetic",
+                "tokens_per_s": 1.0, "wall_time_s": 0.0, "cpu_time_s": 0.0, "lr": tc.lr, "steps": 1, "tokens": 1,
+                "trainable_params": 1, "params": 1, "device": "cpu", "history": {"train": [], "eval": []}}
+
+    monkeypatch.setattr(compare_mod, "train", fake_train)
+    return optimum
+
+
+def test_the_extension_finds_an_optimum_beyond_the_grid(data, tmp_path, synthetic_loss):
+    corpus, cache = data
+    base_lr = 1e-3  # adamw's paper lr: the grid's x1 (the setting is not the default one)
+    synthetic_loss.update(adamw=base_lr * 11, signsgd=3e-4 * 100)  # signsgd (paper lr 3e-4): beyond 3 doublings
+    logged = []
+    cfg = CompareConfig(base=fast_config(corpus, cache, max_steps=4), methods=["adamw", "signsgd"], control=False,
+                        out=str(tmp_path / "o"), isolate=False, progress=False, tune_lr=True,
+                        lr_grid=(0.25, 0.5, 1.0, 2.0, 4.0), tune_fraction=0.5)
+    rows = {r["method"]: r for r in run_compare(cfg, log=logged.append)}
+    import json
+    doc = json.loads((tmp_path / "o" / "lr_sweep.json").read_text())["methods"]
+    # adamw: x4 on the edge, then x8 and x16; x16 is worse than x8 (the optimum is x11), so it stops there
+    assert doc["adamw"]["extended"] == [8.0, 16.0] and not doc["adamw"]["edge"]
+    assert doc["adamw"]["chosen_multiplier"] == 8.0 and rows["adamw"]["lr"] == pytest.approx(8 * base_lr)
+    assert "grid extended" in rows["adamw"]["notes"] and "edge" not in rows["adamw"]["notes"]
+    # signsgd: x100 lies beyond three doublings (x32): marked as still on the edge
+    assert doc["signsgd"]["extended"] == [8.0, 16.0, 32.0] and doc["signsgd"]["edge"]
+    assert rows["signsgd"]["lr_multiplier"] == 32.0
+    assert "even after extending the grid" in rows["signsgd"]["notes"]
+    md = (tmp_path / "o" / "results.md").read_text()
+    assert "(on the edge)" in md and " x32 |" in md
+    assert any("signsgd: best at the edge of x0.25, x0.5, x1, x2, x4, x8, x16; trying x32" in line for line in logged)
+    sweep = read_results(tmp_path / "o" / "lr_sweep.csv")
+    assert sorted(p["multiplier"] for p in sweep if p["method"] == "signsgd") == [0.25, 0.5, 1, 2, 4, 8, 16, 32]

@@ -86,6 +86,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="multipliers of AdamW's lr the control is swept over before the comparison, so that it is "
                         "the best a model with frozen transformer weights can do (default: 1,3,10,30; "
                         "--set frozen.lr=LR runs it at LR instead)")
+    h.add_argument("--lr-extensions", type=int, default=None, metavar="N",
+                   help="while a sweep's best lr sits on the edge of its grid, try twice the largest (or half the "
+                        "smallest) multiplier, at most N times a method; a best lr still on the edge is marked "
+                        "(default: 3; 0: the grid as given)")
     h.add_argument("--tune-fraction", type=float, default=None, metavar="F",
                    help="length of each tuning run (--tune-lr, and the control's sweep) as a fraction of the full "
                         "run's steps (default: 0.25)")
@@ -122,6 +126,8 @@ def run(args) -> int:
         tuning["control_lr_grid"] = parse_lr_grid(args.control_lr_grid, "--control-lr-grid")
     if args.tune_fraction is not None:
         tuning["tune_fraction"] = args.tune_fraction
+    if args.lr_extensions is not None:
+        tuning["lr_extensions"] = args.lr_extensions
     cfg = CompareConfig(base=base, methods=methods, method_opts=parse_method_opts(args.set_opts), out=args.out,
                         isolate=not args.in_process, progress=not args.no_progress, control=not args.no_control,
                         tune_lr=args.tune_lr, seeds=args.seeds, jobs=args.jobs, **tuning)

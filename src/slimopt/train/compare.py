@@ -41,7 +41,8 @@ from pathlib import Path
 
 from slimopt.train.compare_analysis import (CONTROL, MIN_CONTROL_MARGIN, aggregate_seeds, baseline_full_rank_weights,
                                             budget_warning, choose_lr, control_margin, control_verdicts,
-                                            full_rank_weights, inside_noise, noise_pairs, ranking_text)
+                                            extension_multiplier, full_rank_weights, inside_noise, noise_pairs,
+                                            on_grid_edge, ranking_text)
 from slimopt.options import split_variant
 from slimopt.train.loop import TrainConfig, known_methods, method_kind, resolve_lr, train
 from slimopt.train.results import write_csv, write_csv_and_markdown, write_json
@@ -82,6 +83,10 @@ DEFAULT_LR_GRID = (0.25, 0.5, 1.0, 2.0, 4.0)  # multipliers of each method's def
 # 101 at 3e-3, 69 at 1e-2, 68 at 3e-2), and a control at a poor lr is a floor too low to show anything.
 DEFAULT_CONTROL_LR_GRID = (1.0, 3.0, 10.0, 30.0)
 DEFAULT_TUNE_FRACTION = 0.25  # the tuning runs' length, as a fraction of the full run's steps
+# While a sweep's best point sits on the edge of what it tried, it tries twice the largest (or half the smallest)
+# multiplier, at most this many times a method: a best lr on the grid's edge is an unknown best lr, and a ranking of
+# methods tuned to an edge may be the grid's, not the methods'.
+DEFAULT_LR_EXTENSIONS = 3
 CONTROL_NOTE = "control: AdamW on embeddings, norms and head; attention and MLP weights frozen"
 
 
@@ -150,7 +155,8 @@ class CompareConfig:
     `control` adds the control row (method "frozen") unless `methods` already holds it; its lr is picked from
     `control_lr_grid` (multipliers of AdamW's lr) like a tuned method's, unless method_opts sets it (then it is
     tuned only with `tune_lr`). `tune_lr` picks each method's lr from `lr_grid` (multipliers of its default or
-    --set lr) by validation loss on runs of `tune_fraction` of the steps, at the base seed. `seeds` repeats every
+    --set lr) by validation loss on runs of `tune_fraction` of the steps, at the base seed; while the best sits on
+    the edge of what was tried, the sweep tries a factor of 2 beyond it, up to `lr_extensions` times. `seeds` repeats every
     full run with seeds base.seed, base.seed + 1, ..., base.seed + seeds - 1.
     """
 
@@ -165,6 +171,7 @@ class CompareConfig:
     lr_grid: tuple[float, ...] = DEFAULT_LR_GRID
     control_lr_grid: tuple[float, ...] = DEFAULT_CONTROL_LR_GRID
     tune_fraction: float = DEFAULT_TUNE_FRACTION
+    lr_extensions: int = DEFAULT_LR_EXTENSIONS
     seeds: int = 1
     jobs: int | None = None  # runs at a time; None: one per core a run's threads leave free on a CPU, one on a GPU
 
@@ -278,6 +285,9 @@ def _validate(cfg: CompareConfig, methods: list[str]) -> None:
             raise ValueError(f"{option} multipliers must be positive numbers, got {bad}")
         if len(set(grid)) != len(grid):
             raise ValueError(f"{option} lists a multiplier twice: {grid}")
+    if not isinstance(cfg.lr_extensions, int) or isinstance(cfg.lr_extensions, bool) or cfg.lr_extensions < 0:
+        raise ValueError(f"--lr-extensions must be an integer >= 0 (how many times a sweep whose best lr is on the "
+                         f"grid's edge extends it), got {cfg.lr_extensions!r}")
     if any(_grid_for(cfg, m) for m in methods):
         if not (isinstance(cfg.tune_fraction, (int, float)) and 0 < cfg.tune_fraction <= 1):
             raise ValueError(f"--tune-fraction must be in (0, 1] (the tuning runs' share of the steps), "
@@ -393,37 +403,63 @@ def jobs_for(cfg: CompareConfig) -> int:
     return max(1, cores // (cfg.base.threads or cores))
 
 
-def _sweep_submit(cfg: CompareConfig, method: str, pool: ThreadPoolExecutor) -> list[tuple[float, float, Future]]:
-    """Start the learning-rate grid of one method on short runs: [(multiplier, lr, run)]."""
-    base_lr, _ = _base_lr(cfg, method)
-    steps = _tune_steps(cfg)
-    pending = []
-    for mult in _grid_for(cfg, method):
-        lr = base_lr * mult
-        tc = replace(_method_config(cfg, method, lr=lr, out=_tune_dir(cfg, method, mult)), max_steps=steps,
-                     tokens=None, eval_every=0, progress=False)
-        pending.append((mult, lr, tc, pool.submit(_run_one, cfg, tc, method)))
-    return pending
+def _submit_point(cfg: CompareConfig, method: str, mult: float, pool: ThreadPoolExecutor) -> tuple:
+    """Start one short tuning run of `method` at `mult` times its default lr: (multiplier, lr, config, run)."""
+    lr = _base_lr(cfg, method)[0] * mult
+    tc = replace(_method_config(cfg, method, lr=lr, out=_tune_dir(cfg, method, mult)), max_steps=_tune_steps(cfg),
+                 tokens=None, eval_every=0, progress=False)
+    return mult, lr, tc, pool.submit(_run_one, cfg, tc, method)
+
+
+def _sweep_submit(cfg: CompareConfig, method: str, pool: ThreadPoolExecutor) -> list[tuple]:
+    """Start the learning-rate grid of one method on short runs: [(multiplier, lr, config, run)]."""
+    return [_submit_point(cfg, method, mult, pool) for mult in _grid_for(cfg, method)]
 
 
 def _sweep(cfg: CompareConfig, method: str, pending: list, sweeps: dict, log) -> None:
     """Collect one method's grid runs in grid order; fills sweeps[method] point by point."""
     base_lr, source = _base_lr(cfg, method)
-    steps = _tune_steps(cfg)
-    entry = sweeps[method] = {"base_lr": base_lr, "base_lr_source": source, "points": [], "chosen": None}
-    entry["grid"] = list(_grid_for(cfg, method))
-    for mult, lr, tc, run in pending:
-        r = run.result()
-        entry["points"].append({"method": method, "multiplier": float(mult), "lr": lr, "base_lr": base_lr,
-                                "steps": steps, "seed": tc.seed, "status": r["status"],
-                                "val_loss": r.get("val_loss"), "val_ppl": r.get("val_ppl"), "chosen": False})
-        got = f"val loss {r['val_loss']:.4f}" if r["status"] == "ok" else r["status"]
-        log(f"  tune {method} lr {lr:.3g} (x{mult:g}): {got}")
-        best = choose_lr(entry["points"])
-        for p in entry["points"]:
-            p["chosen"] = p is best
-        entry["chosen"] = best
-        _write_sweep(sweeps, cfg)
+    sweeps[method] = {"base_lr": base_lr, "base_lr_source": source, "points": [], "chosen": None, "grid": [],
+                      "extended": [], "edge": False}
+    for item in pending:
+        _record_point(cfg, method, item, sweeps, log)
+
+
+def _record_point(cfg: CompareConfig, method: str, item: tuple, sweeps: dict, log) -> None:
+    """Wait for one tuning run and add it to sweeps[method], choosing the best point anew."""
+    mult, lr, tc, run = item
+    entry = sweeps[method]
+    r = run.result()
+    entry["grid"].append(float(mult))
+    entry["points"].append({"method": method, "multiplier": float(mult), "lr": lr, "base_lr": entry["base_lr"],
+                            "steps": _tune_steps(cfg), "seed": tc.seed, "status": r["status"],
+                            "val_loss": r.get("val_loss"), "val_ppl": r.get("val_ppl"), "chosen": False})
+    got = f"val loss {r['val_loss']:.4f}" if r["status"] == "ok" else r["status"]
+    log(f"  tune {method} lr {lr:.3g} (x{mult:g}): {got}")
+    best = choose_lr(entry["points"])
+    for p in entry["points"]:
+        p["chosen"] = p is best
+    entry["chosen"] = best
+    entry["edge"] = on_grid_edge(entry["points"])
+    _write_sweep(sweeps, cfg)
+
+
+def _extend_sweeps(cfg: CompareConfig, methods: list[str], sweeps: dict, pool: ThreadPoolExecutor, log) -> None:
+    """Round by round, every method whose best point sits on the edge of its grid tries a factor of 2 beyond it
+    (all such methods at once), until none does or `cfg.lr_extensions` rounds have run."""
+    for _ in range(cfg.lr_extensions):
+        due = {m: extension_multiplier(sweeps[m]["points"]) for m in methods}
+        due = {m: mult for m, mult in due.items() if mult is not None}
+        if not due:
+            return
+        pending = {}
+        for m, mult in due.items():
+            log(f"  {m}: best at the edge of x{', x'.join(f'{g:g}' for g in sorted(sweeps[m]['grid']))}; "
+                f"trying x{mult:g}")
+            sweeps[m]["extended"].append(mult)
+            pending[m] = _submit_point(cfg, m, mult, pool)
+        for m, item in pending.items():
+            _record_point(cfg, m, item, sweeps, log)
 
 
 def _chosen_lr(cfg: CompareConfig, method: str, sweeps: dict) -> tuple[float, str, float | None]:
@@ -479,9 +515,11 @@ def run_compare(cfg: CompareConfig, log=print) -> list[dict]:
             pending = {m: _sweep_submit(cfg, m, pool) for m in tuned}
             for m in tuned:
                 _sweep(cfg, m, pending[m], sweeps, log)
-                best = sweeps[m]["chosen"]
-                log(f"  {m}: lr {best['lr']:.3g} (x{best['multiplier']:g})" if best else
-                    f"  {m}: no grid point finished; the full runs use lr {sweeps[m]['base_lr']:.3g}")
+            _extend_sweeps(cfg, tuned, sweeps, pool, log)
+        for m in tuned:
+            best, entry = sweeps[m]["chosen"], sweeps[m]
+            log(f"  {m}: lr {best['lr']:.3g} (x{best['multiplier']:g}{_extension_text(entry)})" if best else
+                f"  {m}: no grid point finished; the full runs use lr {entry['base_lr']:.3g}")
     rows: list[dict] = []
     pool = ThreadPoolExecutor(max_workers=jobs)  # each run is a process of its own: the threads only wait
     try:
@@ -518,19 +556,26 @@ def _full_runs(cfg: CompareConfig, methods: list[str], seeds: list[int], sweeps:
             log(f"{tag} {_summary_line(run)}")
         row = aggregate_seeds(runs)
         row.update(role="control" if m == CONTROL else "method", lr=lr, lr_source=source, lr_multiplier=mult,
-                   full_rank=full_rank[m], lr_edge=_at_grid_edge(_grid_for(cfg, m), mult))
+                   full_rank=full_rank[m], lr_edge=bool(sweeps.get(m, {}).get("edge")),
+                   lr_extended=list(sweeps.get(m, {}).get("extended", [])))
         rows.append(row)
         _annotate(rows)
         write_results(rows, cfg, out, elapsed=time.perf_counter() - t0, sweeps=sweeps)  # partial results survive
 
 
+def _extension_text(entry: dict) -> str:
+    """How a sweep's grid was extended and whether its best is still on the edge: '' when neither."""
+    parts = []
+    if entry.get("extended"):
+        n = len(entry["extended"])
+        parts.append(f"grid extended {n} time{'s' if n > 1 else ''} to x{', x'.join(f'{g:g}' for g in entry['extended'])}")
+    if entry.get("edge"):
+        parts.append("still on the grid's edge")
+    return "; " + "; ".join(parts) if parts else ""
+
+
 def _seed_list(cfg: CompareConfig) -> list[int]:
     return [cfg.base.seed + k for k in range(cfg.seeds)]
-
-
-def _at_grid_edge(grid: tuple[float, ...] | None, mult: float | None) -> bool:
-    grid = sorted(grid or ())
-    return mult is not None and len(grid) > 1 and mult in (grid[0], grid[-1])
 
 
 def _control_row(rows: list[dict]) -> dict | None:
@@ -564,8 +609,12 @@ def _annotate(rows: list[dict]) -> None:
         if r.get("seed_problems") and r.get("seeds", 1) > 1:
             notes.append(f"{', '.join(r['seed_problems'])}"
                          + (f"; statistics over {r['seeds_ok']} of {r['seeds']} seeds" if r.get("seeds_ok") else ""))
+        if r.get("lr_extended"):
+            notes.append(f"lr grid extended to x{', x'.join(f'{g:g}' for g in r['lr_extended'])}")
         if r.get("lr_edge"):
-            notes.append(f"tuned lr at the grid's edge (x{r['lr_multiplier']:g}): the best may lie beyond it")
+            extended = " even after extending the grid" if r.get("lr_extended") else ""
+            notes.append(f"tuned lr at the grid's edge (x{r['lr_multiplier']:g}){extended}: the best may lie "
+                         "beyond it")
         r["notes"] = "; ".join(notes)
 
 
@@ -692,7 +741,9 @@ def _write_sweep(sweeps: dict, cfg: CompareConfig) -> None:
     write_json(out / "lr_sweep.json", {
         "fraction": cfg.tune_fraction, "steps": _tune_steps(cfg),
         "full_steps": _full_steps(cfg), "seed": cfg.base.seed, "selection": "lowest validation loss",
-        "methods": {m: {"grid": e["grid"], "base_lr": e["base_lr"], "base_lr_source": e["base_lr_source"],
+        "extensions": cfg.lr_extensions,
+        "methods": {m: {"grid": e["grid"], "extended": e["extended"], "edge": e["edge"],
+                        "base_lr": e["base_lr"], "base_lr_source": e["base_lr_source"],
                         "chosen_lr": e["chosen"]["lr"] if e["chosen"] else None,
                         "chosen_multiplier": e["chosen"]["multiplier"] if e["chosen"] else None,
                         "points": e["points"]} for m, e in sweeps.items()}})
@@ -744,8 +795,9 @@ def _markdown(rows: list[dict], cfg: CompareConfig, elapsed: float | None, sweep
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     if cfg.tune_lr:
         lr_text = (f"each method's learning rate tuned: {len(cfg.lr_grid)} runs of {_tune_steps(cfg)} steps "
-                   f"(x{', x'.join(f'{g:g}' for g in cfg.lr_grid)} of its default; seed {b.seed}), the one with "
-                   f"the lowest validation loss kept (columns lr, lr from; lr_sweep.csv, lr_sweep.png)")
+                   f"(x{', x'.join(f'{g:g}' for g in cfg.lr_grid)} of its default; seed {b.seed}), extended by a "
+                   f"factor of 2 past the edge while the best sat on it (at most {cfg.lr_extensions} times), the one "
+                   f"with the lowest validation loss kept (columns lr, lr from; lr_sweep.csv, lr_sweep.png)")
     elif at_default_setting(cfg):
         lr_text = ("each method at the learning rate that a tuned 3-seed run of this setting picked, or its paper's "
                    "where that run had none (columns lr, lr from; --tune-lr tunes them)")
@@ -832,7 +884,8 @@ def _sweep_table(sweeps: dict, cfg: CompareConfig) -> list[str]:
     """Validation loss of every sweep point, the chosen one in bold."""
     grid = sorted({g for e in sweeps.values() for g in e["grid"]})
     lines = [f"Learning-rate sweep ({_tune_steps(cfg)} of {_full_steps(cfg)} steps, seed {cfg.base.seed}): "
-             f"validation loss at each multiple of the default lr; the chosen one in bold.", "",
+             f"validation loss at each multiple of the default lr; the chosen one in bold; a best point on the "
+             f"grid's edge tried a factor of 2 beyond it, up to {cfg.lr_extensions} times.", "",
              "| method | default lr | " + " | ".join(f"x{g:g}" for g in grid) + " | chosen lr |",
              "|---|---:|" + "---:|" * len(grid) + "---:|"]
     for m, e in sweeps.items():
@@ -847,6 +900,8 @@ def _sweep_table(sweeps: dict, cfg: CompareConfig) -> list[str]:
             else:
                 cells.append(f"**{p['val_loss']:.4f}**" if p["chosen"] else f"{p['val_loss']:.4f}")
         chosen = f"{e['chosen']['lr']:.3g}" if e["chosen"] else "none finished"
+        if e.get("edge"):
+            chosen += " (on the edge)"
         lines.append(f"| {m} | {e['base_lr']:g} | " + " | ".join(cells) + f" | {chosen} |")
     return lines
 

@@ -192,6 +192,38 @@ def choose_lr(points: Iterable[dict]) -> dict | None:
     return min(ok, key=lambda p: (p["val_loss"], p["lr"]))
 
 
+def extension_multiplier(points: Iterable[dict], factor: float = 2.0) -> float | None:
+    """The next multiplier to try when a sweep's best point sits on the edge of what was tried, or None.
+
+    A best point at the largest multiplier tried asks for `factor` times it; at the smallest, for 1/`factor` of
+    it (and when every point diverged). A failed or diverged point beyond the best
+    is a point tried: the best is then inside the grid and nothing more is asked."""
+    points = list(points)
+    tried = sorted({float(p["multiplier"]) for p in points})
+    if not tried:
+        return None
+    best = choose_lr(points)
+    if best is None:  # every point diverged: the stable range lies below; a run that crashed says nothing of lr
+        return tried[0] / factor if any(p.get("status") == "diverged" for p in points) else None
+    if len(tried) == 1:
+        return None  # one point has no direction to extend in
+    mult = float(best["multiplier"])
+    if mult == tried[-1]:
+        return tried[-1] * factor
+    if mult == tried[0]:
+        return tried[0] / factor
+    return None
+
+
+def on_grid_edge(points: Iterable[dict]) -> bool:
+    """Whether a sweep's chosen point is the smallest or largest multiplier tried (of at least two), so that the
+    best learning rate may lie beyond what was tried."""
+    points = list(points)
+    tried = sorted({float(p["multiplier"]) for p in points})
+    best = choose_lr(points)
+    return best is not None and len(tried) > 1 and float(best["multiplier"]) in (tried[0], tried[-1])
+
+
 def full_rank_weights(model, optimizer) -> list[tuple[str, tuple[int, int], int]]:
     """(name, shape, kept rank) of every projectable weight on which `optimizer` projects onto a subspace that
     covers the whole smaller side of the matrix (rank >= min(m, n)): Adam in a rotating full basis, not a
