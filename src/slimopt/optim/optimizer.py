@@ -603,26 +603,53 @@ class SlimOptimizer(torch.optim.Optimizer):
         return portable.to_portable(self, state_dict) if portable.wanted(self) else state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As torch.optim.Optimizer.load_state_dict, but every state tensor keeps its saved dtype.
+        """As torch.optim.Optimizer.load_state_dict (its checks, its hooks in their order, state that names no
+        parameter kept as it is), but every state tensor keeps its saved dtype.
 
         torch casts floating state to the parameter's dtype (and even uint8 codes of a floating parameter), which
         would turn 8-bit codes into floats and fp32 scales into bf16. State tensors only move to the parameter's
-        device; ``step`` stays on the CPU. A group saved before a setting existed gets its default (the
-        arithmetic it was saved with; e.g. ``eps_placement="torch"``).
+        device; the counters ``step`` and ``moment_step`` become 0-D fp32 tensors on the CPU, from a tensor or from
+        a Python number (which torch.optim loads too: older and hand-edited checkpoints). A group saved before a
+        setting existed gets its default (the arithmetic it was saved with; e.g. ``eps_placement="torch"``).
         """
-        state_dict = {**state_dict, "param_groups": [{**DEFAULTS, **g} for g in state_dict["param_groups"]]}
-        self._plans.clear()  # new groups and state tensors: every weight plans again
-        if portable.is_portable(state_dict):  # a DCP / resharding checkpoint (portable.py)
-            portable.load_portable(self, state_dict)
-            return
-        saved = state_dict["state"]
-        super().load_state_dict({**state_dict, "state": {}})
+        loaded: dict[str, Any] = {}
+
+        def take_state(optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+            # The last pre-hook: it sees what the user's pre-hooks left, and hands torch the groups only, so that
+            # torch's cast never touches the state.
+            loaded.update(sd)
+            groups = [{k: v for k, v in {**DEFAULTS, **g}.items() if k != "state_layout"} for g in sd["param_groups"]]
+            return {**sd, "param_groups": groups, "state": {}}
+
+        def put_state(optimizer) -> None:
+            # The first post-hook: the user's post-hooks see the loaded state, as they do with torch's optimizers.
+            self._load_state(loaded)
+
+        pre = self.register_load_state_dict_pre_hook(take_state)
+        post = self.register_load_state_dict_post_hook(put_state, prepend=True)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            pre.remove()
+            post.remove()
+
+    def _load_state(self, state_dict: dict[str, Any]) -> None:
+        """Put the saved per-parameter state into ``self.state`` (the groups are loaded already): torch's form, or
+        the portable one of a DCP / resharding checkpoint (``portable.py``)."""
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for i, p in zip(ids, params):
-            if i in saved:
-                self.state[p] = {k: (v.detach().clone() if k == "step" else v.detach().to(p.device, copy=True))
-                                 for k, v in saved[i].items()}
+        params = dict(zip(ids, (p for g in self.param_groups for p in g["params"])))
+        in_portable_form = portable.is_portable(state_dict)
+        for i, values in state_dict["state"].items():
+            p = params.get(i)
+            if p is None:
+                self.state[i] = values  # torch keeps state that names no parameter as it is
+                continue
+            values = portable.saved_state(values, f"state of parameter {i}")
+            if in_portable_form:
+                self.state[p] = portable.import_param(self, p, self.param_groups[self._where[p][0]], values)
+            else:
+                self.state[p] = {k: v if k in portable.COUNTERS else v.detach().to(p.device, copy=True)
+                                 for k, v in values.items()}
 
 
 def state_shape(projector: str, side: str | None, shape: torch.Size, r: int) -> torch.Size:

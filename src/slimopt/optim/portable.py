@@ -55,10 +55,12 @@ from . import taco
 from .codecs import BlockCodec, TernaryCodec
 from .rules import COMP_KEY
 
-__all__ = ["LAYOUT", "portable_state", "wanted", "is_portable", "to_portable", "load_portable", "layout_of"]
+__all__ = ["LAYOUT", "COUNTERS", "portable_state", "wanted", "is_portable", "to_portable", "saved_state",
+           "import_param", "layout_of"]
 
 LAYOUT = "slimopt-portable-1"
-_REPLICATED_KEYS = ("step", "moment_step", "proj_index")
+COUNTERS = ("step", "moment_step")  # 0-D fp32 CPU tensors in the optimizer, in either form
+_REPLICATED_KEYS = COUNTERS + ("proj_index",)
 
 
 @contextlib.contextmanager
@@ -149,6 +151,40 @@ def _local_rows(value: Tensor, p: Tensor, rows: S.Rows) -> Tensor:
 
 def _replicated(value: Tensor) -> Tensor:
     return value.full_tensor() if S.is_sharded(value) else value
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what a saved state may hold
+
+
+def counter(value: Any, key: str, where: str) -> Tensor:
+    """A saved step counter in the optimizer's form: a 0-D fp32 tensor on the CPU (advanced there without a device
+    sync). torch.optim loads a Python number for ``step`` (older and hand-edited checkpoints hold ``12.0``), so a
+    number is taken as well as a one-element tensor."""
+    number = None
+    if isinstance(value, Tensor) and value.numel() == 1:
+        number = float(_replicated(value).item())
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    if number is None or not number >= 0 or not number.is_integer():  # NaN and inf fail here too
+        raise ValueError(f"{where}: {key!r} must be a whole number >= 0 (a Python number or a one-element tensor), "
+                         f"got {value!r}")
+    return torch.tensor(number, dtype=torch.float32)
+
+
+def saved_state(values: dict[str, Any], where: str) -> dict[str, Tensor]:
+    """One parameter's saved state with its counters in the optimizer's form; anything but tensors (and numbers for
+    the counters) is refused, naming `where`, before it could fail a later step."""
+    out = {}
+    for key, value in values.items():
+        if key in COUNTERS:
+            out[key] = counter(value, key, where)
+        elif isinstance(value, Tensor):
+            out[key] = value
+        else:
+            raise ValueError(f"{where}: {key!r} is a {type(value).__module__}.{type(value).__qualname__}; "
+                             f"SlimOptimizer's state holds tensors only (and numbers for {', '.join(COUNTERS)})")
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -317,9 +353,9 @@ def import_param(opt, p: Tensor, group: dict[str, Any], saved: dict[str, Tensor]
     rows = S.rows_of(p)
     device = p.to_local().device if S.is_sharded(p) else p.device
     state: dict[str, Tensor] = {}
-    for key in ("step", "moment_step"):
+    for key in COUNTERS:
         if key in saved:
-            state[key] = _replicated(saved[key]).detach().to("cpu", torch.float32).clone()
+            state[key] = counter(saved[key], key, f"state of a {tuple(p.shape)} parameter")
     for key in ("proj", "proj_index", COMP_KEY) + taco.KEYS:
         if key not in saved:
             continue
@@ -370,20 +406,11 @@ def to_portable(opt, state_dict: dict[str, Any]) -> dict[str, Any]:
     owner = {id(p): g for g in opt.param_groups for p in g["params"]}
     state = {}
     for i, st in state_dict["state"].items():
+        if not isinstance(i, int):  # state that names no parameter (torch keeps it as it is)
+            state[i] = st
+            continue
         p = params[i]
         state[i] = export_param(opt, p, owner[id(p)], st)
     groups = [{**g, "state_layout": LAYOUT} for g in state_dict["param_groups"]]
     return {**state_dict, "state": state, "param_groups": groups}
 
-
-def load_portable(opt, state_dict: dict[str, Any]) -> None:
-    """Load a portable state dict (saved at any world size) into `opt`."""
-    groups = [{k: v for k, v in g.items() if k != "state_layout"} for g in state_dict["param_groups"]]
-    saved = state_dict["state"]
-    torch.optim.Optimizer.load_state_dict(opt, {**state_dict, "param_groups": groups, "state": {}})
-    ids = [i for g in groups for i in g["params"]]
-    params = [p for g in opt.param_groups for p in g["params"]]
-    owner = {id(p): g for g in opt.param_groups for p in g["params"]}
-    for i, p in zip(ids, params):
-        if i in saved:
-            opt.state[p] = import_param(opt, p, owner[id(p)], saved[i])
