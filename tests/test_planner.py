@@ -290,6 +290,69 @@ def test_galore_7b_setting():
     assert eight.peak < bf16.peak * 0.4  # the paper: 63.3% less than BF16 Adam
 
 
+# LLaMA-2's published totals (Touvron et al., arXiv 2307.09288; the hub's model cards), and Code Llama 34B's shape
+# counted by the LLaMA formula.
+@pytest.mark.parametrize("size,label,params", [("13b", "llama-2-13b", 13_015_864_320),
+                                               ("34b", "codellama-34b", 33_743_970_304),
+                                               ("70b", "llama-2-70b", 68_976_648_192)])
+def test_large_llama_sizes_count_their_published_parameters(size, label, params):
+    from slimopt.train.models import llama_param_count
+
+    name, config = planner.load_config(size)
+    assert name == label and config.vocab_size == 32000 and not config.tie_word_embeddings
+    assert llama_param_count(config) == params
+    p = planner.plan(size, "adamw")  # counted on the meta-device LlamaForCausalLM
+    assert p.params == p.trainable == params
+
+
+def test_grouped_query_attention_at_70b():
+    label, config = planner.load_config("70b")
+    net = planner.meta_model(config)
+    attn = net.model.layers[0].self_attn
+    assert tuple(attn.q_proj.weight.shape) == tuple(attn.o_proj.weight.shape) == (8192, 8192)
+    assert tuple(attn.k_proj.weight.shape) == tuple(attn.v_proj.weight.shape) == (8 * 128, 8192)  # kv heads x dim
+
+    def layer0(method):
+        return {s.name.split(".")[-2]: s for s in planner.state_plan(planner.meta_model(config), method)
+                if s.name.startswith("model.layers.0.self_attn.")}
+
+    adamw = layer0("adamw")
+    counters = 2 * 4  # step and moment_step
+    assert adamw["k_proj"].shape == (1024, 8192)
+    assert (adamw["k_proj"].moments - counters) * 8 == adamw["q_proj"].moments - counters == 2 * 2 * 8192 * 8192
+    # GaLore's default rank (hidden / 4 = 2048) is more than k_proj's 1024 rows: its basis is 1024 x 1024
+    galore = layer0("galore")
+    assert galore["q_proj"].projections == 8192 * 2048 * 2 and galore["k_proj"].projections == 1024 * 1024 * 2
+
+    # the attention activations count 8 kv heads, not 64: bf16 k and v of 1024 per token and layer, not 8192
+    mha = type(config)(**{**config.to_dict(), "num_key_value_heads": 64})
+    saved = activation_bytes(config, 1, 4096, 2).saved
+    assert activation_bytes(mha, 1, 4096, 2).saved - saved == 4096 * 80 * 2 * 2 * (8192 - 1024)
+
+
+def test_grouped_query_attention_state_when_the_rank_exceeds_kv_rows():
+    # as at 70B, where GaLore's rank is larger than k_proj's rows: the plan still equals the real optimizer's state
+    model = llama(num_key_value_heads=1)  # k_proj, v_proj: 16 x 64
+    hp = {"rank": 24}
+    opt = make_optimizer(model, "galore", **hp)
+    for s in range(1, 3):
+        fill_grads(model, s)
+        opt.step()
+        assert planned(model, "galore", step=s, **hp) == slimopt.state_nbytes(opt)
+
+
+def test_a_config_folder_plans_like_the_size_name(tmp_path):
+    label, config = planner.load_config("70b")
+    config.save_pretrained(tmp_path)
+    assert planner.plan(str(tmp_path), "adamw8bit").optimizer_state == planner.plan("70b", "adamw8bit").optimizer_state
+
+
+def test_memory_cli_70b(capsys):
+    assert main(["memory", "--model", "70b", "--method", "adamw8bit"]) == 0
+    out = capsys.readouterr().out
+    assert "llama-2-70b (68976.6M parameters" in out and "| adamw8bit |" in out
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # bad input
 
@@ -307,7 +370,7 @@ def test_parse_size_rejects(text):
 
 
 def test_bad_input_errors():
-    with pytest.raises(ValueError, match="unknown model 'llama-9000'.*tiny"):
+    with pytest.raises(ValueError, match="unknown model 'llama-9000'.*tiny.*7b, 13b, 34b, 70b"):
         planner.plan("llama-9000", "adamw")
     with pytest.raises(ValueError, match="unknown method 'adamw9'"):
         planner.plan("tiny", "adamw9")

@@ -1,8 +1,9 @@
 """The memory planner: what a training step of a model needs, per method, before anything is allocated.
 
-For a model config (a LLaMA size name or a local folder holding any Hugging Face config.json, read offline), a
-method (every slimopt method, and the peers torch AdamW, bitsandbytes, torchao and galore-torch) and a dtype, the
-planner builds the model on the meta device (no memory, no weights), enumerates its parameters and gives:
+For a model config (a LLaMA size name, tiny to 70b: ``size_names()``, or a local folder holding any Hugging Face
+config.json, read offline), a method (every slimopt method, and the peers torch AdamW, bitsandbytes, torchao and
+galore-torch) and a dtype, the planner builds the model on the meta device (no memory, no weights), enumerates its
+parameters and gives:
 
 - weights: every parameter and buffer, in the model's dtype;
 - gradients: one per trainable parameter in its dtype, or, with layer-wise (optimizer-in-backward) updates, only
@@ -68,6 +69,8 @@ from slimopt.bench.activations import ActivationEstimate, activation_bytes
 __all__ = [
     "DTYPES",
     "GALORE_7B",
+    "PLANNING_SIZES",
+    "size_names",
     "ParamState",
     "MemoryPlan",
     "load_config",
@@ -87,6 +90,18 @@ _COUNTER = 4  # ``step`` and ``moment_step``: fp32 0-D tensors (optimizer.py)
 # The setting of GaLore's Figure 1 / section 5.5 (arXiv 2403.03507): LLaMA-7B, bf16, a token batch of 256,
 # no activation checkpointing; 8-bit GaLore at rank 1024 with per-layer weight updates.
 GALORE_7B = dict(dtype="bf16", batch=1, seq=256)
+
+# Sizes to plan, beyond the ones `slimopt train` builds (``models.LLAMA_SIZES``): name -> (label, shape), from each
+# model's published config.json (vocabulary 32000, untied head). Fewer key/value heads than attention heads is
+# grouped-query attention: k_proj and v_proj are (kv_heads * head_dim) x hidden, 1024 x 8192 at 34B and 70B.
+PLANNING_SIZES: dict[str, tuple[str, dict[str, int]]] = {
+    "13b": ("llama-2-13b", dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                                num_attention_heads=40, num_key_value_heads=40)),
+    "34b": ("codellama-34b", dict(hidden_size=8192, intermediate_size=22016, num_hidden_layers=48,
+                                  num_attention_heads=64, num_key_value_heads=8)),
+    "70b": ("llama-2-70b", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                num_attention_heads=64, num_key_value_heads=8)),
+}
 
 
 @dataclass(frozen=True)
@@ -159,18 +174,30 @@ def _dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def size_names() -> list[str]:
+    """Every LLaMA size name ``load_config`` knows, smallest first."""
+    from slimopt.train.models import LLAMA_SIZES
+
+    return [*LLAMA_SIZES, *PLANNING_SIZES]
+
+
 def load_config(model: str, vocab_size: int | None = None):
     """(label, transformers config) of a LLaMA size name or a local folder with a config.json (read offline)."""
     import transformers
 
-    from slimopt.train.models import LLAMA_SIZES, llama_config
+    from slimopt.train.models import DEFAULT_VOCAB_SIZE, LLAMA_SIZES, llama_config
 
+    sizes = ", ".join(size_names())
     if not isinstance(model, str) or not model:
-        raise ValueError(f"model must be a LLaMA size ({', '.join(LLAMA_SIZES)}) or a folder with a config.json; "
-                         f"got {model!r}")
+        raise ValueError(f"model must be a LLaMA size ({sizes}) or a folder with a config.json; got {model!r}")
     if model.lower() in LLAMA_SIZES:
         # rotary positions have no parameters: the sequence length only matters for activations
         return f"llama-{model.lower()}", llama_config(model, vocab_size=vocab_size, seq_len=4096)
+    if model.lower() in PLANNING_SIZES:
+        label, shape = PLANNING_SIZES[model.lower()]
+        return label, transformers.LlamaConfig(
+            vocab_size=DEFAULT_VOCAB_SIZE if vocab_size is None else int(vocab_size), max_position_embeddings=4096,
+            tie_word_embeddings=False, use_cache=False, **shape)
     path = Path(model).expanduser()
     cfg_file = path / "config.json" if path.is_dir() else path
     if cfg_file.name == "config.json" and cfg_file.is_file():
@@ -181,8 +208,7 @@ def load_config(model: str, vocab_size: int | None = None):
         if vocab_size is not None:
             config.vocab_size = int(vocab_size)
         return getattr(config, "_name_or_path", None) or path.name or str(path), config
-    raise ValueError(f"unknown model {model!r}: not a LLaMA size ({', '.join(LLAMA_SIZES)}) and not a folder "
-                     "holding a config.json")
+    raise ValueError(f"unknown model {model!r}: not a LLaMA size ({sizes}) and not a folder holding a config.json")
 
 
 def meta_model(config, dtype: str = "bf16") -> nn.Module:
