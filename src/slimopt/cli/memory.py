@@ -1,10 +1,10 @@
 """`slimopt memory`: will it fit? The planned memory of a training step, per method, before renting anything.
 
-For a LLaMA size or a local model folder (its config.json, read offline), every method asked for (slimopt's and
-the peers'), prints a markdown table of weights, gradients, optimizer state (exact: the same formulas the
-optimizer allocates by), projections, activations and the peak; with --gpu-memory, whether each method fits and
-the largest batch that does. Writes memory.png (stacked bars with the budget line), memory.json and memory.md
-into --out when given. `slimopt.bench.planner` documents every formula.
+For a LLaMA size (tiny to 70b) or a local model folder (its config.json, read offline), every method asked for
+(slimopt's and the peers'), prints a markdown table of weights, gradients, optimizer state (exact: the same
+formulas the optimizer allocates by), projections, activations and the peak; with --gpu-memory, whether each
+method fits and the largest batch that does. Writes memory.png (stacked bars with the budget line), memory.json
+and memory.md into --out when given. `slimopt.bench.planner` documents every formula.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__, epilog=EXAMPLES,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True,
-                   help="a LLaMA size (tiny, small, 60m, 130m, 350m, 1b, 7b) or a folder with a config.json")
+                   help="a LLaMA size (tiny, small, 60m, 130m, 350m, 1b, 7b; 13b, 34b and 70b are LLaMA-2-13B, "
+                        "Code Llama 34B and LLaMA-2-70B, with grouped-query attention at 34b and 70b) or a folder "
+                        "with a config.json")
     p.add_argument("--method", default="all",
                    help="comma-separated methods, or 'all' (every slimopt method and peer formula; default)")
     p.add_argument("--gpu-memory", default=None, metavar="SIZE",
