@@ -15,7 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+import slimopt
 from pretrain_helpers import fast_config, write_corpus
+from slimopt.cli import main
+from slimopt.optim import distcheckpoint
 from slimopt.train import checkpoint as ckpt
 from slimopt.train.logger import read_jsonl
 from slimopt.train.loop import known_methods, train
@@ -84,6 +87,131 @@ def test_rng_state_round_trip():
     os.unlink("/tmp/_slimopt_rng_test.pt")
     again = (torch.rand(5), random.random(), np.random.rand(4))
     assert torch.equal(ref[0], again[0]) and ref[1] == again[1] and np.array_equal(ref[2], again[2])
+
+
+# ------------------------------------------------------------------------------------------------ damaged checkpoints
+
+class Projector:
+    """What galore-torch keeps in its optimizer state: a Python object (module level, so that it pickles)."""
+
+
+CLI_RUN = ["--model", "tiny", "--vocab-size", "512", "--seq-len", "32", "--batch-size", "8", "--max-steps", "4",
+           "--save-every", "2", "--threads", "1", "--no-progress", "--no-save-model", "--eval-every", "0",
+           "--eval-tokens", "1024", "--method", "adamw8bit"]
+
+
+@pytest.fixture(scope="module")
+def written(data, tmp_path_factory):
+    """A run stopped at its step-2 checkpoint (written by the training loop), to damage copies of."""
+    corpus, cache = data
+    out = tmp_path_factory.mktemp("written") / "run"
+    with pytest.raises(Crash):
+        train(fast_config(corpus, cache, method="adamw8bit", max_steps=4, save_every=2, out=str(out)),
+              callback=_crash_at(3))
+    return out
+
+
+def _damage(path, how):
+    whole = path.read_bytes()
+    if how == "first half":
+        path.write_bytes(whole[: len(whole) // 2])
+    elif how == "last bytes cut":
+        path.write_bytes(whole[:-10])
+    elif how == "garbage":
+        path.write_bytes(np.random.default_rng(0).bytes(4096))
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "overwritten header":
+        path.write_bytes(whole[:64] + bytes(b ^ 0xFF for b in whole[64:512]) + whole[512:])
+
+
+DAMAGE = ["first half", "last bytes cut", "garbage", "empty", "overwritten header"]
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_damaged_checkpoint_is_named_as_damaged_with_what_to_do(written, tmp_path, how):
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes((written / "checkpoint.pt").read_bytes())
+    assert ckpt.load_checkpoint(path)["step"] == 2
+    _damage(path, how)
+    with pytest.raises(ckpt.CheckpointError) as caught:
+        ckpt.load_checkpoint(path)
+    message = str(caught.value)
+    assert isinstance(caught.value, ValueError) and "\n" not in message
+    assert str(path) in message and "damaged or incomplete" in message
+    assert "--overwrite" in message and "copy" in message
+    assert "Python objects" not in message and "galore" not in message
+
+
+def test_a_checkpoint_that_holds_python_objects_says_so(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"optimizer": {"state": {0: {"projector": Projector(), "step": torch.tensor(3.0)}}}}, path)
+    with pytest.raises(ckpt.CheckpointError, match="holds Python objects") as caught:
+        ckpt.load_checkpoint(path)
+    assert "Projector" in str(caught.value) and str(path) in str(caught.value)
+    assert "damaged" not in str(caught.value)
+
+
+def test_a_whole_checkpoint_that_fails_for_another_reason_keeps_torchs_error(tmp_path, monkeypatch):
+    # out of memory, an unknown device: the file is fine, so the error must not call it damaged
+    path = ckpt.save_atomic({"w": torch.ones(3)}, tmp_path / "checkpoint.pt")
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(ckpt.torch, "load", out_of_memory)
+    with pytest.raises(RuntimeError, match="allocate memory") as caught:
+        ckpt.load_checkpoint(path)
+    assert not isinstance(caught.value, ckpt.CheckpointError)
+
+
+def test_resume_from_a_cut_short_checkpoint_prints_one_line(data, written, tmp_path, capsys):
+    corpus, cache = data
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in os.listdir(written):
+        if os.path.isfile(written / name):
+            (out / name).write_bytes((written / name).read_bytes())
+    _damage(out / "checkpoint.pt", "first half")
+    rc = main(["train", *CLI_RUN, "--data", str(corpus), "--cache-dir", str(cache), "--out", str(out), "--resume"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err.count("\n") == 0 and "Traceback" not in err
+    assert err.startswith(f"slimopt train: error: checkpoint {out / 'checkpoint.pt'} is damaged or incomplete")
+    assert "--overwrite" in err
+
+
+@pytest.mark.parametrize("how", ["metadata cut", "metadata empty", "shard cut", "shard missing", "no metadata"])
+def test_a_damaged_dcp_folder_is_named_as_damaged_before_loading(tmp_path, how):
+    def made():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 80), torch.nn.Linear(80, 64))
+        return model, slimopt.SlimOptimizer(model.parameters(), lr=1e-2, state_bits=8)
+
+    model, opt = made()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    folder = tmp_path / "checkpoint"
+    distcheckpoint.save(folder, model, opt)
+    shard = next(folder.glob("*.distcp"))
+    if how == "metadata cut":
+        _damage(folder / ".metadata", "first half")
+    elif how == "metadata empty":
+        _damage(folder / ".metadata", "empty")
+    elif how == "shard cut":
+        _damage(shard, "first half")
+    elif how == "shard missing":
+        shard.unlink()
+    else:
+        (folder / ".metadata").unlink()
+    fresh, fresh_opt = made()
+    with pytest.raises(ValueError) as caught:
+        distcheckpoint.load(folder, fresh, fresh_opt)
+    message = str(caught.value)
+    assert str(folder) in message and "damaged or incomplete" in message and "--overwrite" in message
+    assert "\n" not in message
+    assert not fresh_opt.state or all(int(st["step"]) == 0 for st in fresh_opt.state.values())  # nothing loaded
 
 
 # ------------------------------------------------------------------------------------------------ exact resume

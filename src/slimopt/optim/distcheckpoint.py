@@ -18,11 +18,15 @@ stepped yet gets ``step = 0`` entries, which behave exactly like no state.
 ``extra``: any other state (scheduler, data position, RNG) saved under ``"extra"``: tensors, numbers, strings
 and containers of them. Keys that differ between ranks must be distinct (e.g. one per rank): DCP keeps one copy
 of each non-tensor key.
+
+A folder whose ``.metadata`` does not read, or whose files are missing or shorter than ``.metadata`` says (a copy
+or a save cut short), is refused before anything is loaded, with one line naming the folder (a ValueError).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,9 +65,40 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     dcp.save(state, checkpoint_id=os.fspath(path))
 
 
+def _damaged(path: str | os.PathLike, what: str) -> ValueError:
+    return ValueError(f"checkpoint folder {path} is damaged or incomplete ({what}), so it cannot be loaded: put back "
+                      f"a copy of it if you keep one, or start over (slimopt train: --overwrite)")
+
+
+def _read_metadata(path: str | os.PathLike):
+    """The DCP metadata of the folder `path`, once every file it names is there with all its bytes (a ValueError
+    naming the folder otherwise: DCP itself would fail mid-load, with a traceback per rank)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no checkpoint folder at {folder}")
+    if not (folder / ".metadata").is_file():
+        raise _damaged(folder, "it has no .metadata file")
+    try:
+        metadata = dcp.FileSystemReader(os.fspath(folder)).read_metadata()
+    except Exception as e:  # a pickle cut short or overwritten fails in many ways (EOFError, UnpicklingError, ...)
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise _damaged(folder, f"its .metadata does not read: {type(e).__name__}: {first}") from e
+    ends: dict[str, int] = {}  # file -> the end of its last saved item
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        file = folder / name
+        if not file.is_file():
+            raise _damaged(folder, f"{name} is missing")
+        size = file.stat().st_size
+        if size < end:
+            raise _damaged(folder, f"{name} holds {size:,} of its {end:,} bytes")
+    return metadata
+
+
 def load_template(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer state dict to load `path` into: every saved optimizer tensor, as this process lays it out."""
-    metadata = dcp.FileSystemReader(os.fspath(path)).read_metadata().state_dict_metadata
+    metadata = _read_metadata(path).state_dict_metadata
     _fill_empty_state(optimizer)
     with portable.portable_state(optimizer):
         osd = get_optimizer_state_dict(model, optimizer)

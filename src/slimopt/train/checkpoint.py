@@ -5,14 +5,19 @@ one with `os.replace` (atomic on POSIX), and the folder itself is fsync-ed so th
 process killed at any moment therefore leaves either the old or the new checkpoint complete, never a torn one.
 
 Everything saved is tensors, numbers, strings and containers of them, so checkpoints load with
-`torch.load(weights_only=True)`: loading a checkpoint never runs code from the file.
+`torch.load(weights_only=True)`: loading a checkpoint never runs code from the file. A file that does not load says
+why in one line (`CheckpointError`): damaged or incomplete (cut short by a full disk or a copy, overwritten), or
+holding Python objects (written by an optimizer that keeps them in its state).
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import random
+import re
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +25,8 @@ import numpy as np
 import torch
 
 __all__ = [
-    "CHECKPOINT_NAME", "save_atomic", "load_checkpoint", "find_checkpoint", "rng_state", "set_rng_state",
-    "check_weights_only_safe", "fsync_dir",
+    "CHECKPOINT_NAME", "CheckpointError", "save_atomic", "load_checkpoint", "find_checkpoint", "rng_state",
+    "set_rng_state", "check_weights_only_safe", "fsync_dir",
 ]
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -64,18 +69,65 @@ def fsync_dir(folder: str | os.PathLike) -> None:
         os.close(fd)
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from, in one line: the file, what is wrong with it and what to do. A
+    ValueError, so that ``slimopt train`` prints that line rather than a traceback (``slimopt.cli.main``)."""
+
+
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict:
-    """Load a checkpoint written by `save_atomic` with `weights_only=True`."""
+    """Load a checkpoint written by `save_atomic` with `weights_only=True`.
+
+    A file that is damaged or incomplete, or that holds Python objects, raises CheckpointError; any other failure
+    of a whole file (memory, device) is torch's own error."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # torch raises UnpicklingError with a long hint; say what it means here.
-        raise RuntimeError(
-            f"checkpoint {path} cannot be loaded with weights_only=True: it holds Python objects (some peer "
-            f"optimizers, e.g. galore-torch and apollo-torch, keep projector objects in their state). "
-            f"Original error: {str(e).splitlines()[0]}") from e
+    except Exception as e:
+        refused = _refused_global(e)
+        if refused is not None:
+            raise CheckpointError(
+                f"checkpoint {path} holds Python objects ({refused}), which torch.load(weights_only=True) refuses to "
+                f"run: some peer optimizers, e.g. galore-torch and apollo-torch, keep projector objects in their "
+                f"state; start the run over with --overwrite") from e
+        damage = _damage(path)
+        if damage is None:
+            raise  # the archive is whole: torch's error is about something else
+        raise CheckpointError(
+            f"checkpoint {path} is damaged or incomplete ({damage}), so the run cannot resume from it: put back a "
+            f"copy of it if you keep one (a run keeps only its last checkpoint), or start the run over with "
+            f"--overwrite") from e
+
+
+def _refused_global(err: Exception) -> str | None:
+    """The Python global that a weights_only load refused (torch's message names it "GLOBAL module.Name"), or None:
+    an unpickling error without one is a damaged file, not an object."""
+    if not isinstance(err, pickle.UnpicklingError):
+        return None
+    found = re.search(r"GLOBAL ([\w.]+)", str(err))
+    return found.group(1) if found else None
+
+
+def _damage(path: Path) -> str | None:
+    """What is wrong with `path` as a torch.save archive (a zip whose every member passes its checksum), or None
+    when it is whole, or when it cannot be read at all (torch's error says why, e.g. permissions)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb"):
+            pass
+    except OSError:
+        return None
+    if size == 0:
+        return "the file is empty"
+    if not zipfile.is_zipfile(path):  # a cut-short file has lost the zip's end record; garbage never had one
+        return f"{size:,} bytes that do not end as a torch.save archive does"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as e:
+        return f"its archive cannot be read: {e}"
+    return None if bad is None else f"{bad} in its archive fails its checksum"
 
 
 def find_checkpoint(out_dir: str | os.PathLike) -> Path | None:
