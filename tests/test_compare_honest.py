@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from pathlib import Path
 from dataclasses import replace
 
 import matplotlib.image
@@ -423,3 +424,68 @@ def test_the_extension_finds_an_optimum_beyond_the_grid(data, tmp_path, syntheti
     assert any("signsgd: best at the edge of x0.25, x0.5, x1, x2, x4, x8, x16; trying x32" in line for line in logged)
     sweep = read_results(tmp_path / "o" / "lr_sweep.csv")
     assert sorted(p["multiplier"] for p in sweep if p["method"] == "signsgd") == [0.25, 0.5, 1, 2, 4, 8, 16, 32]
+
+
+# ------------------------------------------------------------------------------------ memory at scale
+
+
+def test_planned_memory_columns_and_chart_equal_slimopt_memory(data, tmp_path, synthetic_loss, monkeypatch):
+    """The table's and the chart's planned columns are `slimopt memory`'s figures for the same method, settings
+    and model; a baseline the planner does not model gets none; the chart shows the plan, not the RSS panel."""
+    import json
+
+    from slimopt.train import compare_plots
+    corpus, cache = data
+    drawn = {}
+    real_save = compare_plots.save_figure
+
+    def keep(fig, path):
+        drawn[Path(path).name] = [[(p.get_y() + p.get_height() / 2, p.get_width()) for p in ax.patches]
+                                  for ax in fig.axes], [ax.get_xlabel() for ax in fig.axes]
+        return real_save(fig, path)
+
+    monkeypatch.setattr(compare_plots, "save_figure", keep)
+    methods = ["adamw", "ternary_adamw", "adamw+codec=int8", "galore", "lora"]
+    out = tmp_path / "o"
+    assert main(["compare", "--data", str(corpus), "--cache-dir", str(cache), "--vocab-size", str(VOCAB),
+                 "--seq-len", "32", "--batch-size", "8", "--max-steps", "2", "--eval-tokens", "512", "--in-process",
+                 "--no-control", "--no-progress", "--methods", ",".join(methods), "--set", "galore.rank=64",
+                 "--plan-model", "1b", "--plan-gpu-memory", "6GiB", "--out", str(out)]) == 0
+    rows = {r["method"]: r for r in read_results(out / "results.csv")}
+    table = _table((out / "results.md").read_text())
+    for entry, (method, sets) in {"adamw": ("adamw", []), "ternary_adamw": ("ternary_adamw", []),
+                                  "adamw+codec=int8": ("adamw", ["--set", "adamw.codec=int8"]),
+                                  "galore": ("galore", ["--set", "galore.rank=64"])}.items():
+        mem = tmp_path / f"mem-{entry}"
+        assert main(["memory", "--model", "1b", "--method", method, "--batch", "1", "--seq", "256", "--layerwise",
+                     "--gpu-memory", "6GiB", "--out", str(mem), *sets]) == 0
+        plan = json.loads((mem / "memory.json").read_text())["plans"][0]
+        state, peak = (plan["state"] + plan["projections"]) / 2**30, plan["peak"] / 2**30
+        assert rows[entry]["plan_state_gib"] == pytest.approx(state, rel=1e-9), entry
+        assert rows[entry]["plan_peak_gib"] == pytest.approx(peak, rel=1e-9), entry
+        assert rows[entry]["plan_fits"] is (plan["peak"] <= 6 * 2**30) and rows[entry]["plan_model"] == "llama-1b"
+        assert table[entry]["planned state GiB (1b)"] == f"{state:.2f}"
+        assert table[entry]["planned peak GiB (1b)"] == f"{peak:.2f}"
+        assert table[entry]["fits 6GiB"] == ("yes" if rows[entry]["plan_fits"] else "no")
+    assert {rows[m]["plan_fits"] for m in ("adamw", "ternary_adamw")} == {True, False}  # the budget separates them
+    assert rows["lora"]["plan_state_gib"] is None and table["lora"]["planned peak GiB (1b)"] == ""
+    # the chart: the right panel draws the planned state and peak of every planned row, in table order
+    bars, labels = drawn["memory.png"]
+    assert "planned at llama-1b" in labels[1] and "measured" in labels[0]
+    widths = sorted(round(w, 9) for _, w in bars[1])
+    want = sorted(round(rows[m][k], 9) for m in rows if rows[m]["plan_state_gib"] is not None
+                  for k in ("plan_state_gib", "plan_peak_gib"))
+    assert widths == want
+    assert "`slimopt memory --model 1b --method adamw --dtype bf16 --batch 1 --seq 256 --layerwise --gpu-memory 6GiB`" \
+        in (out / "results.md").read_text()
+
+
+def test_plan_options_bad_input(data, tmp_path, capsys):
+    corpus, cache = data
+    common = ["compare", "--data", str(corpus), "--cache-dir", str(cache), "--vocab-size", str(VOCAB),
+              "--max-steps", "2", "--methods", "adamw", "--no-control", "--out", str(tmp_path / "o")]
+    assert main(common + ["--plan-gpu-memory", "24"]) == 2
+    assert "--plan-gpu-memory='24' has no unit" in capsys.readouterr().err
+    assert main(common + ["--plan-model", "5b"]) == 2
+    assert "unknown model '5b'" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -71,6 +71,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="runs at a time, each a process of its own (default: on a CPU one per core that --threads "
                         "leaves free, so 2 on a 2-core machine at the default 1 thread; on a GPU 1); per-method "
                         "progress bars show only with 1")
+    m = p.add_argument_group("memory at scale")
+    m.add_argument("--plan-model", default="7b", metavar="MODEL",
+                   help="beside the measured memory, each method's planned optimizer state and step peak at this "
+                        "model, as `slimopt memory` plans it (bf16, batch 1 x 256 tokens, layer-wise updates): a "
+                        "LLaMA size (tiny .. 7b, 13b, 34b, 70b) or a folder with a config.json; 'none' plans "
+                        "nothing (default: %(default)s)")
+    m.add_argument("--plan-gpu-memory", default="24GiB", metavar="SIZE",
+                   help="the GPU memory the planned peak is checked against, e.g. 24GiB, 80GB "
+                        "(default: %(default)s)")
     h = p.add_argument_group("honest comparisons")
     h.add_argument("--no-control", action="store_true",
                    help="leave out the control row (frozen: AdamW on embeddings, norms and head with every attention "
@@ -128,9 +137,13 @@ def run(args) -> int:
         tuning["tune_fraction"] = args.tune_fraction
     if args.lr_extensions is not None:
         tuning["lr_extensions"] = args.lr_extensions
+    from slimopt.train.compare_plan import PlanSetting
+    plan = None if args.plan_model.lower() == "none" else PlanSetting(args.plan_model, args.plan_gpu_memory)
+    if plan is not None:
+        plan.budget  # noqa: B018 - a bad size fails here, before any run
     cfg = CompareConfig(base=base, methods=methods, method_opts=parse_method_opts(args.set_opts), out=args.out,
                         isolate=not args.in_process, progress=not args.no_progress, control=not args.no_control,
-                        tune_lr=args.tune_lr, seeds=args.seeds, jobs=args.jobs, **tuning)
+                        tune_lr=args.tune_lr, seeds=args.seeds, jobs=args.jobs, plan=plan, **tuning)
     rows = run_compare(cfg)
     failed = [r["method"] for r in rows if r["status"].startswith("failed")]
     return 1 if failed else 0

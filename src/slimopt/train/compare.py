@@ -44,6 +44,7 @@ from slimopt.train.compare_analysis import (CONTROL, MIN_CONTROL_MARGIN, aggrega
                                             extension_multiplier, full_rank_weights, inside_noise, noise_pairs,
                                             on_grid_edge, ranking_text)
 from slimopt.options import split_variant
+from slimopt.train.compare_plan import PlanSetting, plan_methods
 from slimopt.train.loop import TrainConfig, known_methods, method_kind, resolve_lr, train
 from slimopt.train.results import write_csv, write_csv_and_markdown, write_json
 
@@ -67,15 +68,16 @@ DEFAULT_SETTING_LR = {"adamw": 4e-3, "adamw8bit": 2e-3, "galore": 4e-2, "frugal"
 CSV_COLUMNS = ("method", "kind", "status", "val_loss", "val_ppl", "state_mib", "state_bytes_per_param",
                "peak_mem_mib", "tokens_per_s", "wall_time_s", "cpu_time_s", "lr", "settings", "steps", "tokens",
                "trainable_params", "params", "role", "seeds", "seeds_ok", "val_loss_std", "val_ppl_std",
-               "val_ppl_min", "val_ppl_max", "lr_source", "lr_multiplier", "clears_control", "notes")
+               "val_ppl_min", "val_ppl_max", "lr_source", "lr_multiplier", "clears_control", "plan_model",
+               "plan_state_gib", "plan_peak_gib", "plan_fits", "notes")
 # One row per run (method x seed): results_per_seed.csv.
 SEED_CSV_COLUMNS = ("method", "role", "seed", "kind", "status", "val_loss", "val_ppl", "state_mib",
                     "state_bytes_per_param", "peak_mem_mib", "tokens_per_s", "wall_time_s", "cpu_time_s", "lr",
                     "settings", "steps", "tokens", "trainable_params", "params")
 # One row per learning-rate sweep point: lr_sweep.csv.
 SWEEP_COLUMNS = ("method", "multiplier", "lr", "base_lr", "steps", "seed", "status", "val_loss", "val_ppl", "chosen")
-_TEXT_COLUMNS = frozenset({"method", "kind", "status", "settings", "role", "lr_source", "notes"})
-_BOOL_COLUMNS = frozenset({"clears_control", "chosen"})
+_TEXT_COLUMNS = frozenset({"method", "kind", "status", "settings", "role", "lr_source", "plan_model", "notes"})
+_BOOL_COLUMNS = frozenset({"clears_control", "chosen", "plan_fits"})
 
 DEFAULT_LR_GRID = (0.25, 0.5, 1.0, 2.0, 4.0)  # multipliers of each method's default lr that --tune-lr tries
 # Multipliers of AdamW's lr the control always tries (unless its lr is --set): with the transformer weights frozen
@@ -157,7 +159,8 @@ class CompareConfig:
     tuned only with `tune_lr`). `tune_lr` picks each method's lr from `lr_grid` (multipliers of its default or
     --set lr) by validation loss on runs of `tune_fraction` of the steps, at the base seed; while the best sits on
     the edge of what was tried, the sweep tries a factor of 2 beyond it, up to `lr_extensions` times. `seeds` repeats every
-    full run with seeds base.seed, base.seed + 1, ..., base.seed + seeds - 1.
+    full run with seeds base.seed, base.seed + 1, ..., base.seed + seeds - 1. `plan` says where each method's
+    memory is planned beside the measured figures (compare_plan.py: LLaMA-7B and a 24 GiB card by default).
     """
 
     base: TrainConfig = field(default_factory=_compare_defaults)
@@ -173,6 +176,7 @@ class CompareConfig:
     tune_fraction: float = DEFAULT_TUNE_FRACTION
     lr_extensions: int = DEFAULT_LR_EXTENSIONS
     seeds: int = 1
+    plan: PlanSetting | None = field(default_factory=PlanSetting)  # planned memory at scale; None: not planned
     jobs: int | None = None  # runs at a time; None: one per core a run's threads leave free on a CPU, one on a GPU
 
 
@@ -479,6 +483,7 @@ def run_compare(cfg: CompareConfig, log=print) -> list[dict]:
     (see CSV_COLUMNS; with several seeds the numbers are means and row["runs"] holds the per-seed rows)."""
     methods = _entries(cfg)
     _validate(cfg, methods)  # all checks before the first write or the first step
+    planned = _planned(cfg, methods)
     from slimopt.train.loop import _prepare_data
     t0 = time.perf_counter()
     steps = _full_steps(cfg)
@@ -523,7 +528,7 @@ def run_compare(cfg: CompareConfig, log=print) -> list[dict]:
     rows: list[dict] = []
     pool = ThreadPoolExecutor(max_workers=jobs)  # each run is a process of its own: the threads only wait
     try:
-        _full_runs(cfg, methods, seeds, sweeps, full_rank, pool, jobs, rows, out, t0, log)
+        _full_runs(cfg, methods, seeds, sweeps, full_rank, planned, pool, jobs, rows, out, t0, log)
     finally:
         pool.shutdown(cancel_futures=True)
     _annotate(rows)
@@ -534,8 +539,27 @@ def run_compare(cfg: CompareConfig, log=print) -> list[dict]:
     return rows
 
 
+def _planned(cfg: CompareConfig, methods: list[str]) -> dict[str, dict | None]:
+    """Each entry's planned memory at cfg.plan's size (compare_plan.py), with the settings its runs use."""
+    if cfg.plan is None:
+        return {m: None for m in methods}
+    entries = {}
+    for m in methods:
+        name, variant = split_method(m)
+        entries[m] = (name, {**variant, **cfg.method_opts.get(m, {})})
+    return plan_methods(cfg.plan, entries)
+
+
+def _plan_columns(plan: dict | None) -> dict:
+    if plan is None:
+        return {"plan_model": None, "plan_state_gib": None, "plan_peak_gib": None, "plan_fits": None}
+    return {"plan_model": plan["model"], "plan_state_gib": plan["state_gib"], "plan_peak_gib": plan["peak_gib"],
+            "plan_fits": plan["fits"], "plan_command": plan["command"]}
+
+
 def _full_runs(cfg: CompareConfig, methods: list[str], seeds: list[int], sweeps: dict, full_rank: dict,
-               pool: ThreadPoolExecutor, jobs: int, rows: list[dict], out: Path, t0: float, log) -> None:
+               planned: dict, pool: ThreadPoolExecutor, jobs: int, rows: list[dict], out: Path, t0: float,
+               log) -> None:
     """Start every method's full runs (all seeds; `jobs` at a time), then gather them in table order into `rows`,
     writing the results after each method so that partial results survive."""
     pending = {}
@@ -557,7 +581,7 @@ def _full_runs(cfg: CompareConfig, methods: list[str], seeds: list[int], sweeps:
         row = aggregate_seeds(runs)
         row.update(role="control" if m == CONTROL else "method", lr=lr, lr_source=source, lr_multiplier=mult,
                    full_rank=full_rank[m], lr_edge=bool(sweeps.get(m, {}).get("edge")),
-                   lr_extended=list(sweeps.get(m, {}).get("extended", [])))
+                   lr_extended=list(sweeps.get(m, {}).get("extended", [])), **_plan_columns(planned[m]))
         rows.append(row)
         _annotate(rows)
         write_results(rows, cfg, out, elapsed=time.perf_counter() - t0, sweeps=sweeps)  # partial results survive
@@ -727,7 +751,9 @@ def write_results(rows: list[dict], cfg: CompareConfig, out: Path, elapsed: floa
     write_csv(out / "results_per_seed.csv", SEED_CSV_COLUMNS, per_seed)
     from slimopt.train.compare_plots import plot_loss_curves, plot_memory
     plot_loss_curves(rows, out / "loss_curves.png", title=_title(cfg, curves=True))
-    plot_memory(rows, out / "memory.png", title=_title(cfg))
+    plan = None if cfg.plan is None else (next((r["plan_model"] for r in rows if r.get("plan_model")),
+                                                   cfg.plan.model), cfg.plan.budget, cfg.plan.gpu_memory)
+    plot_memory(rows, out / "memory.png", title=_title(cfg), plan=plan)
     if sweeps:
         _write_sweep(sweeps, cfg)
 
@@ -829,6 +855,9 @@ def _markdown(rows: list[dict], cfg: CompareConfig, elapsed: float | None, sweep
     else:
         lines.append("- No control row (--no-control): nothing here shows whether the budget measures the "
                      "methods' training of the transformer weights.")
+    plan_text = _plan_text(rows, cfg)
+    if plan_text:
+        lines.append(plan_text)
     lines.append(f"- Peak memory: {'; '.join(kinds) or 'n/a'}. Optimizer state: bytes of every state tensor as "
                  f"allocated. Tokens/s: training steps only; wall s: the whole run (model build, evaluations); "
                  f"CPU s: processor time of the run over all its threads, which other work on the machine does not "
@@ -847,14 +876,24 @@ def _markdown(rows: list[dict], cfg: CompareConfig, elapsed: float | None, sweep
         lines[-1] = lines[-1][:-2]
     spread_head = " ppl min-max | ppl std |" if multi else ""
     spread_align = "---:|---:|" if multi else ""
+    planned = cfg.plan is not None
+    plan_head = (f" planned state GiB ({cfg.plan.model}) | planned peak GiB ({cfg.plan.model}) | "
+                 f"fits {cfg.plan.gpu_memory} |" if planned else "")
+    plan_align = "---:|---:|---|" if planned else ""
     lines += ["", f"| method | kind | val ppl | val loss |{spread_head} state MiB | state B/param | peak MiB | "
-                  f"tokens/s | wall s | CPU s | lr | lr from | settings | notes |",
-              f"|---|---|---:|---:|{spread_align}---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
+                  f"tokens/s | wall s | CPU s |{plan_head} lr | lr from | settings | notes |",
+              f"|---|---|---:|---:|{spread_align}---:|---:|---:|---:|---:|---:|{plan_align}---:|---|---|---|"]
     for r in rows:
-        tail = f"{_fmt(r.get('lr'), 'g')} | {r.get('lr_source', '')} | {r.get('settings', '')} | {r.get('notes', '')} |"
+        plan_cells = ""
+        if planned:
+            fits = {True: "yes", False: "no"}.get(r.get("plan_fits"), "")
+            plan_cells = (f" {_fmt(r.get('plan_state_gib'), '.2f')} | {_fmt(r.get('plan_peak_gib'), '.2f')} | "
+                          f"{fits} |")
+        tail = (f"{plan_cells} {_fmt(r.get('lr'), 'g')} | {r.get('lr_source', '')} | {r.get('settings', '')} | "
+                f"{r.get('notes', '')} |")
         blank_spread = " | |" if multi else ""
         if r["status"].startswith("failed"):
-            lines.append(f"| {r['method']} | {r['kind']} | {r['status']} | |{blank_spread} | | | | | | {tail}")
+            lines.append(f"| {r['method']} | {r['kind']} | {r['status']} | |{blank_spread} | | | | | |{tail}")
             continue
         ppl = _fmt(r["val_ppl"], ".2f") if r["status"] == "ok" else "diverged"
         spread = ""
@@ -864,7 +903,7 @@ def _markdown(rows: list[dict], cfg: CompareConfig, elapsed: float | None, sweep
         lines.append(f"| {r['method']} | {r['kind']} | {ppl} | {_fmt(r['val_loss'], '.4f')} |{spread} "
                      f"{_fmt(r['state_mib'], '.3f')} | {_fmt(r['state_bytes_per_param'], '.2f')} | "
                      f"{_fmt(r['peak_mem_mib'], '.0f')} | {_fmt(r['tokens_per_s'], ',.0f')} | "
-                     f"{_fmt(r['wall_time_s'], '.1f')} | {_fmt(r['cpu_time_s'], '.1f')} | {tail}")
+                     f"{_fmt(r['wall_time_s'], '.1f')} | {_fmt(r['cpu_time_s'], '.1f')} |{tail}")
     control = _control_row(rows)
     ranked = ranking_text(rows, control)
     if ranked:
@@ -878,6 +917,22 @@ def _markdown(rows: list[dict], cfg: CompareConfig, elapsed: float | None, sweep
               + (("; a row NAME+KEY=VALUE is --method NAME --opt KEY=VALUE")
                  if any("+" in r["method"] for r in rows) else "") + ").", ""]
     return "\n".join(lines)
+
+
+def _plan_text(rows: list[dict], cfg: CompareConfig) -> str:
+    """The report's line on the planned columns: where, how, and the call that prints one of them."""
+    if cfg.plan is None:
+        return ""
+    ps = cfg.plan
+    example = next((r.get("plan_command") for r in rows if r.get("plan_command")), None)
+    model = next((r.get("plan_model") for r in rows if r.get("plan_model")), ps.model)
+    return (f"- Planned memory (columns planned ..., memory.png's right panel): what the same method would hold at "
+            f"{model}, as `slimopt memory` plans it: {ps.dtype} weights, batch {ps.batch} x {ps.seq} tokens"
+            f"{', layer-wise updates' if ps.layerwise else ''}; state = optimizer state with projections, peak = one "
+            f"training step's, fits = peak within {ps.gpu_memory} (--plan-model, --plan-gpu-memory)"
+            + (f"; e.g. `{example}`" if example else "")
+            + ". Baselines the planner does not model have none. The measured state and peak above are at this "
+            f"run's size, where the peak is mostly the runtime's own memory.")
 
 
 def _sweep_table(sweeps: dict, cfg: CompareConfig) -> list[str]:

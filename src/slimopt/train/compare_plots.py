@@ -74,32 +74,65 @@ def _clip_y(ax, rows, key):
             ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo))
 
 
-def plot_memory(rows: list[dict], path: str | Path, title: str = "") -> Path:
-    """Horizontal bars per method: optimizer state (MiB) and peak training memory (MiB), values printed."""
+def plot_memory(rows: list[dict], path: str | Path, title: str = "",
+                plan: tuple[str, int, str] | None = None) -> Path:
+    """Horizontal bars per method, values printed: the optimizer state measured at the run's size (MiB), and
+
+    - with `plan` = (model label, GPU bytes, GPU label): each method's planned optimizer state and training-step
+      peak at that model (GiB, the rows' plan_state_gib / plan_peak_gib), the GPU's memory as a line, the peak
+      bar green where it fits and red where it does not; methods the planner does not model are left empty;
+    - without: the process's peak RSS growth (MiB), which at a small size is mostly the runtime.
+    """
     plt = pyplot()
     ok = [r for r in rows if r.get("state_mib") is not None and not str(r.get("status", "")).startswith("failed")]
     names = [r["method"] for r in ok]
-    state = [r["state_mib"] for r in ok]
-    peak = [r["peak_mem_mib"] for r in ok]
     fig, (ax_s, ax_p) = plt.subplots(1, 2, figsize=(12, 0.45 * max(4, len(ok)) + 1.5), dpi=100, sharey=True)
     y = list(range(len(ok)))
-    ax_s.barh(y, state, color="tab:blue")
-    ax_p.barh(y, peak, color="tab:orange")
-    kinds = sorted({r.get("peak_mem_kind", "") for r in ok} - {""})
-    for ax, vals, label in ((ax_s, state, "optimizer state (MiB)"),
-                            (ax_p, peak, "peak memory (MiB)" + (f"\n{kinds[0]}" if len(kinds) == 1 else ""))):
-        top = max([v for v in vals if v is not None and math.isfinite(v)] or [1.0])
-        for yi, v in zip(y, vals):
-            if v is not None and math.isfinite(v):
-                ax.text(v + 0.01 * top, yi, f"{v:.3g}", va="center", fontsize=8)
-        ax.set_xlim(0, top * 1.18 if top > 0 else 1)
-        ax.set_xlabel(label)
-        ax.grid(axis="x", alpha=0.3)
+    _bars(ax_s, y, [r["state_mib"] for r in ok], "tab:blue", "optimizer state, measured (MiB)")
+    if plan is None:
+        kinds = sorted({r.get("peak_mem_kind", "") for r in ok} - {""})
+        _bars(ax_p, y, [r.get("peak_mem_mib") for r in ok], "tab:orange",
+              "process peak memory growth (MiB; at this size mostly the runtime)"
+              + (f"\n{kinds[0]}" if len(kinds) == 1 else ""))
+    else:
+        model, budget, gpu = plan
+        state = [r.get("plan_state_gib") for r in ok]
+        peak = [r.get("plan_peak_gib") for r in ok]
+        colors = ["tab:green" if r.get("plan_fits") else "tab:red" for r in ok]
+        h = 0.38
+        _bars(ax_p, [v + h / 2 for v in y], peak, colors, "", height=h,
+              extra=[budget / 2**30], fmt=lambda v, r: f"{v:.3g} ({'fits' if r.get('plan_fits') else 'no'})",
+              rows=ok)
+        _bars(ax_p, [v - h / 2 for v in y], state, "tab:blue", "", height=h, extra=[budget / 2**30])
+        top = max([v for v in state + peak if v is not None and math.isfinite(v)] + [budget / 2**30])
+        ax_p.set_xlim(0, top * 1.25)  # both bar sets and the GPU line in view
+        ax_p.axvline(budget / 2**30, color="black", ls="--", lw=1)
+        ax_p.text(budget / 2**30, -0.9, f" {gpu}", fontsize=8, va="bottom")
+        ax_p.set_xlabel(f"planned at {model} (GiB): optimizer state (blue) and step peak (green: fits {gpu}, "
+                        f"red: does not)")
+        if not any(v is not None for v in peak):
+            ax_p.text(0.5, 0.5, "no method here is one the planner models", transform=ax_p.transAxes,
+                      ha="center", fontsize=9)
     ax_s.set_yticks(y)
     ax_s.set_yticklabels(names)
     ax_s.invert_yaxis()
     fig.suptitle(title or "memory per method", fontsize=11)
     return save_figure(fig, path)
+
+
+def _bars(ax, y, vals, color, label, height=0.8, extra=(), fmt=None, rows=None):
+    """Horizontal bars of `vals` (None: no bar) with their values printed at the end of each."""
+    shown = [(yi, v, i) for i, (yi, v) in enumerate(zip(y, vals)) if v is not None and math.isfinite(v)]
+    colors = color if isinstance(color, str) else [color[i] for _, _, i in shown]
+    ax.barh([yi for yi, _, _ in shown], [v for _, v, _ in shown], height=height, color=colors)
+    top = max([v for _, v, _ in shown] + list(extra) or [1.0])
+    for yi, v, i in shown:
+        text = fmt(v, rows[i]) if fmt else f"{v:.3g}"
+        ax.text(v + 0.01 * top, yi, text, va="center", fontsize=8)
+    ax.set_xlim(0, top * 1.25 if top > 0 else 1)
+    if label:
+        ax.set_xlabel(label)
+    ax.grid(axis="x", alpha=0.3)
 
 
 def plot_lr_sweep(sweeps: dict[str, dict], path: str | Path, title: str = "") -> Path:
