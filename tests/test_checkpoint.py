@@ -214,6 +214,56 @@ def test_a_damaged_dcp_folder_is_named_as_damaged_before_loading(tmp_path, how):
     assert not fresh_opt.state or all(int(st["step"]) == 0 for st in fresh_opt.state.values())  # nothing loaded
 
 
+@pytest.fixture(scope="module")
+def written_fsdp(data, tmp_path_factory):
+    """A one-process `--fsdp` run stopped at its step-2 checkpoint folder (DCP shards, train_state.pt, RNG)."""
+    corpus, cache = data
+    out = tmp_path_factory.mktemp("written_fsdp") / "run"
+    with pytest.raises(Crash):
+        train(fast_config(corpus, cache, method="adamw8bit", max_steps=4, save_every=2, out=str(out), fsdp=True),
+              callback=_crash_at(3))
+    return out
+
+
+def _files(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _copy(files, out):
+    for relative, content in files.items():
+        (out / relative).parent.mkdir(parents=True, exist_ok=True)
+        (out / relative).write_bytes(content)
+
+
+def test_fsdp_resume_from_a_whole_copy_finishes_the_run(data, written_fsdp, tmp_path):
+    # the copy the damage tests start from resumes: what they refuse is the damage alone
+    corpus, cache = data
+    out = tmp_path / "run"
+    _copy(_files(written_fsdp), out)
+    res = train(fast_config(corpus, cache, method="adamw8bit", max_steps=4, save_every=2, out=str(out), fsdp=True,
+                            resume=True))
+    assert res["steps"] == 4 and [s for s, _ in _train_losses(out)] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("name", ["train_state.pt", "rng_rank0.pt"])
+def test_fsdp_resume_from_a_cut_short_file_prints_one_line_and_changes_nothing(data, written_fsdp, tmp_path, capsys,
+                                                                              name):
+    corpus, cache = data
+    out = tmp_path / "run"
+    _copy(_files(written_fsdp), out)
+    damaged = out / "checkpoint.dcp" / name
+    _damage(damaged, "first half")
+    before = _files(out)
+    rc = main(["train", "--fsdp", *CLI_RUN, "--data", str(corpus), "--cache-dir", str(cache), "--out", str(out),
+               "--resume"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err.count("\n") == 0 and "Traceback" not in err
+    assert err.startswith(f"slimopt train: error: checkpoint {damaged} is damaged or incomplete")
+    assert "--overwrite" in err and "copy" in err
+    assert _files(out) == before  # the log, the checkpoint and the damaged file itself are as they were
+
+
 # ------------------------------------------------------------------------------------------------ exact resume
 
 class Crash(Exception):

@@ -75,7 +75,8 @@ class CheckpointError(ValueError):
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict:
-    """Load a checkpoint written by `save_atomic` with `weights_only=True`.
+    """Load a checkpoint file with `weights_only=True`: one written by `save_atomic`, or a torch.save file of an
+    FSDP checkpoint folder (``train_state.pt``, ``rng_rank<r>.pt``; ``slimopt.train.fsdp``).
 
     A file that is damaged or incomplete, or that holds Python objects, raises CheckpointError; any other failure
     of a whole file (memory, device) is torch's own error."""

@@ -7,8 +7,9 @@ plain process, which shards over a group of one (the CUDA path on a single GPU).
 
 Checkpoints are DCP folders (``slimopt.optim.distcheckpoint``: model, optimizer in its portable form) plus the
 training position: ``train_state.pt`` (step, tokens, scheduler, data sampler; loads with weights_only) and one
-``rng_rank<r>.pt`` per rank. A checkpoint is written into ``checkpoint.dcp.tmp`` and renamed into place, keeping
-the previous one as ``checkpoint.dcp.old`` until the rename is done, so a run killed at any moment leaves a
+``rng_rank<r>.pt`` per rank; either file, damaged or incomplete, stops a resume with one line naming it, as
+``checkpoint.pt`` does without FSDP. A checkpoint is written into ``checkpoint.dcp.tmp`` and renamed into place,
+keeping the previous one as ``checkpoint.dcp.old`` until the rename is done, so a run killed at any moment leaves a
 complete checkpoint:
 a resumed run ends bit-identical (on CPU) to one never stopped, as without FSDP. The optimizer state reshards, so
 a run may also resume on another number of ranks (then it continues the same run, equal up to the order of
@@ -29,7 +30,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from slimopt.train.checkpoint import fsync_dir
+from slimopt.train.checkpoint import fsync_dir, load_checkpoint
 
 __all__ = ["CHECKPOINT_DIR", "ensure_process_group", "shard_model", "no_sync", "find_checkpoint", "save",
            "read_train_state", "load", "full_model_state_dict", "check_method"]
@@ -131,8 +132,9 @@ def save(out: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.
 
 
 def read_train_state(path: str | os.PathLike) -> dict[str, Any]:
-    """The run's position saved with a checkpoint folder (cheap: read before loading any shard)."""
-    return torch.load(Path(path) / "train_state.pt", weights_only=True)
+    """The run's position saved with a checkpoint folder (cheap: read before loading any shard). A damaged or
+    incomplete file raises CheckpointError, one line naming it (``slimopt.train.checkpoint.load_checkpoint``)."""
+    return load_checkpoint(Path(path) / "train_state.pt")
 
 
 def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -140,9 +142,11 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     (rank 0's when the checkpoint was written by fewer ranks)."""
     from slimopt.optim import distcheckpoint
     path = Path(path)
-    distcheckpoint.load(path, model, optimizer)
     rng_file = path / f"rng_rank{_rank()}.pt"
-    return torch.load(rng_file if rng_file.is_file() else path / "rng_rank0.pt", weights_only=True)
+    # The RNG file first: a damaged one is refused in one line (CheckpointError) before any shard is loaded.
+    rng = load_checkpoint(rng_file if rng_file.is_file() else path / "rng_rank0.pt")
+    distcheckpoint.load(path, model, optimizer)
+    return rng
 
 
 def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
