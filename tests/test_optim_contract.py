@@ -186,6 +186,75 @@ def test_state_not_keyed_by_a_parameter_is_kept_as_torch_keeps_it():
     new.step()
 
 
+# ------------------------------------------------------------------------------------------------ torch.optim.AdamW's state
+
+
+def _torch_adamw(params, **settings):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, **settings)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_torch_adamw_state_continues_in_slimopt_adamw(fused):
+    # torch.optim lets optimizers of one algorithm load each other's state dicts: a run moved from torch's AdamW
+    # to slimopt's (the same moments, step, exp_avg, exp_avg_sq) continues as torch's would
+    params = _params()
+    reference = _torch_adamw(params)
+    for step in range(3):
+        _grads(params, step)
+        reference.step()
+    saved = copy.deepcopy(reference.state_dict())
+    assert saved["param_groups"][0]["fused"] is None and "moment_step" not in saved["state"][0]
+    clones = [Parameter(p.detach().clone()) for p in params]
+    opt = slimopt.SlimOptimizer(clones, rule="adamw", codec="fp32", fused=fused)
+    opt.load_state_dict(saved)
+    group = opt.param_groups[0]
+    assert group["fused"] is fused  # torch's None (torch picks) is no slimopt setting: this optimizer's stays
+    assert group["lr"] == 1e-2 and group["weight_decay"] == 0.01  # the saved hyperparameters, as torch loads them
+    for step in range(3, 6):
+        _grads(params, step)
+        _grads(clones, step)
+        reference.step()
+        opt.step()
+    for p, q in zip(params, clones):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
+    for p, q in zip(params, clones):
+        ours, theirs = opt.state[q], reference.state[p]
+        assert float(ours["step"]) == float(ours["moment_step"]) == float(theirs["step"]) == 6.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(ours[key], theirs[key], rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("setting", ["amsgrad", "maximize"])
+def test_a_torch_setting_slimopt_does_not_compute_is_refused_naming_it(setting):
+    params = _params()
+    reference = _torch_adamw(params, **{setting: True})
+    _grads(params, 0)
+    reference.step()
+    saved = reference.state_dict()
+    clones = [Parameter(p.detach().clone()) for p in params]
+    opt = slimopt.SlimOptimizer(clones, lr=1e-3)
+    with pytest.raises(ValueError, match=f"{setting}=True") as caught:
+        opt.load_state_dict(saved)
+    assert "parameter group 0" in str(caught.value)
+    assert opt.param_groups[0]["lr"] == 1e-3 and not opt.state  # nothing was loaded
+
+
+def test_torch_adam_l2_weight_decay_is_refused_and_without_decay_loads():
+    # torch.optim.Adam adds weight_decay * p to the gradient (decoupled_weight_decay=False); slimopt decays the
+    # weights themselves, so only Adam without weight decay is the same arithmetic
+    params = _params()
+    for weight_decay in (0.01, 0.0):
+        reference = torch.optim.Adam(params, lr=1e-2, weight_decay=weight_decay)
+        _grads(params, 0)
+        reference.step()
+        opt = slimopt.SlimOptimizer([Parameter(p.detach().clone()) for p in params])
+        if weight_decay:
+            with pytest.raises(ValueError, match="decoupled_weight_decay=False"):
+                opt.load_state_dict(reference.state_dict())
+        else:
+            opt.load_state_dict(reference.state_dict())
+
+
 # ------------------------------------------------------------------------------------------------ what already holds
 
 

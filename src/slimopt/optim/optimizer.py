@@ -611,6 +611,11 @@ class SlimOptimizer(torch.optim.Optimizer):
         device; the counters ``step`` and ``moment_step`` become 0-D fp32 tensors on the CPU, from a tensor or from
         a Python number (which torch.optim loads too: older and hand-edited checkpoints). A group saved before a
         setting existed gets its default (the arithmetic it was saved with; e.g. ``eps_placement="torch"``).
+
+        torch.optim's AdamW (or Adam without weight decay) loads too, as torch.optim's optimizers of one algorithm
+        load each other's: its moments continue, and a torch setting SlimOptimizer does not compute (``amsgrad``,
+        ``maximize``, Adam's L2 ``weight_decay``) is refused naming it (``_loaded_group``). Every loaded group is
+        checked as a new group is, before anything is loaded.
         """
         loaded: dict[str, Any] = {}
 
@@ -618,7 +623,9 @@ class SlimOptimizer(torch.optim.Optimizer):
             # The last pre-hook: it sees what the user's pre-hooks left, and hands torch the groups only, so that
             # torch's cast never touches the state.
             loaded.update(sd)
-            groups = [{k: v for k, v in {**DEFAULTS, **g}.items() if k != "state_layout"} for g in sd["param_groups"]]
+            groups = sd["param_groups"]
+            if len(groups) == len(self.param_groups):  # otherwise torch refuses the state dict itself
+                groups = [_loaded_group(ours, g, i) for i, (ours, g) in enumerate(zip(self.param_groups, groups))]
             return {**sd, "param_groups": groups, "state": {}}
 
         def put_state(optimizer) -> None:
@@ -645,11 +652,50 @@ class SlimOptimizer(torch.optim.Optimizer):
                 self.state[i] = values  # torch keeps state that names no parameter as it is
                 continue
             values = portable.saved_state(values, f"state of parameter {i}")
+            if "moment_step" not in values and "step" in values and not _MOMENT_KEYS.isdisjoint(values):
+                # torch.optim's moments never restart, so their age is the parameter's step
+                values["moment_step"] = values["step"].clone()
             if in_portable_form:
                 self.state[p] = portable.import_param(self, p, self.param_groups[self._where[p][0]], values)
             else:
                 self.state[p] = {k: v if k in portable.COUNTERS else v.detach().to(p.device, copy=True)
                                  for k, v in values.items()}
+
+
+_MOMENT_KEYS = frozenset(key for keys in MOMENTS.values() for key, _ in keys)
+
+
+def _loaded_group(ours: dict[str, Any], saved: dict[str, Any], index: int) -> dict[str, Any]:
+    """The saved parameter group `saved` as it loads into the group `ours`: slimopt's settings over the defaults,
+    refused with a ValueError naming the key where SlimOptimizer would not compute what the saver did."""
+    where = f"parameter group {index} of the state dict"
+    for key in ("amsgrad", "maximize"):  # torch.optim's AdamW settings with no slimopt arithmetic
+        if saved.get(key):
+            raise ValueError(f"{where}: {key}={saved[key]!r} (torch.optim) is an arithmetic SlimOptimizer does not "
+                             f"implement; it loads only state saved with {key}=False")
+    if saved.get("decoupled_weight_decay") is False and float(saved.get("weight_decay", 0.0)) != 0.0:
+        raise ValueError(f"{where}: decoupled_weight_decay=False with weight_decay={saved['weight_decay']!r} is "
+                         "torch.optim.Adam's L2 decay (added to the gradient); SlimOptimizer decays the weights "
+                         "themselves, as torch.optim.AdamW does: it loads AdamW's state, or Adam's with weight_decay=0")
+    group = {k: v for k, v in {**DEFAULTS, **saved}.items() if k != "state_layout"}
+    for key, value in saved.items():
+        # torch.optim saves None for a setting it picks itself (fused, foreach); where None is no value of
+        # slimopt's setting, this optimizer's own value stays
+        if value is None and key in DEFAULTS and not _valid({**ours, key: None}):
+            group[key] = ours[key]
+    try:
+        validate_group({**group, "params": ours["params"]})
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
+    return group
+
+
+def _valid(group: dict[str, Any]) -> bool:
+    try:
+        validate_group(group)
+    except ValueError:
+        return False
+    return True
 
 
 def state_shape(projector: str, side: str | None, shape: torch.Size, r: int) -> torch.Size:
