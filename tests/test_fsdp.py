@@ -22,6 +22,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "distributed", "fsdp_worker.py")
+DEFAULTS_WORKER = os.path.join(HERE, "distributed", "defaults_worker.py")
 sys.path.insert(0, os.path.join(HERE, "distributed"))
 
 import common as C  # noqa: E402
@@ -39,9 +40,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(nproc: int, phase: str, out: str) -> str:
+def _torchrun(nproc: int, phase: str | None, out: str, worker: str = WORKER) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(_free_port()), WORKER, "--phase", phase, "--out", out]
+           "127.0.0.1", "--master_port", str(_free_port()), worker, *(["--phase", phase] if phase else []),
+           "--out", out]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     text = res.stdout + res.stderr
@@ -106,3 +108,19 @@ def test_layerwise_updates_under_fsdp2_equal_the_ordinary_step(saved):
         report = json.load(f)
     assert report == {f"{case}/{accumulation}": "equal" for case in ("adamw8bit", "galore", "frugal", "taco")
                       for accumulation in (1, 2)}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_method_at_its_defaults_equals_one_process(world, tmp_path):
+    """The fast routes (fused=True) on row shards: every named method under FSDP2 ends within 1e-6 of one process
+    on exact gradients (tests/distributed/defaults_worker.py), each through the route it takes in one process."""
+    import slimopt
+    _torchrun(world, None, str(tmp_path), DEFAULTS_WORKER)
+    with open(tmp_path / f"defaults_{world}.json") as f:
+        report = json.load(f)
+    assert sorted(report) == sorted(slimopt.methods())
+    for method, r in report.items():
+        assert r["max_diff"] <= 1e-6, (method, r)
+    assert "c_kernel" in report["adamw8bit"]["routes"] and "multi_tensor_adamw" in report["adamw"]["routes"]
+    assert ("taco_sharded" if world > 1 else "taco_c_kernel") in report["taco"]["routes"]
+    assert "projected" in report["galore"]["routes"] and "multi_tensor_free" in report["frugal"]["routes"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import slimopt
-from slimopt.optim import kernel_plan, multi_tensor, native, windowed
+from slimopt.optim import budget, kernel_plan, multi_tensor, native, windowed
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="the C kernel could not be built here")
 
@@ -28,7 +28,8 @@ def _run(settings, dtype, steps, planned, monkeypatch, grad_dtypes=None, between
     SlimOptimizer(settings), with plans or without."""
     with monkeypatch.context() as m:
         if not planned:
-            m.setattr(kernel_plan, "build", lambda p, grad, state, group, codecs: kernel_plan.Plan(group, p, grad, []))
+            for name in ("build_cpu", "build_launch"):
+                m.setattr(kernel_plan, name, lambda p, grad, state, group, codecs: kernel_plan.Plan(group, p, grad, []))
             m.setattr(kernel_plan, "build_projected", lambda p, grad, state, group, *a: kernel_plan.Plan(group, p, grad, []))
         ws = _weights(dtype)
         if grad_dtypes:
@@ -44,7 +45,7 @@ def _run(settings, dtype, steps, planned, monkeypatch, grad_dtypes=None, between
             if between is not None:
                 opt = between(step, opt, ws) or opt
         group = opt.param_groups[0]
-        used = [getattr(opt._plans.get(w), "replays", False) for w in ws]
+        used = [getattr(getattr(opt._routes.get(w), "plan", None), "replays", False) for w in ws]
         torch_fused = sum(1 for w in ws if multi_tensor.adamw_applies(
             group, w, w.grad, opt._moment_codecs(group, w.shape, w.dtype)))
         return ([w.detach().clone() for w in ws], [{k: v.clone() for k, v in opt.state[w].items()} for w in ws],
@@ -95,7 +96,7 @@ def test_the_planned_step_equals_the_general_one(settings, dtype, monkeypatch):
 
 
 def test_a_weight_in_several_windows_plans_each_window(monkeypatch):
-    monkeypatch.setattr(windowed, "WINDOW_BYTES", 33 * 1024)  # 8-bit: 1024 elements a window
+    monkeypatch.setattr(budget, "WINDOW_BYTES", 33 * 1024)  # 8-bit: 1024 elements a window
     settings = dict(lr=1e-2, state_bits=8, weight_decay=0.1)
     planned = _run(settings, torch.bfloat16, 4, True, monkeypatch)
     general = _run(settings, torch.bfloat16, 4, False, monkeypatch)
@@ -104,9 +105,17 @@ def test_a_weight_in_several_windows_plans_each_window(monkeypatch):
 
 def test_what_a_plan_does_not_cover_takes_the_general_path(monkeypatch):
     # the 64 x 96 weight (the smaller ones keep fp32 moments, which are planned)
-    for settings in (dict(codec="bf16_sr"), dict(state_bits=8, fused=False), dict(state_bits=8, compile=True),
-                     dict(state_bits=8, projector="block", density=1.0)):
+    for settings in (dict(codec="bf16_sr"), dict(state_bits=8, fused=False), dict(state_bits=8, compile=True)):
         assert not _run({"lr": 1e-2, **settings}, torch.bfloat16, 2, True, monkeypatch)[2][0], settings
+
+
+def test_an_active_block_is_planned_anew_at_each_turn(monkeypatch):
+    # FRUGAL's blocks: the active one's moments start anew at each turn (on_refresh reset), its plan with them
+    settings = dict(lr=1e-2, state_bits=8, projector="block", density=0.5, update_gap=2, on_refresh="reset")
+    planned = _run(settings, torch.bfloat16, 7, True, monkeypatch)
+    general = _run(settings, torch.bfloat16, 7, False, monkeypatch)
+    assert any(planned[2]) and not any(general[2])
+    _assert_same(planned, general)
 
 
 def test_a_changed_gradient_dtype_weight_or_setting_replans(monkeypatch):
@@ -147,8 +156,8 @@ def test_a_state_dict_round_trip_mid_run_continues_identically(monkeypatch):
 
 def test_a_weight_that_is_not_planned_is_not_asked_again_every_step(monkeypatch):
     calls = []
-    build = kernel_plan.build
-    monkeypatch.setattr(kernel_plan, "build", lambda *a: calls.append(1) or build(*a))
+    build = kernel_plan.build_cpu
+    monkeypatch.setattr(kernel_plan, "build_cpu", lambda *a: calls.append(1) or build(*a))
     ws = _weights(torch.bfloat16)
     opt = slimopt.SlimOptimizer(ws, lr=1e-2, codec="bf16_sr")  # the 64 x 96 weight: not planned
     for step in range(4):
@@ -156,7 +165,7 @@ def test_a_weight_that_is_not_planned_is_not_asked_again_every_step(monkeypatch)
             w.grad = g
         opt.step()
     assert len(calls) == len(SHAPES)
-    assert not opt._plans[ws[0]].replays and opt._plans[ws[1]].replays
+    assert not opt._routes[ws[0]].plan.replays and opt._routes[ws[1]].plan.replays
 
 
 PROJECTED = [

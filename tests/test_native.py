@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import slimopt
-from slimopt.optim import native, windowed
+from slimopt.optim import budget, native, windowed
 from slimopt.optim import quant as Q
 from helpers import assert_state_close, save_and_load
 
@@ -105,7 +105,7 @@ def test_one_pass_equals_the_eager_step(counted, dtype, rule, m, v, settings):
                                  ("ternary_sr_rms64", "factored"), ("ternary_ef_mean64", "int4")])
 def test_windows_of_a_tensor(counted, monkeypatch, m, v):
     """Small windows: each is one kernel call, stochastic codes draw per window as the eager windows do."""
-    monkeypatch.setattr(windowed, "WINDOW_BYTES", 1 << 16)
+    monkeypatch.setattr(budget, "WINDOW_BYTES", 1 << 16)
     kw = dict(lr=1e-2, m_codec=m, v_codec=v)
     a, b = _params(torch.bfloat16), _params(torch.bfloat16)
     fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
@@ -157,8 +157,8 @@ def test_stochastic_and_kahan_weight_writes_equal_the_eager_step(counted, monkey
     agree within the compensation's own rounding and the rest as _assert_same says."""
     exact = "free_rule" in settings
     kw = dict(lr=1e-2, weight_decay=0.1, param_rounding=rounding, **settings)
-    for window in (windowed.WINDOW_BYTES, 8 << 10):  # whole tensors, then windows of a few thousand elements
-        monkeypatch.setattr(windowed, "WINDOW_BYTES", window)
+    for window in (budget.WINDOW_BYTES, 8 << 10):  # whole tensors, then windows of a few thousand elements
+        monkeypatch.setattr(budget, "WINDOW_BYTES", window)
         a, b = _params(torch.bfloat16), _params(torch.bfloat16)
         fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
         calls = counted.calls

@@ -25,6 +25,7 @@ import slimopt  # noqa: E402
 from slimopt.bench.fsdp_comm import CollectiveCounter, expected_bytes  # noqa: E402
 from slimopt.optim import distcheckpoint, portable  # noqa: E402
 from slimopt.optim import sharded as S  # noqa: E402
+from slimopt.optim import sharded_taco  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -164,15 +165,15 @@ def test_packed_keys_order_like_argmax_with_the_first_row_on_ties():
     g = torch.randint(-3, 4, (40, 25), generator=gen).float()  # many ties, zeros and -0.0
     g[5, 3] = -0.0
     rows = torch.arange(40).unsqueeze(1).expand(40, 25)
-    keys = S.pack_keys(g.abs(), rows, torch.signbit(g))
+    keys = sharded_taco.pack_keys(g.abs(), rows, torch.signbit(g))
     best = keys.max(dim=0).values
-    value, row, valid = S.unpack_keys(best)
+    value, row, valid = sharded_taco.unpack_keys(best)
     assert valid.all()
     assert torch.equal(row, g.abs().argmax(dim=0))
     assert torch.equal(value, g.gather(0, row.unsqueeze(0))[0])
-    v, r, ok = S.unpack_keys(keys)
+    v, r, ok = sharded_taco.unpack_keys(keys)
     assert torch.equal(r, rows) and torch.equal(v.view(torch.int32), g.view(torch.int32))  # -0.0 survives
-    assert not S.unpack_keys(torch.full((3,), -1, dtype=torch.int64))[2].any()
+    assert not sharded_taco.unpack_keys(torch.full((3,), -1, dtype=torch.int64))[2].any()
 
 
 def test_placements_other_than_row_shards_are_refused(mesh):

@@ -13,7 +13,7 @@ import torch
 from slimopt import SlimOptimizer
 from slimopt.optim import codecs as C
 from slimopt.optim import quant as Q
-from slimopt.optim import windowed
+from slimopt.optim import budget, windowed
 
 NEW = [s for s in C.TERNARY_SPECS if s not in ("ternary_sr", "ternary_ef")]
 SHAPE = torch.Size((96, 1280))  # whole blocks of 64 and of 5 trits (a byte) in every row
@@ -121,7 +121,7 @@ def test_windowed_step_equals_the_whole_tensor_step(spec, monkeypatch):
     whole_w, whole_state, _ = _steps(settings)
     codec = C.make_codec(spec, "m", SHAPE.numel(), torch.float32)
     codecs = [("exp_avg", codec), ("exp_avg_sq", C.make_codec("fp32", "v", SHAPE.numel(), torch.float32))]
-    monkeypatch.setattr(windowed, "WINDOW_BYTES", 1 << 18)
+    monkeypatch.setattr(budget, "WINDOW_BYTES", 1 << 18)
     win_w, win_state, _ = _steps(settings)
     per = windowed.scratch_per_element(windowed.kind(codecs), torch.float32)
     n = windowed.window_elems(SHAPE.numel(), codec.align(SHAPE), per)

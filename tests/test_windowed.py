@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from slimopt import SlimOptimizer, state_nbytes
-from slimopt.optim import windowed
+from slimopt.optim import budget, windowed
 
 SHAPE = (96, 1280)  # 122,880 elements: several windows at the small window size below, whole blocks for every codec
 
@@ -35,7 +35,7 @@ DETERMINISTIC = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_windows_equal_the_whole_tensor_step(settings, dtype, monkeypatch):
     whole_w, whole_state = _steps(settings, dtype)
-    monkeypatch.setattr(windowed, "WINDOW_BYTES", 1 << 16)  # a few windows of this tensor
+    monkeypatch.setattr(budget, "WINDOW_BYTES", 1 << 16)  # a few windows of this tensor
     per = windowed.scratch_per_element(windowed.kind([]), dtype)
     assert windowed.window_elems(SHAPE[0] * SHAPE[1], 1280, per) < SHAPE[0] * SHAPE[1] // 2
     win_w, win_state = _steps(settings, dtype)
@@ -57,7 +57,7 @@ def test_stochastic_codecs_in_windows(codec, monkeypatch):
     settings = {"m_codec": codec}
     # the weights see a rounding's draws two steps later (error feedback carries them one encode further)
     whole_w, whole_state = _steps(settings, steps=3)
-    monkeypatch.setattr(windowed, "WINDOW_BYTES", 1 << 18)
+    monkeypatch.setattr(budget, "WINDOW_BYTES", 1 << 18)
     n = windowed.window_elems(SHAPE[0] * SHAPE[1], 1280, windowed.scratch_per_element(
         codec if codec.startswith("ternary") else "plain", torch.float32))
     assert n * 3 < SHAPE[0] * SHAPE[1]
@@ -101,13 +101,13 @@ def _scratch_case(monkeypatch, settings: dict, size: int, window: int, fused: bo
     measured one is at most max(4 bytes per element, the window)."""
     from slimopt.bench import planner
 
-    monkeypatch.setattr(windowed, "WINDOW_BYTES", window)
+    monkeypatch.setattr(budget, "WINDOW_BYTES", window)
     torch.manual_seed(0)
     w = torch.nn.Linear(size, size, bias=False).to(torch.bfloat16).weight
     w.grad = torch.randn_like(w)
     opt = SlimOptimizer([w], fused=fused, **settings)
     measured = _step_scratch(w, opt)
-    assert measured <= max(4 * w.numel(), windowed.WINDOW_BYTES)
+    assert measured <= max(4 * w.numel(), budget.WINDOW_BYTES)
     return measured, planner._slim_param(opt, w, opt.param_groups[0])[3]
 
 
@@ -172,7 +172,7 @@ def test_taco_candidates_in_row_windows_equal_the_whole_search(k, dtype, monkeyp
 
     whole, whole_state = run(False)
     runs = [run(True)]
-    monkeypatch.setattr(windowed, "WINDOW_BYTES", 40 * 4 * 16)  # 16 rows a window (at least 2k + 1)
+    monkeypatch.setattr(budget, "WINDOW_BYTES", 40 * 4 * 16)  # 16 rows a window (at least 2k + 1)
     runs.append(run(False))
     for win, win_state in runs:
         for (r1, s1), (r2, s2) in zip(whole, win):
@@ -264,7 +264,7 @@ def _projected_run(settings, dtype, window, monkeypatch, integer=True, steps=5, 
     from a state_dict saved through torch.save / weights_only load."""
     import io
 
-    monkeypatch.setattr(windowed, "WINDOW_BYTES", window)
+    monkeypatch.setattr(budget, "WINDOW_BYTES", window)
     gen = torch.Generator().manual_seed(0)
     w = torch.nn.Parameter(torch.randn(PROJ_SHAPE, generator=gen).to(dtype))
     kw = dict(lr=1e-2, weight_decay=0.1, fused=False, update_gap=3, **settings)
@@ -304,7 +304,7 @@ def test_projected_windows_equal_the_whole_step(case, free_rule, dtype, monkeypa
     axis = P.window_axis(settings["projector"], side)
     count, line = (PROJ_SHAPE[0], PROJ_SHAPE[1]) if axis == 0 else (PROJ_SHAPE[1], PROJ_SHAPE[0])
     per = windowed.apply_scratch(dtype, free_rule, settings.get("param_rounding", "nearest"))
-    monkeypatch.setattr(windowed, "WINDOW_BYTES", 16 << 10)
+    monkeypatch.setattr(budget, "WINDOW_BYTES", 16 << 10)
     assert count // windowed.window_lines(count, line, per) >= 3  # several windows (fewer lines: what it holds)
     win_w, win_state = _projected_run(settings, dtype, 16 << 10, monkeypatch, reload_at=2)
     assert whole_state.keys() == win_state.keys()

@@ -199,7 +199,7 @@ def main():
         run(b, eager, 0, 4)
         report[f"galore planned/{str(dtype)[6:]}"] = {
             **compare(a, b, fast, eager, dtype, steps=4), "launches": counting.calls - before,
-            "planned": type(fast._plans.get(a[0])).__name__}
+            "planned": type(getattr(fast._routes.get(a[0]), "plan", None)).__name__}
     # tensors of one size and settings step in one launch: five weights of two sizes (the 2-D ones and the 1-D
     # ones of 7200 elements share a launch) and two groups
     for dtype in (torch.float32, torch.bfloat16):
@@ -215,7 +215,7 @@ def main():
         run(b, eager, 0, 3)
         report[f"batched/{str(dtype)[6:]}"] = {**compare(a, b, fast, eager, dtype), "launches": counting.calls - before,
                                               "tensors": counting.tensors - tensors,
-                                              "plans": sum(isinstance(fast._plans.get(p), kernel_plan.LaunchPlan)
+                                              "plans": sum(isinstance(getattr(fast._routes.get(p), "plan", None), kernel_plan.LaunchPlan)
                                                            for p in a)}
     # ternary_adamw's moments (ternary m, factored v): the two 2-D weights of one shape share their launches (the
     # rows layout and the moment pass), the 1-D weight's v is fp32 (a factored codec keeps a 1-D moment so); with
@@ -279,7 +279,7 @@ def main():
         name = f"taco k={k}{' int8' if extra else ''}{' split' if split else ''} {str(dtype)[6:]}"
         report[name] = {**compare(a, b, fast, eager, dtype), "searches": counts["search"] - before["search"],
                         "runs": counts["runs"] - before["runs"], "stepped": counts["stepped"] - before["stepped"],
-                        "2-D exact": two_d, "plans": sorted({type(fast._plans.get(x)).__name__ for x in a
+                        "2-D exact": two_d, "plans": sorted({type(getattr(fast._routes.get(x), "plan", None)).__name__ for x in a
                                                              if x.dim() == 2})}
     triton_step._SCRATCH_BYTES = budget
     # a checkpoint written by the Triton path resumes on the eager one (and back) with the same results

@@ -123,7 +123,11 @@ def param_bytes(opt, p, group: dict[str, Any], world: int, step: int) -> tuple[i
         rows, cols = space
         if taco.owns(group, space):
             k = group["taco_k"]
-            per_step += 8 * cols if k == 0 else 4 * k * cols + 8 * min(k, rows) * cols
+            if layout in ("none", "block") and k == 1 and group["fused"] and (
+                    p.dtype != torch.bfloat16 or group["param_rounding"] == "nearest"):
+                per_step += 16 * cols  # the fast route's keys: candidates and stored entries, one all-reduce
+            else:
+                per_step += 8 * cols if k == 0 else 4 * k * cols + 8 * min(k, rows) * cols
         else:
             # a factored v's column sums, all-reduced in fp64 (codecs.factored_means)
             per_step += 8 * cols * sum(c.name == "factored" for _, c in _codecs(opt, group, space, p.dtype))
@@ -139,11 +143,8 @@ def param_bytes(opt, p, group: dict[str, Any], world: int, step: int) -> tuple[i
     chunk = -(-m // world)
     state = opt.state.get(p, {})
     moments = "proj" in state or "proj_index" in state  # a refresh with moments to carry over
-    if layout == "svd":
+    if layout in ("svd", "randomized_svd"):  # the gradient gathered, decomposed on one rank, the basis broadcast
         refresh = 4 * world * chunk * n + 8 + 4 * (m if side == "left" else n) * r
-    elif layout == "randomized_svd":
-        k = min(r + group["oversample"], m, n)
-        refresh = 8 + (group["power_iters"] + 1) * (4 * n * k + 4 * world * chunk * k)
     stateful = moments and not taco.owns(group, (r, n)) and any(k in state for k, _ in _codecs(opt, group, (r, n),
                                                                                                p.dtype))
     if side == "left" and group["on_refresh"] == "project" and stateful:

@@ -11,7 +11,7 @@ parameters and gives:
 - optimizer state, exact: for slimopt methods the optimizer that ``slimopt train`` builds is constructed over the
   meta parameters (same partition, same recipe, same default rank), and each parameter's state is sized with the
   optimizer's own helpers: its layout (``SlimOptimizer._layout``), subspace side and rank
-  (``projectors.side_for`` / ``subspace_rank``), the moment shape (``optimizer.state_shape``), the moment codecs
+  (``projectors.side_for`` / ``subspace_rank``), the moment shape (``projectors.subspace_shape``), the moment codecs
   it would pick (``SlimOptimizer._moment_codecs``) and their exact ``nbytes``, TACO's ``taco.state_nbytes``, and
   the block schedule (``SlimOptimizer._block_active``). It equals ``slimopt.state_nbytes`` of the real optimizer
   (tests/test_planner.py checks it for every method and codec). Peers' states come from ``peer_state``;
@@ -45,7 +45,7 @@ full space or on a block, every state-free update) walk the tensor in windows of
 windows of rows or columns between refreshes: they hold the subspace gradient and direction (8 r / d bytes per
 element of a weight whose side d keeps r directions, 4 r / d without a residual) and the basis's fp32 copy, plus a
 window (``windowed.projected_scratch``); a refresh step's decomposition (the whole gradient in fp32 and the SVD's
-workspace) is not in X. TACO's fused step searches row windows (``taco.scratch_bytes``), its dense reference step
+workspace) is not in X. TACO's fused step searches row windows (``taco_routes.scratch_bytes``), its dense reference step
 pays per element of the tensor; galore-torch pays it on the largest parameter. Fused kernels (torch fused AdamW,
 bitsandbytes, and slimopt's multi-tensor path where it applies: ``multi_tensor.py``, CPU weights) allocate
 nothing, but for one sign() of an inactive block's gradient; torch's foreach AdamW one state-sized temporary for
@@ -286,8 +286,9 @@ def _slim_param(opt, p: torch.Tensor, group: dict) -> tuple[str, int, int, int]:
     from slimopt.optim import multi_tensor, native
     from slimopt.optim import projectors as P
     from slimopt.optim import taco
+    from slimopt.optim import taco_routes
     from slimopt.optim import windowed
-    from slimopt.optim.optimizer import state_shape
+    from slimopt.optim.projectors import subspace_shape as state_shape
     from slimopt.optim.rules import ELEMENTWISE_RULES, rounding_of
 
     layout = opt._layout(p, group)
@@ -298,7 +299,7 @@ def _slim_param(opt, p: torch.Tensor, group: dict) -> tuple[str, int, int, int]:
         if never:
             scratch = 0 if free_in_kernel else _scratch_bytes("state_free", p, group, 1)
         elif taco.owns(group, p.shape):
-            scratch = (taco.scratch_bytes(p.shape, group, p.dtype, p.device.type) if group["fused"]
+            scratch = (taco_routes.scratch_bytes(p.shape, group, p.dtype, p.device.type) if group["fused"]
                        else _scratch_bytes("taco", p, group))
         elif group["rule"] in ELEMENTWISE_RULES or group["rule"] == "taco":  # windowed.py
             scratch = _scratch_bytes(windowed.kind(codecs, group["rule"]), p, group, _align(codecs, p.shape))

@@ -30,9 +30,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import choice
 from . import native
 from . import projectors as P
-from . import taco
+from . import taco_routes
 from . import triton_step
 from . import triton_taco
 from . import windowed
@@ -40,8 +41,8 @@ from .codecs import FactoredRows
 from .noise import CounterStream
 from .rules import PARAM_STREAM, apply_update, comp_of, rounding_of
 
-__all__ = ["Plan", "CpuPlan", "LaunchPlan", "ProjectedPlan", "ProjectedLaunchPlan", "TacoLaunchPlan", "build",
-           "build_projected", "build_taco", "SETTINGS"]
+__all__ = ["Plan", "CpuPlan", "LaunchPlan", "ProjectedPlan", "ProjectedLaunchPlan", "TacoLaunchPlan",
+           "build_launch", "build_cpu", "build_projected", "build_taco", "SETTINGS"]
 
 # The group settings that decide the route and the kernels' fixed arguments (lr, betas, eps, weight decay and
 # momentum are read again every step)
@@ -141,7 +142,7 @@ class LaunchPlan(Plan):
         stream = stream if self.needs_stream else _no_stream
 
         def eager() -> None:
-            windowed.in_windows(p, grad, state, group, codecs, age, stream, rounding, comp)
+            windowed.in_windows(p, grad, state, group, codecs, age, stream, rounding, comp, one_pass=False)
 
         launch = _relaunch(self.launch, group, codecs, age, grad.data_ptr())
         if self.needs_stream:
@@ -167,20 +168,22 @@ class ProjectedPlan(Plan):
     replays = True
 
     def __init__(self, group, p, grad, refs, key: str, projector: str, side: str, mm, low_shape, rule, write,
-                 windows: list) -> None:
+                 windows: list, reduce=None) -> None:
         super().__init__(group, p, grad, refs)
         self.key, self.projector, self.side, self.mm, self.low_shape = key, projector, side, mm, low_shape
-        self.rule, self.write, self.windows = rule, write, windows
+        self.rule, self.write, self.windows, self.reduce = rule, write, windows, reduce
 
     def matches(self, p, grad, group, state) -> bool:
-        step = state.get("step")
+        step = state.get("step")  # already counted for this step
         return (super().matches(p, grad, group, state) and step is not None
-                and not P.refresh_due(int(step.numpy()) + 1, group["update_gap"]))
+                and not P.refresh_due(int(step.numpy()), group["update_gap"]))
 
     def run(self, p, grad, state, group, age, batch, stream=None) -> None:
         q = state[self.key].to(self.mm)
         low = torch.empty(self.low_shape, dtype=torch.float32, device=p.device)
         windowed.down_into(low, grad, self.projector, self.side, q, self.mm)
+        if self.reduce is not None:  # a left projection of a row shard: summed over the ranks
+            self.reduce(low)
         c = self.direction(low, state, group, age, p.dtype)  # written over the subspace gradient
         full = P.up(self.projector, self.side, low.to(self.mm), q, p.shape)
         self.lifted_write(p, full, group, c * float(group["scale"]))
@@ -207,8 +210,8 @@ class ProjectedLaunchPlan(ProjectedPlan):
     general path's fallback for that step (and the settings' failure sends later steps to the general path)."""
 
     def __init__(self, group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, codecs: list,
-                 comp: Tensor | None, held: int) -> None:
-        super().__init__(group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, [])
+                 comp: Tensor | None, held: int, reduce=None) -> None:
+        super().__init__(group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, [], reduce)
         self.codecs, self.comp, self.held = codecs, comp, held
 
     def matches(self, p, grad, group, state) -> bool:
@@ -217,9 +220,11 @@ class ProjectedLaunchPlan(ProjectedPlan):
 
     def direction(self, low, state, group, age, dtype) -> float:
         address = low.data_ptr()
-        c = triton_step.run([_relaunch(self.rule, group, self.codecs, age, address, address)])
+        launch = _relaunch(self.rule, group, self.codecs, age, address, address)
+        c = triton_step.run([launch])
         if c is None:  # the kernel failed (one warning): this step's rule as the general path runs it then
-            c = windowed.directions(low, low, state, group, self.codecs, age, _no_stream, dtype, self.held)
+            return windowed.directions(low, low, state, group, self.codecs, age, _no_stream, dtype, self.held)
+        triton_step.finish([launch])
         return c
 
     def lifted_write(self, p, full, group, coef) -> None:
@@ -228,7 +233,7 @@ class ProjectedLaunchPlan(ProjectedPlan):
 
 
 class TacoLaunchPlan(Plan):
-    """TACO's Triton step at one component a column (``taco.queue_triton``): every check the general path makes
+    """TACO's Triton step at one component a column (``taco_routes.queue_triton``): every check the general path makes
     before it is skipped while the weight, its gradient's layout, its stored component and the settings hold;
     each run makes the weight's launch row anew (the gradient's address, the step's scalars) and queues it."""
 
@@ -240,24 +245,22 @@ class TacoLaunchPlan(Plan):
                 and not triton_step.failed(triton_taco._kind(p, grad)))
 
     def run(self, p, grad, state, group, age, batch, stream=None) -> None:
-        taco.queue_triton(p, grad, state, group, batch)
+        taco_routes.queue_triton(p, grad, state, group, batch)
 
 
 def build_taco(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]) -> Plan:
-    """The plan of p's TACO step, which the general path has just taken (``taco.one_pass_step``): planned where it
-    ran as Triton kernels; a plain ``Plan`` where it ran in the C kernel (one call a weight already) or not at
-    all."""
-    if not (triton_taco.applies(group, p, grad) and all(k in state for k in taco.KEYS)):
-        return Plan(group, p, grad, [])
+    """The plan of p's TACO step as Triton kernels (``taco_routes.queue_triton``), which the route has just taken."""
     return TacoLaunchPlan(group, p, grad, [(k, t, t.data_ptr()) for k, t in state.items()])
 
 
 def build_projected(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], projector: str,
-                    side: str | None, key: str, residual: bool, codecs: list[tuple[str, Any]]) -> Plan:
+                    side: str | None, key: str, residual: bool, codecs: list[tuple[str, Any]],
+                    reduce=None) -> Plan:
     """The plan of p's projected step with these subspace moment codecs, which the general path has just taken
-    (``SlimOptimizer._projected``); a plain ``Plan`` where it is not one that is planned: an orthonormal projection
-    without a residual, in one window, whose rule and write one kernel each runs (the C kernel on a CPU, Triton on
-    CUDA), moments read in place and not drawn at random, and a nearest or Kahan write."""
+    (``paramstep``'s projected route); a plain ``Plan`` where it is not one that is planned: an orthonormal
+    projection without a residual, in one window, whose rule and write one kernel each runs (the C kernel on a
+    CPU, Triton on CUDA), moments read in place and not drawn at random, and a nearest or Kahan write. reduce:
+    what sums a row shard's left projection over the ranks (``windowed.projected``'s)."""
     unplanned = Plan(group, p, grad, [])
     rounding = rounding_of(group, p)
     if (projector not in P.ORTHO_PROJECTORS or residual or group["rule"] not in ("adamw", "lion", "sgdm")
@@ -274,43 +277,51 @@ def build_projected(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: di
     comp = comp_of(state, p, rounding)
     refs = [(k, t, t.data_ptr()) for k, t in state.items()]
     write_group = native.add_group(group, 1.0)
-    if (triton_step.applies(group, low, low, codecs) and not native.add_applies(group, p, full)
-            and triton_step.applies(write_group, p, full, [])):  # the kernels the general path would take
+    rule_kernel, write_kernel = choice.subspace_rule(group, low, codecs), choice.lifted_write(group, p, grad, full,
+                                                                                             False)
+    if rule_kernel == write_kernel == "triton":  # the kernels the general path takes
         rule = triton_step.prepare(low, low, state, group, codecs, 1, direction=True)
         write = triton_step.prepare(p, full, {}, write_group, [], 0, comp=comp)
         return ProjectedLaunchPlan(group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, codecs,
-                                   comp, held)
-    if (p.device.type != "cpu" or not native.applies(group, low, low, codecs) or not native.add_applies(group, p, full)
+                                   comp, held, reduce)
+    if (rule_kernel != "c_kernel" or write_kernel != "c_kernel"
             or len(windowed.direction_spans(low_shape, codecs, group, p.dtype, held)) != 1):
         return unplanned
     windows = [(i, k, codec, codec.open(k, state, low.shape)) for i, (k, codec) in enumerate(codecs)]
-    if any(type(w) is FactoredRows for *_, w in windows):
+    if any(isinstance(w, FactoredRows) for *_, w in windows):  # opened for the check only, never closed
         return unplanned
     rule, _, _ = native.prepare(low.view(-1), low.view(-1), state, windows, 0, _no_stream, group, direction=True)
     write, _, _ = native.prepare(p.view(-1), full.view(-1), {}, [], 0, _no_stream, write_group,
                                  comp=comp.view(-1) if comp is not None else None)
-    return ProjectedPlan(group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, windows)
+    return ProjectedPlan(group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, windows, reduce)
 
 
-def build(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
-          codecs: list[tuple[str, Any]]) -> Plan:
-    """The plan of p's full-space element-wise step with these moment codecs, which the general path has just
-    taken; a plain ``Plan`` where the step is not one that is planned (the module docstring)."""
-    unplanned = Plan(group, p, grad, [])
-    if group["rule"] not in ("adamw", "lion", "sgdm") or group["compile"]:
-        return unplanned
+def build_launch(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
+                 codecs: list[tuple[str, Any]]) -> Plan:
+    """The plan of p's full-space element-wise step as a Triton launch, which the route has just taken; a plain
+    ``Plan`` where it is not one that is planned (the module docstring)."""
+    if group["rule"] not in ("adamw", "lion", "sgdm"):
+        return Plan(group, p, grad, [])
     rounding = rounding_of(group, p)
     comp = comp_of(state, p, rounding)
     # every state tensor, checked by identity and address before each replay (the kernel points into them)
     refs = [(k, t, t.data_ptr()) for k, t in state.items()]
-    if triton_step.applies(group, p, grad, codecs):  # as windowed.step chooses
-        # stand-in streams where the weight or a moment rounds stochastically: every run sets the step's own
-        launch = triton_step.prepare(p, grad, state, group, codecs, 1, comp=comp,
-                                     gen=_any_stream(PARAM_STREAM, 0) if rounding == "stochastic" else None,
-                                     streams=windowed.moment_streams(codecs, _any_stream))
-        return LaunchPlan(group, p, grad, refs, launch, codecs, comp)
-    if not native.applies(group, p, grad, codecs) or not all(native.in_kernel(c) for _, c in codecs):
-        return unplanned
+    # stand-in streams where the weight or a moment rounds stochastically: every run sets the step's own
+    launch = triton_step.prepare(p, grad, state, group, codecs, 1, comp=comp,
+                                 gen=_any_stream(PARAM_STREAM, 0) if rounding == "stochastic" else None,
+                                 streams=windowed.moment_streams(codecs, _any_stream))
+    return LaunchPlan(group, p, grad, refs, launch, codecs, comp)
+
+
+def build_cpu(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
+              codecs: list[tuple[str, Any]]) -> Plan:
+    """The plan of p's full-space element-wise step in the C kernel, which the route has just taken; a plain
+    ``Plan`` where it is not one that is planned (the module docstring)."""
+    if group["rule"] not in ("adamw", "lion", "sgdm") or not all(native.in_kernel(c) for _, c in codecs):
+        return Plan(group, p, grad, [])
+    rounding = rounding_of(group, p)
+    comp = comp_of(state, p, rounding)
+    refs = [(k, t, t.data_ptr()) for k, t in state.items()]
     windows = [(i, key, codec, codec.open(key, state, p.shape)) for i, (key, codec) in enumerate(codecs)]
     weight, gradient = p.view(-1), grad.view(-1)
     steps = []
@@ -320,6 +331,7 @@ def build(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, An
                                        gen=_any_stream(PARAM_STREAM, start) if rounding == "stochastic" else None)
         assert not buffers  # every codec the kernel reads in place (native.in_kernel)
         steps.append((s, start))
+    # a factored moment's window was opened for its pointers only and is never closed: each run opens it anew
     return CpuPlan(group, p, grad, refs, steps, windows, rounding == "stochastic")
 
 

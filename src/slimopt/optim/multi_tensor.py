@@ -41,33 +41,66 @@ from . import native, triton_step, triton_taco
 from .codecs import Bf16Codec, Fp32Codec
 from .rules import decay_factor
 
-__all__ = ["adamw_applies", "residual_applies", "adamw_kernel_applies", "residual_kernel_applies",
-           "residual_scratch_bytes", "Batch"]
+__all__ = ["adamw_declines", "adamw_applies", "residual_declines", "residual_applies", "adamw_kernel_declines",
+           "adamw_kernel_applies", "residual_kernel_declines", "residual_kernel_applies", "residual_scratch_bytes",
+           "Batch"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _DEVICES = ("cpu",)  # CUDA: the Triton kernels are the route there (torch's fused AdamW wants device step tensors)
 
 
+def adamw_kernel_declines(group: dict[str, Any], dtype: torch.dtype, device_type: str,
+                          codecs: list[tuple[str, Any]]) -> str | None:
+    """Why a full-space state-full update of a `dtype` weight on `device_type` with these moment codecs is not
+    torch's fused AdamW, or None where it is: rule adamw (or TACO's AdamW fallback), torch's eps placement, both
+    moments stored plainly in the weight's dtype. (The planner asks this for weights it only describes.)"""
+    if not group["fused"]:
+        return "fused=False"
+    if group["compile"]:
+        return "compile=True takes the compiled step"
+    if group["eps_placement"] != "torch":
+        return f"eps_placement {group['eps_placement']!r} (torch's kernel adds eps after the bias correction)"
+    if group["rule"] not in ("adamw", "taco"):
+        return f"rule {group['rule']!r}"
+    if device_type not in _DEVICES:
+        return f"{device_type} weights take the Triton kernel"
+    if dtype not in _DTYPES:
+        return f"{dtype} weights"
+    if not _rounds_nearest(group, dtype):
+        return f"param_rounding {group['param_rounding']!r}"
+    if [k for k, _ in codecs] != ["exp_avg", "exp_avg_sq"]:
+        return "not AdamW's two moments"
+    for _, c in codecs:
+        if not ((isinstance(c, Fp32Codec) and c.dtype == dtype)
+                or (isinstance(c, Bf16Codec) and not c.stochastic and dtype == torch.bfloat16)):
+            return f"moments stored as {c.name}"
+    return None
+
+
 def adamw_kernel_applies(group: dict[str, Any], dtype: torch.dtype, device_type: str,
                          codecs: list[tuple[str, Any]]) -> bool:
-    """Whether a full-space state-full update of a `dtype` weight on `device_type` with these moment codecs is
-    torch's fused AdamW: rule adamw (or TACO's AdamW fallback), torch's eps placement, both moments stored plainly
-    in the weight's dtype. (The planner asks this for weights it only describes.)"""
-    if not group["fused"] or group["compile"] or group["eps_placement"] != "torch" or \
-            group["rule"] not in ("adamw", "taco"):
-        return False
-    if device_type not in _DEVICES or dtype not in _DTYPES or not _rounds_nearest(group, dtype):
-        return False
-    if [k for k, _ in codecs] != ["exp_avg", "exp_avg_sq"]:
-        return False
-    return all((isinstance(c, Fp32Codec) and c.dtype == dtype)
-               or (isinstance(c, Bf16Codec) and not c.stochastic and dtype == torch.bfloat16) for _, c in codecs)
+    """``adamw_kernel_declines`` is None."""
+    return adamw_kernel_declines(group, dtype, device_type, codecs) is None
+
+
+def residual_kernel_declines(group: dict[str, Any], dtype: torch.dtype, device_type: str) -> str | None:
+    """Why a whole-tensor state-free update (an inactive block) of a `dtype` weight is not stepped here, or None."""
+    if not group["fused"]:
+        return "fused=False"
+    if group["free_rule"] not in ("sign", "sgd"):
+        return f"free_rule {group['free_rule']!r}"
+    if device_type not in _DEVICES:
+        return f"{device_type} weights take the Triton kernel"
+    if dtype not in _DTYPES:
+        return f"{dtype} weights"
+    if not _rounds_nearest(group, dtype):
+        return f"param_rounding {group['param_rounding']!r}"
+    return None
 
 
 def residual_kernel_applies(group: dict[str, Any], dtype: torch.dtype, device_type: str) -> bool:
-    """Whether a whole-tensor state-free update (an inactive block) of a `dtype` weight is stepped here."""
-    return (group["fused"] and group["free_rule"] in ("sign", "sgd") and device_type in _DEVICES and dtype in _DTYPES
-            and _rounds_nearest(group, dtype))
+    """``residual_kernel_declines`` is None."""
+    return residual_kernel_declines(group, dtype, device_type) is None
 
 
 def _rounds_nearest(group: dict[str, Any], dtype: torch.dtype) -> bool:
@@ -85,25 +118,33 @@ def residual_scratch_bytes(group: dict[str, Any], p: Tensor) -> int:
     return sign + fp32
 
 
-def _plain_tensors(p: Tensor, grad: Tensor) -> bool:
-    return (grad.dtype == p.dtype and grad.layout == torch.strided and p.is_contiguous() and grad.is_contiguous()
-            and type(p.data) is Tensor)
+def _plain_tensors(p: Tensor, grad: Tensor) -> str | None:
+    """Why p and grad are not tensors torch's multi-tensor kernels take (same dtype, dense, contiguous), or None."""
+    if grad.dtype != p.dtype:
+        return f"a {grad.dtype} gradient of a {p.dtype} weight"
+    if grad.layout != torch.strided or not (p.is_contiguous() and grad.is_contiguous()):
+        return "not contiguous"
+    if type(p.data) is not Tensor:
+        return f"a {type(p.data).__name__} weight"
+    return None
 
 
-def _off_device(p: Tensor) -> bool:
-    """A quick no for what every step of a CUDA weight asks (the checks below take several microseconds)."""
-    return not _DEVICES or (p.is_cuda and "cuda" not in _DEVICES)
+def adamw_declines(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[str, Any]]) -> str | None:
+    """``adamw_kernel_declines`` for this weight and gradient (same dtype, dense, contiguous)."""
+    return (adamw_kernel_declines(group, p.dtype, p.device.type, codecs) or _plain_tensors(p, grad))
 
 
 def adamw_applies(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[str, Any]]) -> bool:
-    """``adamw_kernel_applies`` for this weight and gradient (same dtype, dense, contiguous)."""
-    return (not _off_device(p) and _plain_tensors(p, grad)
-            and adamw_kernel_applies(group, p.dtype, p.device.type, codecs))
+    return adamw_declines(group, p, grad, codecs) is None
+
+
+def residual_declines(group: dict[str, Any], p: Tensor, grad: Tensor) -> str | None:
+    """``residual_kernel_declines`` for this weight and gradient (same dtype, dense, contiguous)."""
+    return residual_kernel_declines(group, p.dtype, p.device.type) or _plain_tensors(p, grad)
 
 
 def residual_applies(group: dict[str, Any], p: Tensor, grad: Tensor) -> bool:
-    """``residual_kernel_applies`` for this weight and gradient (same dtype, dense, contiguous)."""
-    return not _off_device(p) and _plain_tensors(p, grad) and residual_kernel_applies(group, p.dtype, p.device.type)
+    return residual_declines(group, p, grad) is None
 
 
 class Batch:
@@ -116,6 +157,7 @@ class Batch:
         self._groups: dict[int, dict[str, Any]] = {}
         # triton_step.Launch.key -> [(launch, the tensor's eager step, for a kernel that fails)]
         self._launches: dict[tuple, list[tuple[Any, Callable[[], None]]]] = defaultdict(list)
+        self._order: list[Any] = []  # every launch in the order queued: the parameters' order, on every rank
 
     def adamw(self, group: dict[str, Any], p: Tensor, grad: Tensor, state: dict[str, Tensor]) -> None:
         """Queue p for a fused AdamW step; its ``moment_step`` is already counted for this step."""
@@ -135,6 +177,7 @@ class Batch:
         """Queue a tensor's Triton step (``triton_step.prepare``, or ``triton_taco.prepare``), to run in one launch
         with the others of its key; eager: its step without the kernel, run instead where the launch fails."""
         self._launches[launch.key].append((launch, eager))
+        self._order.append(launch)
 
     def run(self) -> None:
         """Step everything queued, then forget it."""
@@ -146,6 +189,7 @@ class Batch:
                 if kernels.run([launch for launch, _ in part]) is None:  # a kernel failed: eagerly
                     for _, eager in part:
                         eager()
+        triton_step.finish([x for x in self._order if isinstance(x, triton_step.Launch)])
         for (gid, _), (params, grads, exp_avgs, exp_avg_sqs, steps) in self._adamw.items():
             group = self._groups[gid]
             beta1, beta2 = group["betas"]
@@ -170,4 +214,5 @@ class Batch:
         self._adamw.clear()
         self._resid.clear()
         self._launches.clear()
+        self._order.clear()
         self._groups.clear()

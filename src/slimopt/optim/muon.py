@@ -56,11 +56,8 @@ uses the parameter's shape (A, B), not the subspace's: the step is Muon's restri
 that of full Muon times sqrt(r / k) (and then GaLore's ``scale``). ``block`` steps whole tensors: plain Muon on the
 active ones.
 
-Under FSDP2 (``sharded.py``) a parameter's rows are spread over ranks, and the iteration needs the whole matrix:
-each rank updates the momentum of its own rows (elementwise, local), the rows of U are all-gathered in the
-iteration's dtype (2 bytes a value for bf16; 4 for fp32), every rank runs the iteration on the whole matrix and
-keeps its rows. The bytes are those of the all-gather, A x B x 2 (bf16) per matrix and step; every rank repeats
-the iteration. docs/distributed.md weighs it against orthogonalizing each matrix on one owner rank.
+Under FSDP2 a parameter's rows are spread over ranks, and the iteration needs the whole matrix: ``muon_sharded``
+brings the rows together (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -189,25 +186,10 @@ def momentum_update(g: Tensor, buf: Tensor, group: Mapping[str, Any]) -> Tensor:
     return g.lerp(buf, mu) if group["nesterov"] else buf
 
 
-def direction(g: Tensor, buf: Tensor, group: Mapping[str, Any], shape=None, rows=None) -> tuple[Tensor, float]:
+def direction(g: Tensor, buf: Tensor, group: Mapping[str, Any], shape=None) -> tuple[Tensor, float]:
     """(d, c) of ``rules.direction`` for rule "muon": d = NS(momentum) in fp32, c = ``lr_ratio`` of `shape` (the
-    parameter's; g's own shape when None).
-
-    rows: a ``shardcomm.Rows`` when g holds only this rank's rows of the matrix (FSDP2): the rows to orthogonalize
-    are all-gathered, the whole matrix iterated on every rank, and this rank's rows of the result returned.
-    """
+    parameter's; g's own shape when None). A matrix whose rows are spread over ranks: ``muon_sharded``."""
     dtype = iteration_dtype(group["ns_dtype"], g.device)
     u = momentum_update(g, buf, group)
-    if rows is not None and rows.distributed:
-        from .shardcomm import gather_rows
-
-        if not rows.chunked:
-            raise ValueError("rule 'muon' under FSDP2 orthogonalizes all-gathered rows, which needs torch.chunk's "
-                             "row split; the 'rows' projector splits its chosen rows unevenly: use 'columns', "
-                             "'block' or an orthonormal projector with rule 'muon'")
-        whole = gather_rows(u.to(dtype).contiguous(), rows)
-        o = orthogonalize(whole, group["ns_coefficients"], group["ns_steps"], float(group["ns_eps"]), dtype)
-        o = o[rows.start: rows.stop]
-    else:
-        o = orthogonalize(u, group["ns_coefficients"], group["ns_steps"], float(group["ns_eps"]), dtype)
+    o = orthogonalize(u, group["ns_coefficients"], group["ns_steps"], float(group["ns_eps"]), dtype)
     return o.float(), lr_ratio(group["adjust_lr_fn"], g.shape if shape is None else shape)

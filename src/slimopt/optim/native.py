@@ -49,7 +49,8 @@ from . import quant as Q
 from .codecs import Bf16Codec, BlockCodec, FactoredCodec, Fp32Codec, TernaryCodec, FactoredRows
 from .noise import CounterStream
 
-__all__ = ["library", "in_kernel", "scratch_per_element", "kernel_applies", "applies", "window_step",
+__all__ = ["library", "in_kernel", "scratch_per_element", "kernel_declines", "kernel_applies", "declines", "applies",
+           "window_step",
            "column_best_applies", "column_best"]
 
 SOURCE = Path(__file__).parent / "kernels" / "elementwise_step.c"
@@ -181,7 +182,7 @@ def library() -> ctypes.CDLL | None:
         return _state["lib"]
     with _lock:
         if "lib" not in _state and os.environ.get("SLIMOPT_NATIVE", "1") == "0":
-            _state["lib"] = None
+            _state["lib"], _state["why"] = None, "SLIMOPT_NATIVE=0"
         if "lib" not in _state:
             try:
                 lib, why = _build()
@@ -191,7 +192,7 @@ def library() -> ctypes.CDLL | None:
                 warnings.warn(f"slimopt: the one-pass CPU step could not be built ({why}); quantized and "
                               "other element-wise steps run on the eager path (same results, slower)",
                               RuntimeWarning, stacklevel=3)
-            _state["lib"] = lib
+            _state["lib"], _state["why"] = lib, why
         return _state["lib"]
 
 
@@ -207,7 +208,9 @@ def in_kernel(codec: Any) -> bool:
     if isinstance(codec, TernaryCodec):
         return (codec.rounding in ("sr", "ef") and codec.scale in _SCALES and codec.scale_dtype in _SCALE_DTYPES
                 and codec.block_size * 5 <= _MAX_TILE // 2)
-    return type(codec) is FactoredCodec  # row-sharded forms all-reduce their sums: not in one process's kernel
+    # a row shard's factored moment too: its window (sharded.ShardFactoredRows) all-reduces the column sums the
+    # kernel adds up when it closes
+    return isinstance(codec, FactoredCodec)
 
 
 # Bytes per element of a window that a moment stepped through an fp32 buffer allocates (the buffer, its decode's
@@ -230,32 +233,54 @@ def scratch_per_element(codecs: list[tuple[str, Any]]) -> int | None:
     return total
 
 
+def kernel_declines(group: dict[str, Any], dtype: torch.dtype, device_type: str,
+                    codecs: list[tuple[str, Any]]) -> str | None:
+    """Why a `dtype` weight's element-wise steps on `device_type` with these moment codecs do not run through the
+    kernel (see the module docstring), or None where they do, building it on first ask; no codecs: the state-free
+    update of the group's ``free_rule``. (The planner asks this for weights it only describes.)"""
+    rule = group["rule"]
+    if not group["fused"]:
+        return "fused=False"
+    if device_type != "cpu":
+        return f"a {device_type} weight"
+    if dtype not in _DTYPES:
+        return f"{dtype} weights"
+    if group["param_rounding"] not in _ROUNDINGS:
+        return f"param_rounding {group['param_rounding']!r}"
+    if not codecs:
+        if group["free_rule"] not in _FREE_RULES:
+            return f"free_rule {group['free_rule']!r}"
+    else:
+        if rule not in _RULES:
+            return f"rule {rule!r}"
+        if rule in ("adamw", "taco") and group["eps_placement"] not in ("torch", "galore"):
+            return f"eps_placement {group['eps_placement']!r}"
+        if [k for k, _ in codecs] != _MOMENT_KEYS[rule]:
+            return "moments the kernel does not know"
+    if library() is None:
+        return "the C kernel did not build (" + (_state.get("why") or "see the warning") + ")"
+    return None
+
+
 def kernel_applies(group: dict[str, Any], dtype: torch.dtype, device_type: str,
                    codecs: list[tuple[str, Any]]) -> bool:
-    """Whether a `dtype` weight's element-wise steps on `device_type` with these moment codecs run through the
-    kernel (see the module docstring), building it on first ask; no codecs: the state-free update of the group's
-    ``free_rule``. (The planner asks this for weights it only describes.)"""
-    rule = group["rule"]
-    if not group["fused"] or device_type != "cpu" or dtype not in _DTYPES:
-        return False
-    if group["param_rounding"] not in _ROUNDINGS:
-        return False
-    if not codecs:
-        return group["free_rule"] in _FREE_RULES and library() is not None
-    if rule not in _RULES:
-        return False
-    if rule in ("adamw", "taco") and group["eps_placement"] not in ("torch", "galore"):
-        return False
-    if [k for k, _ in codecs] != _MOMENT_KEYS[rule]:
-        return False
-    return library() is not None
+    """``kernel_declines`` is None."""
+    return kernel_declines(group, dtype, device_type, codecs) is None
+
+
+def declines(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[str, Any]]) -> str | None:
+    """``kernel_declines`` for this weight and gradient (fp32 or bf16, contiguous, plain tensors)."""
+    if grad.dtype not in _DTYPES:
+        return f"a {grad.dtype} gradient"
+    if not (p.is_contiguous() and grad.is_contiguous()):
+        return "not contiguous"
+    if type(p.data) is not Tensor:
+        return f"a {type(p.data).__name__} weight"
+    return kernel_declines(group, p.dtype, p.device.type, codecs)
 
 
 def applies(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[str, Any]]) -> bool:
-    """``kernel_applies`` for this weight and gradient (fp32 or bf16, contiguous, plain tensors)."""
-    if grad.dtype not in _DTYPES or not (p.is_contiguous() and grad.is_contiguous() and type(p.data) is Tensor):
-        return False
-    return kernel_applies(group, p.dtype, p.device.type, codecs)
+    return declines(group, p, grad, codecs) is None
 
 
 def _packed(table: Any) -> Tensor | None:
@@ -532,23 +557,43 @@ def column_best(g: Tensor, hidden: Tensor | None) -> tuple[Tensor, Tensor]:
     return rows, absval
 
 
-def taco_kernel_applies(group: dict[str, Any], dtype: torch.dtype, device_type: str) -> bool:
-    """Whether TACO's whole one-component step of a `dtype` weight on `device_type` runs through the kernel
-    (``taco_one``): a fused group at taco_k 1, a CPU fp32 or bf16 weight written to nearest."""
-    if not (group["fused"] and group["taco_k"] == 1 and device_type == "cpu" and dtype in _DTYPES):
-        return False
+def taco_kernel_declines(group: dict[str, Any], dtype: torch.dtype, device_type: str) -> str | None:
+    """Why TACO's whole one-component step of a `dtype` weight on `device_type` does not run through the kernel
+    (``taco_one``), or None where it does: a fused group at taco_k 1, a CPU fp32 or bf16 weight written to
+    nearest."""
+    if not group["fused"]:
+        return "fused=False"
+    if group["taco_k"] != 1:
+        return f"taco_k {group['taco_k']}"
+    if device_type != "cpu":
+        return f"a {device_type} weight"
+    if dtype not in _DTYPES:
+        return f"{dtype} weights"
     if group["param_rounding"] != "nearest" and dtype != torch.float32:
-        return False
-    return library() is not None
+        return f"param_rounding {group['param_rounding']!r}"
+    if library() is None:
+        return "the C kernel did not build (" + (_state.get("why") or "see the warning") + ")"
+    return None
+
+
+def taco_kernel_applies(group: dict[str, Any], dtype: torch.dtype, device_type: str) -> bool:
+    return taco_kernel_declines(group, dtype, device_type) is None
+
+
+def taco_declines(group: dict[str, Any], p: Tensor, grad: Tensor) -> str | None:
+    """``taco_kernel_declines`` for this 2-D weight and its gradient (fp32 or bf16, contiguous, plain tensors)."""
+    if p.dim() != 2 or grad.shape != p.shape:
+        return "not a 2-D weight with its gradient"
+    if grad.dtype not in _DTYPES:
+        return f"a {grad.dtype} gradient"
+    if not (p.is_contiguous() and grad.is_contiguous() and type(p.data) is Tensor):
+        return "not contiguous plain tensors"
+    return taco_kernel_declines(group, p.dtype, p.device.type)
 
 
 def taco_applies(group: dict[str, Any], p: Tensor, grad: Tensor) -> bool:
-    """``taco_kernel_applies`` for this 2-D weight and its gradient (fp32 or bf16, contiguous, plain tensors)."""
-    if p.dim() != 2 or grad.dtype not in _DTYPES or grad.shape != p.shape:
-        return False
-    if not (p.is_contiguous() and grad.is_contiguous() and type(p.data) is Tensor):
-        return False
-    return taco_kernel_applies(group, p.dtype, p.device.type)
+    """``taco_declines`` is None."""
+    return taco_declines(group, p, grad) is None
 
 
 TACO_COLUMN_SCRATCH = 40  # what taco_one allocates a column: its (2, n) int64, (4, n) fp32 and (n,) int64

@@ -122,8 +122,8 @@ def _space(opt, p, group, state_or_index: dict[str, Tensor], rows: S.Rows) -> tu
         if "proj_index" not in state_or_index:
             return None, None
         sel, _ = S.local_selection(state_or_index["proj_index"], rows)
-        return S._space_of(layout, side, p.shape, r, rows, state_or_index), sel
-    return S._space_of(layout, side, p.shape, r, rows, state_or_index), None
+        return S.space_of(layout, side, p.shape, r, rows, state_or_index), sel
+    return S.space_of(layout, side, p.shape, r, rows, state_or_index), None
 
 
 def _param_rows_tensor(local: Tensor, p: Tensor, rows: S.Rows) -> Tensor:
@@ -279,7 +279,7 @@ def _names(key: str, tensors) -> list[str]:
 
 def _export_moment(codec, key: str, state, space: S.Space) -> dict[str, Tensor]:
     """Portable tensors of one moment, dim 0 the moment's local rows."""
-    shape = S._local_shape(space)
+    shape = S.local_shape(space)
     if isinstance(codec, (BlockCodec, TernaryCodec)):
         return _unpack(codec, key, state, shape)
     if codec.name == "factored" and len(shape) == 2:
@@ -288,7 +288,7 @@ def _export_moment(codec, key: str, state, space: S.Space) -> dict[str, Tensor]:
 
 
 def _import_moment(codec, key: str, parts: dict[str, Tensor], state, space: S.Space, device) -> None:
-    shape = S._local_shape(space)
+    shape = S.local_shape(space)
     if isinstance(codec, (BlockCodec, TernaryCodec)):
         _pack(codec, key, parts, state, shape, device)
         return

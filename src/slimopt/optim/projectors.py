@@ -247,3 +247,12 @@ def refresh_due(step: int, update_gap: int) -> bool:
 def refresh_index(step: int, update_gap: int) -> int:
     return (step - 1) // update_gap
 
+
+
+def subspace_shape(projector: str, side: str | None, shape: torch.Size, r: int) -> torch.Size:
+    """The shape of a (m, n) parameter's subspace tensor (its projected gradient and moments) at `r` directions or
+    coordinates."""
+    m, n = shape
+    if projector in ORTHO_PROJECTORS:
+        return torch.Size((r, n) if side == "left" else (m, r))
+    return torch.Size((m, r) if projector == "columns" else (r, n))

@@ -1,42 +1,25 @@
-"""SlimOptimizer steps for parameters sharded by FSDP2 (``torch.distributed.fsdp.fully_shard``).
+"""A parameter as its step sees it: a window of the whole tensor, which for an FSDP2 parameter is this rank's rows.
 
-FSDP2 turns every parameter and its gradient into a DTensor sharded on dim 0 (``Shard(0)``): each rank holds a
-contiguous block of rows, in ``torch.chunk`` sizes (the last ranks may hold fewer rows, or none). ``update`` is the
-sharded twin of ``SlimOptimizer._update``: it works on the local rows (``to_local()``) and communicates only where
-a method's step spans rows held by different ranks. docs/distributed.md gives the design and the communication
-volume of every choice; in short:
+FSDP2 (``torch.distributed.fsdp.fully_shard``) turns every parameter and its gradient into a DTensor sharded on
+dim 0 (``Shard(0)``): each rank holds a contiguous block of rows, in ``torch.chunk`` sizes (the last ranks may hold
+fewer rows, or none). A rank's rows are elements [offset, offset + local numel) of the flattened tensor, which is
+all an element-wise step needs to know: it runs on the local tensor through the same routes as a plain tensor
+(``routes.py``), drawing its stochastic rounding from the one counter-based stream at `offset` (noise.py) and
+keeping its moments' blocks on the local elements (the blocks of one process wherever the shard's first element
+starts a block: any matrix whose rows hold whole blocks, or whose shards do). ``Target`` is that view, for a plain
+tensor too (offset 0, one process's rows).
 
-- Elementwise and row-wise work (AdamW, Lion, SGDM, signSGD, the codecs, ``block``) runs on the local shard with
-  no communication. Quantization blocks are cut per local shard and never straddle two ranks; when the local
-  element count of every shard is a multiple of the block size (any matrix whose row length is a multiple of
-  256), they are exactly the blocks of a single-process run, whatever the world size.
-- ``factored`` second moments keep their row means local and all-reduce the column sums (n values a step).
-- Orthonormal projections of a row-sharded G (m x n): a right projection G Q (Q: n x r, replicated) is local.
-  A left projection Q^T G sums over rows: each rank holds its rows of Q, and the (r x n) projection is
-  all-reduced every step; its moments are replicated. (``proj_side="right"`` avoids that cost; see the docs.)
-- Refreshes: ``svd`` gathers G on the first rank of the shard group, decomposes it there and broadcasts the basis
-  (the simple fallback); ``randomized_svd`` runs the range finder of ``projectors.randomized_basis`` with the same
-  random sketch on sharded rows: products with G^T are all-reduced (n x k), products with G are all-gathered
-  (m x k), and the small QRs and SVDs run on every rank on identical data; ``random``, ``columns``, ``rows`` and
-  ``block`` draw the same seeded choice on every rank and need no communication (``rows``: every rank keeps the
-  chosen rows it holds).
-- Muon orthogonalizes whole matrices: the momentum is updated on the local rows, the rows to orthogonalize are
-  all-gathered in the iteration's dtype (bf16: 2 bytes a value), and every rank iterates on the whole matrix and
-  keeps its rows (``muon.direction``): the same step as one process, bit for bit.
-- TACO (arXiv 2610.02199) picks, per column, the largest entry over all rows: a max-loc all-reduce of one
-  packed 64-bit key per column (|value|, row, sign) for the bare direction; with a history, the stored entries'
-  gradients are all-reduced (k x n) and every rank's k best candidates merged by k max-loc all-reduces, and
-  the history (k x n, a few bytes per column) is replicated. Both are exact: the same step as one process.
-- Random choices are pure functions of (seed, parameter index, refresh index), so every rank draws the same
-  bases, coordinates and blocks; ``check_agreement`` verifies once, at the first sharded step, that all ranks
-  index the same parameters with the same shapes. Stochastic rounding reads the single-process counter-based
-  stream from the shard's first element (noise.py): every shard draws the numbers its elements draw in one
-  process.
+What spans rows communicates, here and in the modules beside it (docs/distributed.md gives the volumes):
 
-The optimizer state holds plain local tensors (the shard of each moment, replicated bases, indices and steps);
-``slimopt.optim.portable`` turns it into DTensors for ``torch.distributed.checkpoint``. The row split and the
-collectives are in ``shardcomm.py``, the distributed refreshes in ``sharded_bases.py``, TACO's max-loc steps in
-``sharded_taco.py``.
+- a factored second moment keeps its row means local and sums its columns over ranks (``RowShardedFactored``);
+- a left projection Q^T G sums over rows (``reference.py`` and ``windowed.projected`` all-reduce it), and the
+  ``rows`` projector's chosen rows fall unevenly on the ranks (``local_selection``, ``space_of``);
+- refreshes (``sharded_bases.py``), Muon's iteration (``muon_sharded.py``) and TACO's column max-loc
+  (``sharded_taco.py``).
+
+Random choices are pure functions of (seed, parameter index, refresh index), so every rank draws the same bases,
+coordinates and blocks; ``check_agreement`` verifies once, at the first sharded step, that all ranks index the same
+parameters with the same shapes and settings.
 """
 
 from __future__ import annotations
@@ -49,20 +32,119 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import compiled
-from . import muon
 from . import projectors as P
-from . import taco
-from .codecs import FactoredCodec, factored_means, resolve_codecs
-from .noise import CounterStream
-from .rules import MOMENTS, PARAM_STREAM, advance, apply_update, comp_of, direction, rounding_of
+from .codecs import FactoredCodec, FactoredRows, factored_means, resolve_codecs
+from .rules import MOMENTS, PARAM_STREAM
 from .shardcomm import (Rows, all_reduce, chosen_per_rank, chunk_bounds, gather_var_rows, is_sharded,  # noqa: F401
                         rows_of)
-from .sharded_bases import randomized_basis, rows_of_basis, svd_basis
-from .sharded_taco import pack_keys, taco_update, unpack_keys  # noqa: F401
 
-__all__ = ["Rows", "Space", "is_sharded", "rows_of", "update", "check_agreement", "moment_codecs",
-           "RowShardedFactored", "local_selection"]
+__all__ = ["Rows", "Space", "Target", "Streams", "is_sharded", "rows_of", "target_of", "check_agreement", "moment_codecs",
+           "RowShardedFactored", "local_selection", "space_of", "local_shape", "effective_rank"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the window a step runs on
+
+
+class Target:
+    """One parameter at one step: ``param`` as the optimizer holds it (its state's key), ``p`` and ``grad`` the
+    tensors the step reads and writes (the whole tensor, or this rank's rows of an FSDP2 parameter), ``rows``
+    where those rows lie (one process: all of them) and ``index`` the parameter's position in the optimizer (its
+    random streams' key)."""
+
+    __slots__ = ("param", "p", "grad", "rows", "index")
+
+    def __init__(self, param: Tensor, p: Tensor, grad: Tensor, rows: Rows, index: int) -> None:
+        self.param, self.p, self.grad, self.rows, self.index = param, p, grad, rows, index
+
+    @property
+    def shape(self) -> torch.Size:
+        """The whole tensor's shape."""
+        return self.param.shape
+
+    @property
+    def split(self) -> bool:
+        """Whether other ranks hold rows of this tensor."""
+        return self.rows.distributed
+
+    @property
+    def offset(self) -> int:
+        """The flat position of the window's first element in the whole tensor."""
+        return self.rows.start * math.prod(self.param.shape[1:])
+
+    def space(self) -> "Space":
+        return Space(self.param.shape, self.rows if self.rows.distributed else None)
+
+    def streams(self, group: dict[str, Any], step: int, moment_offset: int | None = None) -> "Streams":
+        """The step's random streams, read from this window's elements (moments: from `moment_offset`, the
+        window's own offset unless the moments live in a subspace of another shape)."""
+        return Streams(group["seed"], self.index, step, self.offset,
+                       self.offset if moment_offset is None else moment_offset, self.rows.start)
+
+
+class Streams:
+    """``stream(i, start)``: the counter-based stream (noise.py) of moment i (or of the weight's stochastic
+    rounding, ``rules.PARAM_STREAM``) of one parameter at one step, read from element `start` of the window: the
+    whole tensor's stream from the window's offset, so every window and every shard draws what its elements draw
+    in one process. ``columns(a, k)``: a column window's own stream (its elements are no range of the tensor's)."""
+
+    __slots__ = ("seed", "index", "step", "weight_offset", "moment_offset", "row0")
+
+    def __init__(self, seed: int, index: int, step: int, weight_offset: int, moment_offset: int, row0: int) -> None:
+        self.seed, self.index, self.step = seed, index, step
+        self.weight_offset, self.moment_offset, self.row0 = weight_offset, moment_offset, row0
+
+    def __call__(self, i: int, start: int):
+        offset = self.weight_offset if i == PARAM_STREAM else self.moment_offset
+        return P.stream(self.seed, self.index, self.step, i).at(offset + start)
+
+    def columns(self, first: int, width: int):
+        """The weight's stream for the column window [first, first + width): keyed by the window, read from this
+        rank's first row of it."""
+        return P.stream(self.seed, self.index, self.step, PARAM_STREAM).fork(first).at(self.row0 * width)
+
+
+def _local(t: Tensor) -> Tensor:
+    # DTensor.to_local() is an autograd function (some microseconds a call); a step reads the tensor itself
+    local = getattr(t, "_local_tensor", None)
+    return local if local is not None else t.to_local()
+
+
+def target_of(opt, param: Tensor) -> Target:
+    """The step's view of `param` (its gradient set): the tensors and rows it steps, from a cache of each
+    parameter's rows (``rows_of`` costs ~0.5 ms of mesh look-ups)."""
+    grad = param.grad
+    if grad.is_sparse:
+        raise RuntimeError("slimopt does not support sparse gradients (use a dense embedding)")
+    cache = opt._geometry
+    known = cache.get(param)
+    if known is None or known[2] is not type(grad):
+        known = cache[param] = _geometry(opt, param, grad)
+    rows, index, _, dtensor = known
+    if dtensor:
+        return Target(param, _local(param), _local(grad), rows, index)
+    return Target(param, param, grad, rows, index)
+
+
+def _geometry(opt, param: Tensor, grad: Tensor) -> tuple[Rows, int, type, bool]:
+    """(rows, index, the gradient's type, whether it is a DTensor) of a parameter: checked once, when first seen
+    with such a gradient."""
+    if grad.is_complex() or param.is_complex():
+        raise RuntimeError("slimopt does not support complex parameters or gradients")
+    if is_sharded(param):
+        if not is_sharded(grad):
+            raise ValueError("a DTensor parameter needs a DTensor gradient (FSDP2 sets one); got a "
+                             f"{type(grad).__name__}")
+        if tuple(grad.placements) != tuple(param.placements) or grad.device_mesh != param.device_mesh:
+            raise ValueError(f"gradient placements {tuple(grad.placements)} differ from the parameter's "
+                             f"{tuple(param.placements)}")
+        rows = rows_of(param)
+        check_agreement(opt, rows)
+    else:
+        total = param.shape[0] if param.dim() > 0 else 1
+        rows = Rows(total, 0, total)
+    return rows, opt._where[param][2], type(grad), is_sharded(param)
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # agreement between ranks
@@ -99,7 +181,9 @@ def check_agreement(opt, rows: Rows) -> None:
 class RowShardedFactored(FactoredCodec):
     """Adafactor-style second moment (``FactoredCodec``) of a 2-D moment whose rows are spread over ranks: the
     row means are local, the column means span every row, so encode all-reduces the column sums (n values).
-    decode divides by mean(col), which equals the mean of v (and of the row means) without communication."""
+    decode divides by mean(col), which equals the mean of v (and of the row means) without communication. Its
+    window (``open``) serves the C kernel and the eager windows alike: each writes its rows' means and adds its
+    column sums, and ``close`` all-reduces them."""
 
     def __init__(self, rows: Rows):
         self.rows = rows
@@ -111,12 +195,32 @@ class RowShardedFactored(FactoredCodec):
         denom = col.mean().clamp_min(torch.finfo(torch.float32).tiny)
         return torch.outer(row, col) / denom
 
-    def encode(self, key, x, state, generator=None):
+    def encode(self, key, x, state, generator=None, noise=None):
         if x.dim() != 2 or key + "_col" not in state:
             return super().encode(key, x, state, generator)
         col = all_reduce(x.sum(dim=0, dtype=torch.float64), self.rows) / max(1, self.rows.total)
         state[key].copy_(factored_means(x, 1, x.shape[1]))
         state[key + "_col"].copy_(col.float())
+
+    def open(self, key, state, shape):
+        if len(shape) != 2 or key + "_col" not in state:
+            return super().open(key, state, shape)
+        return ShardFactoredRows(key, state, shape, self.rows)
+
+
+class ShardFactoredRows(FactoredRows):
+    """``codecs.FactoredRows`` of a row shard: the mean of v is the mean of the (replicated) column means, and the
+    column sums of every rank's rows are all-reduced before they are divided by all the rows."""
+
+    def __init__(self, key: str, state, shape: torch.Size, rows: Rows) -> None:
+        super().__init__(key, state, shape)
+        self.group_rows = rows
+        self.rows = rows.total  # the column means divide by every rank's rows
+        self.denom = state[key + "_col"].mean().clamp_min(torch.finfo(torch.float32).tiny)
+
+    def close(self):
+        all_reduce(self.col_sum, self.group_rows)
+        super().close()
 
 
 @dataclass(frozen=True)
@@ -131,132 +235,40 @@ class Space:
     def split(self) -> bool:
         return self.rows is not None and self.rows.distributed
 
+    @property
+    def offset(self) -> int:
+        """The flat position of this rank's first element of the space."""
+        return self.rows.start * math.prod(self.shape[1:]) if self.rows is not None else 0
+
 
 def moment_codecs(opt, group: dict[str, Any], space: Space, dtype: torch.dtype) -> list[tuple[str, Any]]:
     """The codecs of a rule's moments, chosen from the *global* element count (the same on every rank and in one
     process: a shard below ``SMALL_NUMEL`` of a large tensor is not stored fp32). A factored second moment of a
-    row-split 2-D tensor becomes ``RowShardedFactored``."""
+    row-split 2-D tensor becomes ``RowShardedFactored``. Kept by what decides them (read the list, do not change
+    it)."""
+    split = space.split
+    key = (group["rule"], group["codec"], group["m_codec"], group["v_codec"], group["state_bits"], tuple(space.shape),
+           dtype, space.rows if split else None)
+    codecs = opt._codec_lists.get(key)
+    if codecs is not None:
+        return codecs
     m_spec, v_spec = resolve_codecs(group["codec"], group["m_codec"], group["v_codec"], group["state_bits"])
     numel = math.prod(space.shape)
-    out = []
-    for key, role in MOMENTS[group["rule"]]:
+    codecs = []
+    for k, role in MOMENTS[group["rule"]]:
         codec = opt._codec(m_spec if role == "m" else v_spec, role, numel, dtype)
-        if codec.name == "factored" and len(space.shape) == 2 and space.split:
+        if codec.name == "factored" and len(space.shape) == 2 and split:
             codec = RowShardedFactored(space.rows)
-        out.append((key, codec))
-    return out
+        codecs.append((k, codec))
+    opt._codec_lists[key] = codecs
+    return codecs
 
 
-def _stream(group, space: Space, *parts: int) -> CounterStream:
-    """The stochastic-rounding stream of one moment (or of the weight): the single-process stream (keyed by the
-    group's seed and `parts`) read from the shard's first element, so that every shard draws the numbers of its
-    elements in the single-process step."""
-    offset = space.rows.start * math.prod(space.shape[1:]) if space.rows is not None else 0
-    return P.stream(group["seed"], *parts).at(offset)
-
-
-def _local_shape(space: Space) -> torch.Size:
+def local_shape(space: Space) -> torch.Size:
+    """The shape of this rank's part of `space`."""
     if space.rows is None:
         return space.shape
     return torch.Size((space.rows.local,) + tuple(space.shape[1:]))
-
-
-def init_moments(state: dict[str, Tensor], codecs, local_shape: torch.Size, device) -> None:
-    """Zero moments of the local shape and a fresh ``moment_step`` (as ``SlimOptimizer._init_moments``)."""
-    for key, codec in codecs:
-        state.update(codec.init(key, local_shape, device))
-    state["moment_step"] = torch.zeros((), dtype=torch.float32)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the step
-
-
-def update(opt, p: Tensor, group: dict[str, Any]) -> None:
-    """One step of a DTensor parameter from its DTensor gradient, on the local shard (see the module docstring).
-
-    Follows ``SlimOptimizer._update`` line by line; what differs is where rows of other ranks are needed.
-    """
-    grad = p.grad
-    if not is_sharded(grad):
-        raise ValueError("a DTensor parameter needs a DTensor gradient (FSDP2 sets one); got a "
-                         f"{type(grad).__name__}")
-    if tuple(grad.placements) != tuple(p.placements) or grad.device_mesh != p.device_mesh:
-        raise ValueError(f"gradient placements {tuple(grad.placements)} differ from the parameter's "
-                         f"{tuple(p.placements)}")
-    if grad.is_complex() or p.is_complex():
-        raise RuntimeError("slimopt does not support complex parameters or gradients")
-    cache = opt.__dict__.setdefault("_slimopt_rows", {})  # rows_of costs ~0.5 ms (mesh lookups): once per param
-    rows = cache.get(id(p))
-    if rows is None or (p.dim() and rows.local != p.to_local().shape[0]):
-        rows = cache[id(p)] = rows_of(p)
-    check_agreement(opt, rows)
-    p_loc, g_loc = p.to_local(), grad.to_local()
-    state = opt.state[p]
-    if "step" not in state:
-        state["step"] = torch.zeros((), dtype=torch.float32)
-    step = advance(state["step"])
-    g = g_loc if g_loc.dtype in (torch.float32, torch.float64) else g_loc.float()
-    layout = opt._layout(p, group)
-    space = Space(p.shape, rows)
-
-    full, coef, resid = None, 0.0, None
-    if layout == "none":
-        if _fused(opt, p, p_loc, group, state, g, space):
-            return
-        full, coef = _stateful(opt, p, group, state, g, step, space)
-    elif layout == "block":
-        def fresh() -> None:
-            init_moments(state, moment_codecs(opt, group, space, p.dtype), _local_shape(space), p_loc.device)
-
-        # the active blocks are a pure function of (seed, refresh index): the same on every rank
-        if opt._block_turn(p, group, state, step, fresh):
-            full, coef = _stateful(opt, p, group, state, g, step, space)
-        else:
-            resid = g
-    else:
-        full, coef, resid = _projected(opt, p, group, state, g, step, layout, rows, g_loc.dtype)
-
-    rounding = rounding_of(group, p_loc)  # the shard's own compensation, and the shard's rounding stream
-    gen = _stream(group, space, opt._where[p][2], step, PARAM_STREAM) if rounding == "stochastic" \
-        else None
-    apply_update(p_loc, full, coef, resid, group, comp_of(state, p_loc, rounding), gen)
-
-
-def _fused(opt, p, p_loc, group, state, g, space: Space) -> bool:
-    """The compiled full-space AdamW step on the local shard, where it applies (no collective inside)."""
-    if not group["compile"] or group["rule"] != "adamw" or rounding_of(group, p_loc) != "nearest":
-        return False
-    codecs = moment_codecs(opt, group, space, p.dtype)
-    if not compiled.supported(codecs) or any(isinstance(c, RowShardedFactored) for _, c in codecs):
-        return False
-    if codecs[0][0] not in state:
-        init_moments(state, codecs, _local_shape(space), p_loc.device)
-    compiled.adamw_step(p_loc, g, state, codecs, group, advance(state["moment_step"]))
-    return True
-
-
-def _stateful(opt, p, group, state, g: Tensor, step: int, space: Space) -> tuple[Tensor, float]:
-    """The rule on g (local rows of `space`, fp32) against codec-stored moments of the same local shape."""
-    if taco.owns(group, space.shape):
-        norm_shape = p.shape if p.dim() == 2 else space.shape
-        if space.split:
-            return taco_update(state, g, group, norm_shape, space.rows)
-        return taco.update(state, g, group, norm_shape)
-    codecs = moment_codecs(opt, group, space, p.dtype)
-    if codecs[0][0] not in state:
-        init_moments(state, codecs, g.shape, g.device)
-    age = advance(state["moment_step"])
-    mom = {key: codec.decode(key, state, g.shape) for key, codec in codecs}
-    if group["rule"] == "muon" and space.split:  # the iteration needs the whole matrix: all-gather its rows
-        d, c = muon.direction(g, mom["momentum_buffer"], group, p.shape, rows=space.rows)
-    else:
-        d, c = direction(group["rule"], g, mom, age, group, shape=p.shape)
-    index = opt._where[p][2]
-    for i, (key, codec) in enumerate(codecs):
-        gen = _stream(group, space, index, step, i) if codec.needs_generator else None
-        codec.encode(key, mom[key], state, generator=gen)
-    return d, c
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -266,6 +278,8 @@ def _stateful(opt, p, group, state, g: Tensor, step: int, space: Space) -> tuple
 def local_selection(index: Tensor, rows: Rows) -> tuple[Tensor, int]:
     """The chosen global rows (sorted `index`) that this rank holds, as local row numbers, and how many chosen rows
     come before them (their position in the (r, n) subspace tensor)."""
+    if not rows.distributed:
+        return index, 0
     mine = (index >= rows.start) & (index < rows.stop)
     before = int((index < rows.start).sum().item())
     return index[mine] - rows.start, before
@@ -281,132 +295,18 @@ def effective_rank(projector: str, r: int, shape, state) -> int:
     return min(r, *shape) if projector in ("svd", "randomized_svd") else r
 
 
-def _space_of(projector: str, side: str | None, shape: torch.Size, r: int, rows: Rows, state) -> Space:
+def space_of(projector: str, side: str | None, shape: torch.Size, r: int, rows: Rows, state) -> Space:
+    """Where a projected step's subspace tensor (its gradient, direction and moments) lives: a left projection's
+    (r, n) on every rank, a right one's (m, r) and ``columns``' (m, r) in the parameter's rows, the ``rows``
+    projector's (r, n) in the chosen rows each rank holds."""
     m, n = shape
     r = effective_rank(projector, r, shape, state)
+    split = rows if rows.distributed else None
     if projector in P.ORTHO_PROJECTORS:
-        return Space(torch.Size((r, n)), None) if side == "left" else Space(torch.Size((m, r)), rows)
+        return Space(torch.Size((r, n)), None) if side == "left" else Space(torch.Size((m, r)), split)
     if projector == "columns":
-        return Space(torch.Size((m, r)), rows)
+        return Space(torch.Size((m, r)), split)
+    if split is None:
+        return Space(torch.Size((r, n)), None)
     sel, before = local_selection(state["proj_index"], rows)
     return Space(torch.Size((r, n)), rows.sub(r, before, before + sel.numel()))
-
-
-def _projected(opt, p, group, state, g: Tensor, step: int, projector: str, rows: Rows, grad_dtype: torch.dtype):
-    """The projected step of a shard: g is its fp32 gradient, grad_dtype the gradient's own dtype (what
-    ``proj_dtype="grad"`` projects in). A left projection sums the ranks' partial products in fp32 after each is
-    rounded to the products' dtype, so in a 16-bit one it differs from the single-process step by those roundings."""
-    shape = p.shape
-    side = P.side_for(shape, group["proj_side"]) if projector in P.ORTHO_PROJECTORS else None
-    r = P.subspace_rank(shape, projector, side, group["rank"], group["density"])
-    if r == 0:
-        return None, 0.0, g
-    key = "proj" if projector in P.ORTHO_PROJECTORS else "proj_index"
-    if key not in state or P.refresh_due(step, group["update_gap"]):
-        _refresh(opt, p, group, state, g, step, projector, side, r, key, rows)
-    basis = state[key]
-    if projector == "rows":
-        basis, _ = local_selection(basis, rows)
-    ortho = projector in P.ORTHO_PROJECTORS
-    mm = P.matmul_dtype(group["proj_dtype"], grad_dtype, g.device) if ortho else g.dtype
-    q = basis.to(mm) if ortho else basis
-    low = P.down(projector, side, g.to(mm), q).to(g.dtype)
-    if side == "left":
-        low = all_reduce(low.contiguous(), rows)  # Q^T G = sum over ranks of Q_local^T G_local: (r, n)
-    space = _space_of(projector, side, shape, r, rows, state)
-    d, c = _stateful(opt, p, group, state, low, step, space)
-    full = P.up(projector, side, d.to(mm), q, g.shape).to(g.dtype)
-    whole = r == (shape[0] if side == "left" or projector == "rows" else shape[1])
-    resid = None if group["free_rule"] == "none" or whole else P.residual(projector, side, g, low, basis)
-    return full, c * float(group["scale"]), resid
-
-
-def _refresh(opt, p, group, state, g: Tensor, step: int, projector: str, side: str | None, r: int, key: str,
-             rows: Rows) -> None:
-    """Choose the subspace anew, identically on every rank; keep / reset / rotate the moments."""
-    index = opt._where[p][2]
-    gen = P.generator(p.device, group["seed"], index, P.refresh_index(step, group["update_gap"]))
-    m, n = p.shape
-    old = state.get(key)
-    new = None
-    if projector in ("svd", "randomized_svd"):
-        if projector == "svd":
-            new, status = svd_basis(g, r, side, rows)
-        else:
-            new, status = randomized_basis(g, r, side, gen, group["oversample"], group["power_iters"], rows)
-        if status == "nonfinite":
-            opt._warn_once("nonfinite", "slimopt: a non-finite gradient reached a subspace refresh; keeping the "
-                           "previous subspace (warned once)")
-        elif status != "ok":
-            opt._warn_once("svd", f"slimopt: the subspace decomposition failed ({status}); keeping the previous "
-                           "subspace (warned once)")
-        if new is None and old is None:
-            new = rows_of_basis(P.random_basis(m if side == "left" else n, r, gen, g.device, g.dtype), side, rows)
-    elif projector == "random":
-        new = rows_of_basis(P.random_basis(m if side == "left" else n, r, gen, g.device, g.dtype), side, rows)
-    else:
-        new = P.random_coordinates(n if projector == "columns" else m, r, gen, g.device)
-    if new is None:
-        return
-    if projector in P.ORTHO_PROJECTORS and p.dtype in (torch.bfloat16, torch.float16):
-        new = new.to(p.dtype)
-    if old is not None:
-        _carry_moments(opt, p, group, state, projector, side, r, rows, old, new, step)
-    state[key] = new
-
-def _carry_moments(opt, p, group, state, projector, side, r, rows: Rows, old: Tensor, new: Tensor,
-                   step: int) -> None:
-    """on_refresh for a sharded parameter: keep, reset or rotate the moments into the new subspace."""
-    shape = p.shape
-    key = "proj_index" if projector == "rows" else "proj"
-    old_space = _space_of(projector, side, shape, r, rows, {key: old})
-    new_space = _space_of(projector, side, shape, r, rows, {key: new})
-    if taco.owns(group, old_space.shape):
-        if group["on_refresh"] != "keep":
-            taco.reset(state)
-        return
-    old_codecs = moment_codecs(opt, group, old_space, p.dtype)
-    if old_codecs[0][0] not in state:
-        return
-    new_codecs = moment_codecs(opt, group, new_space, p.dtype)
-    mode = group["on_refresh"]
-    if mode == "reset":
-        init_moments(state, new_codecs, _local_shape(new_space), p.to_local().device)
-        return
-    if mode == "keep" and (projector != "rows" or not rows.distributed):
-        return  # the same local rows: nothing moves
-    index = opt._where[p][2]
-    rot = None
-    if mode == "project" and projector in P.ORTHO_PROJECTORS and side == "left":
-        # R = Q_new^T Q_old sums over the rows of both bases, which are split like the parameter's: (r, r)
-        rot = all_reduce(new.float().transpose(0, 1) @ old.float(), rows)
-    moved = projector == "rows" and (old_space.rows.start, old_space.rows.stop) != (new_space.rows.start,
-                                                                                   new_space.rows.stop)
-    moments = {}
-    for key_m, codec in old_codecs:
-        # the codec's best estimate (an error-feedback residual included), as SlimOptimizer._refresh rotates it
-        x = getattr(codec, "estimate", codec.decode)(key_m, state, _local_shape(old_space))
-        if mode == "keep":
-            # rows: moment row j stays at position j of the (r, n) subspace tensor, and position j now sits on
-            # the rank that holds the newly chosen row: gather the (r, n) moment, keep the new local part.
-            x = gather_var_rows(x, rows, chosen_per_rank(old, rows))[new_space.rows.start: new_space.rows.stop]
-        elif rot is not None:
-            x = (rot * rot if opt._role(group, key_m) == "v" else rot) @ x
-        elif projector == "rows":
-            old_sel, _ = local_selection(old, rows)
-            new_sel, _ = local_selection(new, rows)
-            x = P.rotate("rows", None, old_sel, new_sel, x, squared=False) if old_sel.numel() else \
-                x.new_zeros((new_sel.numel(), x.shape[1]))
-        else:
-            x = P.rotate(projector, side, old, new, x, squared=opt._role(group, key_m) == "v")
-        moments[key_m] = x.contiguous()
-    if mode == "keep" and not moved:
-        return  # this rank's part did not move: its stored moments stand as they are
-    for key_m, codec in new_codecs:
-        if moved:
-            state.update(codec.init(key_m, _local_shape(new_space), p.to_local().device))
-        elif hasattr(codec, "clear_feedback"):
-            codec.clear_feedback(key_m, state)  # the carried residual was in the old coordinates
-    for i, (key_m, codec) in enumerate(new_codecs):
-        gen = _stream(group, new_space, index, step, i, 1) if codec.needs_generator else None
-        codec.encode(key_m, moments[key_m], state, generator=gen)

@@ -150,3 +150,75 @@ def taco_update(state, g: Tensor, group, shape, rows: Rows) -> tuple[Tensor, flo
     # 6. store (replicated)
     taco._encode(state, kept_rows, kept_values)
     return d, c
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the fast path at one component a column: one collective a weight
+
+
+_OWNERLESS = -(1 << 62)  # a float key below every float's (``_float_keys``)
+
+
+def _float_keys(x: Tensor) -> Tensor:
+    """Order-preserving int64 keys of fp32 values: a MAX over keys is a MAX over the values (negative values' bits
+    reversed), and ``_float_values`` inverts it."""
+    bits = x.float().contiguous().view(torch.int32).to(torch.int64)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def _float_values(keys: Tensor) -> Tensor:
+    bits = keys ^ ((keys >> 31) & 0x7FFFFFFF)
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def sparse_update_k1(state, g: Tensor, group, shape, rows: Rows, search=None) -> tuple[Tensor, Tensor, float]:
+    """``taco.sparse_update`` at taco_k 1 of this rank's rows g (fp32 or bf16) of a (rows.total, n) gradient, the
+    history replicated: (kept rows (1, n), global row numbers; their signs (1, n); c). This rank searches its rows
+    (search: a kernel's one-candidate search, ``taco_routes.search_for``, else row windows as tensor operations),
+    the stored row of each column hidden where it holds it; one MAX all-reduce of (2, n) int64 keys brings every
+    column's best candidate (``pack_keys``) and its stored entry's gradient (from the rank that holds it) to every
+    rank; steps 2, 4-6 of taco.py then run on identical data everywhere. 16 n bytes a weight and step."""
+    c = float(group["taco_alpha"]) * taco.dimension_factor(shape, group["taco_norm"])
+    m, n = rows.total, g.shape[1]
+    if "taco_rows" not in state or state["taco_rows"].shape != (1, n):
+        state.update(taco.init_state((m, n), 1, group["taco_format"], group["taco_scale_dtype"], g.device))
+    beta = float(group["taco_decay"])
+    stored_rows, values = taco.decode(state)  # (1, n) global rows, fp32 values: replicated
+    live = values != 0
+    mine = live & (stored_rows >= rows.start) & (stored_rows < rows.stop)
+    keys = torch.full((2, n), -1, dtype=torch.int64, device=g.device)
+    keys[1] = _OWNERLESS
+    if rows.local:
+        rel = (stored_rows - rows.start).clamp(0, rows.local - 1)
+        best = search(g, torch.where(mine[0], rel[0], -1)) if search is not None else None
+        if best is not None:
+            cand_rel, cand_abs = best
+            valid = cand_abs >= 0
+        else:
+            cand_rel, valid = taco._window_candidates(g, rel, mine, 1)
+        v = g.gather(0, cand_rel).float()
+        keys[0] = torch.where(valid, pack_keys(v.abs(), cand_rel + rows.start, torch.signbit(v)), -1)[0]
+        keys[1] = torch.where(mine, _float_keys(g.gather(0, rel)), _OWNERLESS)[0]
+    all_reduce(keys, rows, op=dist.ReduceOp.MAX)
+    cand_value, cand_rows, valid = unpack_keys(keys[:1])
+    at_stored = _float_values(keys[1:])
+    # 2. the stored component follows the EMA of its own entry (taco.sparse_update's arithmetic)
+    values = torch.where(live, values.mul_(beta).add_(at_stored, alpha=1.0 - beta), 0.0)
+    cand_values = cand_value.mul_(1.0 - beta).masked_fill_(~valid, 0.0)
+    # 4. keep the larger; 5. the direction; 6. store (replicated)
+    kept_rows, kept_values = taco._keep_larger(stored_rows, values, cand_rows, cand_values)
+    taco._encode(state, kept_rows, kept_values)
+    return kept_rows, kept_values.sign(), c
+
+
+def apply_local(p: Tensor, kept_rows: Tensor, signs: Tensor, coef: float, group, rows: Rows) -> None:
+    """``taco.apply_sparse`` at nearest rounding on this rank's rows p: the decay of every local row, and the one
+    entry of each column whose kept row this rank holds."""
+    from .rules import decay
+    decay(p, group)
+    r = kept_rows[0]
+    cols = torch.nonzero((r >= rows.start) & (r < rows.stop)).flatten()
+    if cols.numel():
+        local = r[cols] - rows.start
+        lr = float(group["lr"])
+        p[local, cols] = p[local, cols].float().add_(signs[0, cols], alpha=-lr * coef).to(p.dtype)

@@ -65,16 +65,17 @@ serves TACO's matrices and the AdamW fallback of the same model, as GaLore's alp
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, MutableMapping
+from typing import Any, Callable, Mapping, MutableMapping
 
 import torch
 from torch import Tensor
 
-from . import native
-from . import triton_taco
+from .budget import ROUNDING_SCRATCH, window_elems
 from .noise import CounterStream
 from .rules import decay, rounded, rounding_of, value_of, write
-from .windowed import ROUNDING_SCRATCH, window_elems
+
+# a kernel's one-candidate column search: (g (m, n), rows hidden (n,) or None) -> (rows (1, n), |g| (1, n)) or None
+Search = Callable[[Tensor, "Tensor | None"], "tuple[Tensor, Tensor] | None"]
 
 __all__ = [
     "FORMATS",
@@ -262,19 +263,20 @@ def _keep_larger(rows: Tensor, values: Tensor, cand_rows: Tensor, cand_values: T
 
 
 def update(state: MutableMapping[str, Tensor], g: Tensor, group: Mapping[str, Any],
-           shape: torch.Size | tuple[int, ...] | None = None) -> tuple[Tensor, float]:
+           shape: torch.Size | tuple[int, ...] | None = None, search: Search | None = None) -> tuple[Tensor, float]:
     """One TACO step for a 2-D gradient; returns (d, c): the update is lr * c * d.
 
     g: (m, n) fp32 gradient (or its projection); state: the tensor's optimizer state (history created on first
     use); shape: the parameter's (m, n) for the dimension normalization (default g's shape). d is (m, n), ternary,
     one nonzero per column (zero columns stay zero).
     """
-    rows, signs, c = sparse_update(state, g, group, shape)
+    rows, signs, c = sparse_update(state, g, group, shape, search)
     return torch.zeros_like(g).scatter_(0, rows, signs), c
 
 
 def sparse_update(state: MutableMapping[str, Tensor], g: Tensor, group: Mapping[str, Any],
-                  shape: torch.Size | tuple[int, ...] | None = None) -> tuple[Tensor, Tensor, float]:
+                  shape: torch.Size | tuple[int, ...] | None = None,
+                  search: Search | None = None) -> tuple[Tensor, Tensor, float]:
     """``update`` with the direction as its one entry a column: (rows, signs, c), rows (1, n) int64 and signs
     (1, n) fp32 in {-1, 0, +1}; d = zeros (m, n) with d[rows[0, j], j] = signs[0, j]. Applying it costs O(n)
     instead of a pass over the weight (``apply_sparse``).
@@ -282,14 +284,15 @@ def sparse_update(state: MutableMapping[str, Tensor], g: Tensor, group: Mapping[
     g may be narrower than fp32 (a bf16 gradient): it is read in windows of rows, each taken to fp32 on its own,
     and the candidates of step 3 are the best of each window's best (``_window_candidates``), so what the step
     allocates stays under ``windowed.WINDOW_BYTES`` whatever the weight's size; the result is the whole-tensor
-    search's."""
+    search's. search: a kernel's one-candidate search (``taco_routes.search_for``: (rows, |g| there) of the
+    largest |g| of each column, a row hidden per column, or None where it failed), used at one candidate."""
     if g.dim() != 2:
         raise ValueError(f"TACO's update needs a 2-D gradient, got shape {tuple(g.shape)}")
     c = float(group["taco_alpha"]) * dimension_factor(shape if shape is not None else g.shape, group["taco_norm"])
     k = group["taco_k"]
     m, n = g.shape
     if k == 0:
-        best = _one_pass_best(g, None, group)
+        best = search(g, None) if search is not None else None
         if best is not None:
             rows = best[0]
         else:
@@ -306,7 +309,7 @@ def sparse_update(state: MutableMapping[str, Tensor], g: Tensor, group: Mapping[
     values = torch.where(live, values.mul_(beta).add_(g.gather(0, rows).float(), alpha=1.0 - beta), 0.0)
     # 3. candidates among the rows not stored
     kc = min(k, m)
-    best = _one_pass_best(g, torch.where(live[0], rows[0], -1), group) if k == 1 else None
+    best = search(g, torch.where(live[0], rows[0], -1)) if k == 1 and search is not None else None
     if best is not None:  # the one stored row of each column hidden, in one pass
         cand_rows, cand_abs = best
         valid = cand_abs >= 0
@@ -339,41 +342,6 @@ _COLUMN_SCRATCH = 96
 # entries' indices and values, alive across it); MemTracker on CPU, 1024- and 2048-wide weights (2026-12-02).
 _DECAY_SCRATCH = {"kahan": 10, "stochastic": 19}
 _DECAY_COLUMN_SCRATCH = 20
-
-
-def scratch_bytes(shape: torch.Size | tuple[int, ...], group: Mapping[str, Any], dtype: torch.dtype,
-                  device_type: str) -> int:
-    """What one fused TACO step (``sparse_update`` then ``apply_sparse``) of a `shape` weight on `device_type`
-    allocates at most: in the CPU kernel (``one_pass_step``) its per-column buffers (a step that keeps a NaN
-    adds the tensor operations' few per-column ones); otherwise a window of the candidate search (none in the CPU kernel's one-pass search) and its
-    per-column bookkeeping, or, for a bf16 weight written with stochastic rounding or Kahan compensation under
-    weight decay, the decay pass's window if that is larger."""
-    m, n = shape
-    if native.taco_kernel_applies(group, dtype, device_type):  # the whole step in the kernel (one_pass_step)
-        return native.TACO_COLUMN_SCRATCH * n
-    rows = max(2 * max(1, min(group["taco_k"], m)) + 1,
-               window_elems(m * n, n, _CANDIDATE_SCRATCH) // n)
-    search = _CANDIDATE_SCRATCH * min(m, rows) * n
-    if group["taco_k"] <= 1 and native.column_best_applies(group, dtype, device_type):
-        search = 0
-    search += (_COLUMN_SCRATCH * max(1, group["taco_k"]) + 8) * n
-    rounding = rounding_of(group, torch.empty(0, dtype=dtype, device="meta"))
-    if rounding == "nearest" or float(group["weight_decay"]) == 0.0:
-        return search
-    window = window_elems(m * n, n, ROUNDING_SCRATCH[rounding])  # the rows apply_sparse decays at a time
-    return max(search, _DECAY_SCRATCH[rounding] * window + _DECAY_COLUMN_SCRATCH * n)
-
-
-def _one_pass_best(g: Tensor, hidden: Tensor | None, group: Mapping[str, Any]) -> tuple[Tensor, Tensor] | None:
-    """The one-candidate search in one pass over g where a kernel applies (the C kernel for a CPU gradient, Triton
-    for a CUDA one; fused groups): (rows (1, n), |g| there (1, n), -1 where none is valid), else None."""
-    if not g.is_contiguous():
-        return None
-    if native.column_best_applies(group, g.dtype, g.device.type):
-        return native.column_best(g, hidden)
-    if triton_taco.column_best_applies(group, g):
-        return triton_taco.column_best(g, hidden)
-    return None
 
 
 def _window_candidates(g: Tensor, rows: Tensor, live: Tensor, kc: int) -> tuple[Tensor, Tensor]:
@@ -416,53 +384,6 @@ def _window_best(g: Tensor, r0: int, r1: int, rows: Tensor, live: Tensor, kc: in
     del a
     cand_abs = g[r0:r1].gather(0, cand).float().abs_().masked_fill_(~valid, -1.0)
     return cand + r0, cand_abs
-
-
-def one_pass_step(p: Tensor, grad: Tensor, state: MutableMapping[str, Tensor], group: Mapping[str, Any],
-                  batch: Any = None) -> bool:
-    """``sparse_update`` then ``apply_sparse`` of a (m, n) weight in the C kernel where it applies (a fused CPU
-    group at taco_k 1, the weight written to nearest: ``native.taco_applies``), or as Triton kernels on a CUDA
-    weight (``triton_taco.applies``): one pass over the gradient, one over the weight, the same arithmetic. On
-    CUDA the step is queued in `batch` (a ``multi_tensor.Batch``), to run with the other weights of its shape at
-    the end of ``step()`` (the tensor operations where the kernels fail); without a batch it runs now.
-    Returns False where neither applies (or a Triton kernel failed: the caller runs the tensor operations)."""
-    on_cpu = native.taco_applies(group, p, grad)
-    if not on_cpu and not triton_taco.applies(group, p, grad):
-        return False
-    m, n = p.shape
-    if "taco_rows" not in state or state["taco_rows"].shape != (1, n):
-        state.update(init_state(p.shape, 1, group["taco_format"], group["taco_scale_dtype"], p.device))
-    if not all(state[key].is_contiguous() for key in KEYS):  # the kernel reads them through their pointers
-        return False
-    if not on_cpu:  # the same step as Triton kernels (a CUDA weight)
-        return queue_triton(p, grad, state, group, batch)
-    c = float(group["taco_alpha"]) * dimension_factor(p.shape, group["taco_norm"])
-    lr, wd = float(group["lr"]), float(group["weight_decay"])
-    kept = native.taco_one(p, grad, state, float(group["taco_decay"]), lr, wd, c)
-    if kept is not None:  # a NaN kept value: stored and applied as the tensor operations do
-        rows, values = kept
-        _encode(state, rows, values)
-        apply_sparse(p, rows, values.sign(), c, group)
-    return True
-
-
-def queue_triton(p: Tensor, grad: Tensor, state: MutableMapping[str, Tensor], group: Mapping[str, Any],
-                 batch: Any = None) -> bool:
-    """p's step as Triton kernels (``triton_taco.applies`` holds, the stored component exists and is contiguous),
-    queued in `batch` to run with the other weights of its shape at the end of ``step()``, the tensor operations
-    standing by where the kernels fail; without a batch it runs now (False where the kernels failed)."""
-    c = float(group["taco_alpha"]) * dimension_factor(p.shape, group["taco_norm"])
-    launch = triton_taco.prepare(p, grad, state, float(group["taco_decay"]), float(group["lr"]),
-                                 float(group["weight_decay"]), c, group)
-    if batch is None:
-        return triton_taco.run([launch]) is not None
-
-    def tensor_ops() -> None:
-        rows, signs, coef = sparse_update(state, grad, group, p.shape)
-        apply_sparse(p, rows, signs, coef, group)
-
-    batch.launch(launch, tensor_ops)
-    return True
 
 
 def apply_sparse(p: Tensor, rows: Tensor, signs: Tensor, coef: float, group: Mapping[str, Any],

@@ -65,7 +65,7 @@ from . import native
 from .codecs import Bf16Codec, BlockCodec, FactoredCodec, Fp32Codec, TernaryCodec
 from .noise import CounterStream
 
-__all__ = ["available", "applies", "prepare", "run", "failed", "fallbacks"]
+__all__ = ["available", "declines", "applies", "prepare", "run", "finish", "failed", "fallbacks"]
 
 _K_FP32, _K_BF16, _K_INT8, _K_INT4, _K_BF16_SR, _K_TERNARY, _K_FACTORED = range(7)
 _BLOCK_KINDS = (_K_INT8, _K_INT4)
@@ -181,28 +181,40 @@ def _rule_ok(rule: str, codecs: tuple[tuple[str, Any], ...]) -> bool:
 _PLAIN = (Tensor, torch.nn.Parameter)  # no tensor subclass (a DTensor, a quantized weight): its data is not flat
 
 
-def applies(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[str, Any]]) -> bool:
-    """Whether p's element-wise step with these moment codecs runs as one Triton launch (see the module
-    docstring): a fused group, a CUDA weight (or a CPU one under the interpreter hook), a supported rule, codecs,
-    dtypes and write, triton installed, and no earlier failure of this kernel's settings. No codecs: the state-free
-    update (``free_rule`` sign or sgd)."""
-    if not group["fused"] or not _device_ok(p):
-        return False
+def declines(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[str, Any]]) -> str | None:
+    """Why p's element-wise step with these moment codecs does not run as one Triton launch, or None where it
+    does (see the module docstring): a fused group, a CUDA weight (or a CPU one under the interpreter hook), a
+    supported rule, codecs, dtypes and write, triton installed, and no earlier failure of this kernel's settings.
+    No codecs: the state-free update (``free_rule`` sign or sgd)."""
+    if not group["fused"]:
+        return "fused=False"
+    if not _device_ok(p):
+        return f"a {p.device.type} weight"
     if p.dtype not in _DTYPES or grad.dtype not in _DTYPES:
-        return False
+        return f"a {p.dtype} weight with a {grad.dtype} gradient"
     if group["param_rounding"] not in _ROUNDINGS:
-        return False
-    if not (type(p) in _PLAIN and type(grad) in _PLAIN and p.is_contiguous() and grad.is_contiguous()):
-        return False
+        return f"param_rounding {group['param_rounding']!r}"
+    if not (type(p) in _PLAIN and type(grad) in _PLAIN):
+        return f"a {type(p).__name__} weight"
+    if not (p.is_contiguous() and grad.is_contiguous()):
+        return "not contiguous"
     rule = group["rule"]
     if not codecs:
         if group["free_rule"] not in _FREE_RULES:
-            return False
+            return f"free_rule {group['free_rule']!r}"
     elif not _rule_ok(rule, tuple(codecs)):
-        return False
+        return f"rule {rule!r} with moments {[c.name for _, c in codecs]}"
     elif rule in ("adamw", "taco") and group["eps_placement"] not in ("torch", "galore"):
-        return False
-    return available() and not (_failed and _settings(group, p, grad, codecs) in _failed)
+        return f"eps_placement {group['eps_placement']!r}"
+    if not available():
+        return "triton is not installed" if _triton() is None else "SLIMOPT_TRITON=0"
+    if _failed and _settings(group, p, grad, codecs) in _failed:
+        return "this kernel failed earlier in this process: " + _failed[_settings(group, p, grad, codecs)]
+    return None
+
+
+def applies(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[str, Any]]) -> bool:
+    return declines(group, p, grad, codecs) is None
 
 
 def lift_applies(group: dict[str, Any], p: Tensor, grad: Tensor, full_dtype: torch.dtype) -> bool:
@@ -278,12 +290,14 @@ class Launch:
     the launch it can share (``key``: the group, the kernel's settings, the size, the moments' age), and a
     factored v's (row means, column means), which ``run`` writes after the kernel."""
 
-    __slots__ = ("group", "codecs", "age", "direction", "n", "blocks", "row", "key", "device", "factored")
+    __slots__ = ("group", "codecs", "age", "direction", "n", "blocks", "row", "key", "device", "factored",
+                 "pending")
 
     def __init__(self, group, codecs, age, direction, n, blocks, row, key, device, factored=None):
         self.group, self.codecs, self.age, self.direction = group, codecs, age, direction
         self.n, self.blocks, self.row, self.key, self.device = n, blocks, row, key, device
         self.factored = factored
+        self.pending = None  # a row shard's column sums, which ``finish`` adds up over the ranks
 
 
 def prepare(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
@@ -319,7 +333,8 @@ def prepare(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, 
     factored = None
     if len(kinds) > 1 and kinds[1] == _K_FACTORED:
         vkey = codecs[1][0]
-        factored = (state[vkey], state[vkey + "_col"])
+        # a row shard's factored moment (sharded.RowShardedFactored): its rows, to add the column sums up over
+        factored = (state[vkey], state[vkey + "_col"], getattr(codecs[1][1], "rows", None))
     maps = tuple(_codec_key(c) for _, c in codecs)
     shape = tuple(p.shape) if factored is not None else p.numel()  # the rows layout: rows and columns
     settings = _settings(group, p, grad, codecs)
@@ -461,7 +476,8 @@ def run(launches: list[Launch]) -> float | None:
         if layout == _L_ROWS:
             rows, cols = shape
             iters, col_tiles, row_tiles = _rows_geometry(shape)
-            means = [x.factored[0] for x in launches]
+            # the mean of v: of the row means, or of a row shard's column means (its row means are its rows')
+            means = [x.factored[1] if x.factored[2] is not None else x.factored[0] for x in launches]
             denoms = torch.stack([r.mean() for r in means]).clamp_min_(torch.finfo(torch.float32).tiny)
             row_sums = torch.empty((k, col_tiles, rows), dtype=torch.float64, device=device)
             col_sums = torch.empty((k, row_tiles, cols), dtype=torch.float64, device=device)
@@ -486,10 +502,32 @@ def run(launches: list[Launch]) -> float | None:
         return None
     if layout == _L_ROWS:  # codecs.FactoredCodec's means: fp64 sums over the tiles, divided, rounded to fp32
         torch._foreach_copy_([x.factored[0] for x in launches], list((row_sums.sum(1) / cols).float().unbind(0)))
-        torch._foreach_copy_([x.factored[1] for x in launches], list((col_sums.sum(1) / rows).float().unbind(0)))
+        sums = col_sums.sum(1)
+        if any(x.factored[2] is not None for x in launches):
+            # a row shard's column sums add up every rank's rows: ``finish`` sums them over the ranks, in the
+            # order the tensors were queued (the same on every rank, whatever launches they shared)
+            for i, x in enumerate(launches):
+                if x.factored[2] is not None:
+                    x.pending = sums[i]
+                else:
+                    x.factored[1].copy_((sums[i] / rows).float())
+        else:
+            torch._foreach_copy_([x.factored[1] for x in launches], list((sums / rows).float().unbind(0)))
     if moment is not None:  # compiled and loaded above: what fails now is no compile or load, and is raised
         moment(moment_grid)
     return coef
+
+
+def finish(launches: list[Launch]) -> None:
+    """The column means of every row shard's factored moment that ``run`` left (``Launch.pending``): its column
+    sums all-reduced over its ranks, divided by all the rows, in the order of `launches` (which every rank must
+    give alike: the order the tensors were queued in)."""
+    from .shardcomm import all_reduce
+    for x in launches:
+        if x.pending is not None:
+            rows = x.factored[2]
+            x.factored[1].copy_((all_reduce(x.pending, rows) / rows.total).float())
+            x.pending = None
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -28,7 +28,7 @@ from torch import Tensor
 from . import native, triton_step
 from .triton_step import _COMPILED, _DTYPES, _OPTIONS, _PLAIN, _cdiv, _device_ok, _failed, _table, _triton, available
 
-__all__ = ["column_best_applies", "column_best", "applies", "Launch", "prepare", "batch_size", "run"]
+__all__ = ["column_best_applies", "column_best", "declines", "applies", "Launch", "prepare", "batch_size", "run"]
 
 _CHUNK, _BLOCK_N = 64, 128  # rows and columns a program of the column search
 _TACO_BLOCK = 256  # columns a program of taco_columns
@@ -78,19 +78,34 @@ class _Row:
         self.row, self.device = row, device
 
 
-def applies(group: dict[str, Any], p: Tensor, grad: Tensor) -> bool:
-    """Whether TACO's whole step at taco_k 1 of the 2-D weight p runs as Triton kernels: a fused group, a CUDA
-    weight (or a CPU one under the interpreter hook) of fp32 or bf16 written to nearest, a gradient of fp32 or
-    bf16, both contiguous plain tensors; the C kernel's conditions (``native.taco_applies``)."""
-    if not (group["fused"] and group["taco_k"] == 1 and p.dim() == 2 and grad.shape == p.shape):
-        return False
-    if p.dtype not in _DTYPES or grad.dtype not in _DTYPES or not _device_ok(p):
-        return False
+def declines(group: dict[str, Any], p: Tensor, grad: Tensor) -> str | None:
+    """Why TACO's whole step at taco_k 1 of the 2-D weight p does not run as Triton kernels, or None where it
+    does: a fused group, a CUDA weight (or a CPU one under the interpreter hook) of fp32 or bf16 written to
+    nearest, a gradient of fp32 or bf16, both contiguous plain tensors; the C kernel's conditions
+    (``native.taco_declines``)."""
+    if not group["fused"]:
+        return "fused=False"
+    if group["taco_k"] != 1:
+        return f"taco_k {group['taco_k']}"
+    if p.dim() != 2 or grad.shape != p.shape:
+        return "not a 2-D weight with its gradient"
+    if not _device_ok(p):
+        return f"a {p.device.type} weight"
+    if p.dtype not in _DTYPES or grad.dtype not in _DTYPES:
+        return f"a {p.dtype} weight with a {grad.dtype} gradient"
     if group["param_rounding"] != "nearest" and p.dtype != torch.float32:
-        return False
+        return f"param_rounding {group['param_rounding']!r}"
     if not (type(p) in _PLAIN and type(grad) in _PLAIN and p.is_contiguous() and grad.is_contiguous()):
-        return False
-    return available() and _kind(p, grad) not in _failed
+        return "not contiguous plain tensors"
+    if not available():
+        return "triton is not installed or SLIMOPT_TRITON=0"
+    if _kind(p, grad) in _failed:
+        return "this kernel failed earlier in this process"
+    return None
+
+
+def applies(group: dict[str, Any], p: Tensor, grad: Tensor) -> bool:
+    return declines(group, p, grad) is None
 
 
 def _kind(p: Tensor, grad: Tensor) -> tuple:

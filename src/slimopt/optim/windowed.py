@@ -36,113 +36,37 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from . import choice
 from . import native
 from . import projectors as P
 from . import triton_step
+from .budget import (PROJECTED_APPLY, PROJECTED_ROUNDING, PROJECTED_RULE, ROUNDING_SCRATCH,  # noqa: F401
+                     SCRATCH_PER_ELEMENT, WINDOW_BYTES, apply_scratch, kind, projected_held, projected_scratch,
+                     rule_scratch, scratch_per_element, window_elems, window_lines)
 from .noise import CounterStream
 from .rules import PARAM_STREAM, apply_update, comp_of, direction, rounding_of
 
 __all__ = ["WINDOW_BYTES", "SCRATCH_PER_ELEMENT", "ROUNDING_SCRATCH", "kind", "scratch_per_element",
-           "window_elems", "step"]
+           "window_elems", "launch", "in_windows", "projected", "directions"]
 
-WINDOW_BYTES = 64 << 20
-
-# Bytes per element of a parameter that its update allocates on top of the weights, gradient and state while it
-# runs (fp32 gradient copy, decoded moments, direction, quantization buffers): (bf16 weights, fp32 weights).
-# Measured with torch's MemTracker on CPU, torch 2.13 (a 2048 x 2048 weight stepped whole; tests/test_windowed.py
-# checks the windowed kinds, tests/test_planner.py a LLaMA step); an estimate of what any device allocates, since
-# kernels differ. The windowed kinds (plain, factored, momentum, 8bit, ternary_*, state_free) allocate this per
-# element of a window; TACO's dense reference step (fused=False) per element of the tensor (its fused step
-# searches row windows: taco.scratch_bytes). Projected steps have figures of their own (PROJECTED_*, below).
-SCRATCH_PER_ELEMENT = {"plain": (20, 8), "factored": (20, 12), "momentum": (14, 4), "8bit": (33, 29),
-                       "ternary_sr": (61, 57), "ternary_ef": (77, 73), "state_free": (8, 4), "taco": (12, 8)}
-# Writing a bf16 weight with stochastic rounding or Kahan compensation (rules.write) is a phase of its own, after
-# the moments are stored: the gradient and direction, the weight's fp32 value, and the random integers and rounded
-# bits, or the compensation's fp32 copy and residual. Its peak per element (measured as above); the step's is the
-# larger of the two phases.
-ROUNDING_SCRATCH = {"nearest": 0, "stochastic": 27, "kahan": 18}
-# A projected step between refreshes (``projected``), measured as above on a 1024 x 1024 weight stepped in one
-# window (what it allocates less what it holds, ``projected_held``, over the elements), in two phases, each in
-# windows:
-# - the element-wise rule on the subspace gradient, per element of that gradient (fp32 already, so no copy: the
-#   decoded moments, the direction and its temporaries), by scratch kind: (bf16 weights, fp32 weights);
-# - the lifting, per element of a weight window (the window's fp32 gradient, the residual, its state-free
-#   direction and the lifted update), by free rule ("none": no residual is formed), the same for orthonormal
-#   and coordinate projectors; and that phase's peak when a bf16 weight is written with stochastic rounding or
-#   Kahan compensation (the weight's fp32 value and the rounding's buffers on top).
-PROJECTED_RULE = {"plain": (16, 8), "factored": (16, 12), "momentum": (12, 8), "8bit": (29, 29),
-                  "ternary_sr": (57, 57), "ternary_ef": (73, 73)}
-PROJECTED_APPLY = {"none": (4, 4), "sgd": (8, 8), "sign": (12, 12)}
-PROJECTED_ROUNDING = {"none": {"nearest": 0, "stochastic": 23, "kahan": 14},
-                      "sgd": {"nearest": 0, "stochastic": 27, "kahan": 18},
-                      "sign": {"nearest": 0, "stochastic": 31, "kahan": 22}}
-
-
-def kind(codecs: list[tuple[str, Any]], rule: str = "adamw") -> str:
-    """The scratch kind of a full-space step of `rule` with these moment codecs (none: the state-free update)."""
-    names = {codec.scratch_kind for _, codec in codecs}
-    if not names:
-        return "state_free"
-    if "ternary_ef" in names:
-        return "ternary_ef"
-    if "ternary_sr" in names:
-        return "ternary_sr"
-    if names & {"int8", "int4"}:
-        return "8bit"
-    if rule in ("lion", "sgdm"):
-        return "momentum"
-    return "factored" if "factored" in names else "plain"
-
-
-def scratch_per_element(step_kind: str, dtype: torch.dtype, rounding: str = "nearest") -> int:
-    """Bytes a step of `step_kind` allocates per element of a `dtype` weight (``SCRATCH_PER_ELEMENT``)."""
-    narrow, wide = SCRATCH_PER_ELEMENT[step_kind]
-    if dtype in (torch.float32, torch.float64):
-        return wide
-    return max(narrow, ROUNDING_SCRATCH[rounding])
-
-
-def _budget(held: int) -> int:
-    """Scratch bytes for one window of a step that keeps `held` bytes across its windows: what WINDOW_BYTES leaves,
-    but at least an eighth of it, so that a step holding more than the window still walks in windows worth their
-    overhead (it then allocates held + WINDOW_BYTES / 8)."""
-    return max(WINDOW_BYTES - held, WINDOW_BYTES // 8)
-
-
-def window_elems(numel: int, align: int, per_element: int, held: int = 0) -> int:
-    """Elements of one window: as many as WINDOW_BYTES of scratch allow (less `held`, what the step keeps
-    allocated across its windows: ``_budget``), a multiple of `align` (at least one `align`), at most the whole
-    tensor."""
-    size = (_budget(held) // max(1, per_element)) // align * align
-    return min(numel, max(align, size))
-
-
-def step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], codecs: list[tuple[str, Any]],
-         age: int, stream: Callable[[int, int], CounterStream], batch: Any = None) -> None:
-    """One update of p from grad in windows: the rule on codec-stored moments (codecs: the rule's (key, codec)
-    list, its ``moment_step`` already counted as `age`), or with no codecs the state-free update of the residual.
-
-    p, grad: contiguous tensors of one shape; stream(i, start): the random stream of moment i (or of the weight,
-    ``i = rules.PARAM_STREAM``) for the window starting at element `start`. Where the Triton kernel takes p (a
-    CUDA weight) and a ``multi_tensor.Batch`` is given, p is queued there, to step in one launch with the other
-    tensors of its size and settings at the end of ``step()``; else it steps now.
-    """
+def launch(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], codecs: list[tuple[str, Any]],
+           age: int, stream: Callable[[int, int], CounterStream], batch: Any) -> Any:
+    """Queue p's update as one Triton launch (``triton_step.prepare``) in `batch` (a ``multi_tensor.Batch``), to
+    step with the other tensors of its size and setting at the end of ``step()``, its eager windows standing by
+    where the launch fails; returns the launch. codecs: the rule's (key, codec) list, its ``moment_step`` already
+    counted as `age`, or none for the state-free update; stream(i, start): the random stream of moment i (or of
+    the weight, ``i = rules.PARAM_STREAM``) from element `start` of the window on."""
     rounding = rounding_of(group, p)
     comp = comp_of(state, p, rounding)
+    prepared = triton_step.prepare(p, grad, state, group, codecs, age, comp=comp,
+                                   gen=stream(PARAM_STREAM, 0) if rounding == "stochastic" else None,
+                                   streams=moment_streams(codecs, stream))
 
     def eager() -> None:
-        in_windows(p, grad, state, group, codecs, age, stream, rounding, comp)
+        in_windows(p, grad, state, group, codecs, age, stream, rounding, comp, one_pass=False)
 
-    if triton_step.applies(group, p, grad, codecs):
-        launch = triton_step.prepare(p, grad, state, group, codecs, age, comp=comp,
-                                     gen=stream(PARAM_STREAM, 0) if rounding == "stochastic" else None,
-                                     streams=moment_streams(codecs, stream))
-        if batch is not None:
-            batch.launch(launch, eager)
-            return
-        if triton_step.run([launch]) is not None:
-            return  # the whole tensor in one launch: the kernel allocates nothing
-    eager()
+    batch.launch(prepared, eager)
+    return prepared
 
 
 def moment_streams(codecs: list[tuple[str, Any]], stream: Callable[[int, int], CounterStream]
@@ -163,12 +87,14 @@ def spans(p: Tensor, group: dict[str, Any], codecs: list[tuple[str, Any]], round
 
 
 def in_windows(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
-             codecs: list[tuple[str, Any]], age: int, stream: Callable[[int, int], CounterStream], rounding: str,
-             comp: Tensor | None) -> None:
-    """``step`` in windows: the one-pass C kernel for each where it applies, else the eager window step."""
+               codecs: list[tuple[str, Any]], age: int, stream: Callable[[int, int], CounterStream], rounding: str,
+               comp: Tensor | None, one_pass: bool) -> None:
+    """One update of p from grad in windows: the rule on codec-stored moments (codecs: the rule's (key, codec)
+    list, its ``moment_step`` already counted as `age`), or with no codecs the state-free update of the residual;
+    each window in one pass of the C kernel (`one_pass`) or as the eager tensor operations. p, grad: contiguous
+    tensors of one shape; stream as ``launch``'s; comp: the weight's Kahan compensation under ``kahan``."""
     weight, gradient = p.view(-1), grad.view(-1)
     windows = [(i, key, codec, codec.open(key, state, p.shape)) for i, (key, codec) in enumerate(codecs)]
-    one_pass = native.applies(group, p, grad, codecs)  # the same windows, one pass each
     for start, stop in spans(p, group, codecs, rounding):
         gen = stream(PARAM_STREAM, start) if rounding == "stochastic" else None
         part = comp.view(-1)[start:stop] if comp is not None else None
@@ -209,59 +135,11 @@ def _rule(g: Tensor, group: dict[str, Any], windows: list, start: int, age: int,
 # projected steps: GaLore's and FRUGAL's subspace projectors on a 2-D weight
 
 
-def window_lines(count: int, line: int, per_element: int, held: int = 0) -> int:
-    """Lines (rows or columns of `line` elements each, `count` of them) in one window: as many as WINDOW_BYTES less
-    `held` allow (``_budget``) at `per_element` bytes an element, at least one, at most all."""
-    return min(count, max(1, (_budget(held) // max(1, per_element)) // max(1, line)))
-
-
-def rule_scratch(step_kind: str, dtype: torch.dtype) -> int:
-    """Bytes per element that the element-wise rule allocates on an fp32 subspace gradient (no gradient copy to
-    make) whose moments a `dtype` weight's codecs store: the decoded moments, the direction, its temporaries."""
-    return PROJECTED_RULE[step_kind][0 if dtype not in (torch.float32, torch.float64) else 1]
-
-
-def apply_scratch(dtype: torch.dtype, free: str, rounding: str = "nearest") -> int:
-    """Bytes per element of a weight window that the lifting and the write of a projected step allocate (the
-    window's fp32 gradient, the lifted update, the residual and its state-free direction; ``free``: the free rule,
-    "none" when no residual is formed), or its rounded write's, if larger."""
-    narrow, wide = PROJECTED_APPLY[free]
-    if dtype in (torch.float32, torch.float64):
-        return wide
-    return max(narrow, PROJECTED_ROUNDING[free][rounding])
-
-
-def projected_held(low_numel: int, copy_bytes: int, residual: bool, work_bytes: int = 4) -> int:
-    """Bytes a projected step keeps across its windows: the subspace gradient (work dtype), the direction (in its
-    place when no residual needs the gradient afterwards) and the basis in the work dtype (copy_bytes: 0 when the
-    stored basis is already in it)."""
-    return copy_bytes + work_bytes * low_numel * (2 if residual else 1)
-
-
-def projected_scratch(shape: tuple[int, int], dtype: torch.dtype, low_numel: int, axis: int, copy_bytes: int,
-                      free: str, rounding: str, rule: tuple[str, int] | int) -> int:
-    """What one non-refresh projected step of a (m, n) `dtype` weight allocates at most (``projected``): what it
-    holds plus the larger of its rule's window and its lifting's window.
-
-    low_numel: the subspace gradient's size; axis: ``projectors.window_axis``; copy_bytes: the basis in the work
-    dtype when the stored one is narrower; free: the free rule, "none" when no residual is formed; rule: (scratch
-    kind, codecs' alignment) of an element-wise rule, or the bytes a rule that needs the whole subspace matrix
-    allocates, its direction included (Muon, TACO)."""
-    work = 8 if dtype == torch.float64 else 4
-    held = projected_held(low_numel, copy_bytes, free != "none", work)
-    count, line = (shape[0], shape[1]) if axis == 0 else (shape[1], shape[0])
-    per = apply_scratch(dtype, free, rounding)
-    lift = held + per * window_lines(count, line, per, held) * line
-    if isinstance(rule, tuple):
-        per_rule = rule_scratch(rule[0], dtype)
-        return max(lift, held + per_rule * window_elems(low_numel, rule[1], per_rule, held))
-    return max(lift, copy_bytes + work * low_numel + rule)
-
-
 def projected(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str | None, residual: bool,
               state: dict[str, Tensor], group: dict[str, Any], codecs: list[tuple[str, Any]], age: int,
-              stream: Callable[[int, int], CounterStream], coef_scale: float,
-              whole_rule: Callable[[Tensor], tuple[Tensor, float]] | None = None) -> None:
+              stream: Any, coef_scale: float,
+              whole_rule: Callable[[Tensor], tuple[Tensor, float]] | None = None,
+              reduce: Callable[[Tensor], Any] | None = None) -> None:
     """One step of a subspace projector on the 2-D weight p between refreshes, in windows of slices along the axis
     the projector does not mix (``projectors.window_axis``: rows for a right projection and ``columns``, columns
     for a left one and ``rows``), with ``projectors.down`` / ``up`` / ``residual`` applied to each slice as they
@@ -273,6 +151,10 @@ def projected(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str 
        residual still needs it; another rule (Muon, TACO: ``whole_rule(low) -> (d, c)``) on the whole matrix;
     3. per slice window: the residual of the slice's fp32 gradient (when `residual`), the lifted direction, and
        ``rules.apply_update`` on the weight's slice (its Kahan compensation's slice, a stream of its own).
+
+    p may be a row shard of an FSDP2 weight (basis: the rows of a left basis it holds, or the local numbers of the
+    chosen rows it holds): `reduce` then sums ``low`` over the ranks after step 1 (a left projection), and stream
+    (``sharded.Streams``) reads the weight's and the moments' streams from the shard's elements.
 
     What it holds across windows is ``low`` and the direction (a subspace's size) and an fp32 copy of a bf16 basis;
     the windows get what WINDOW_BYTES leaves (``projected_scratch``). Every element sees the whole-tensor step's
@@ -287,6 +169,8 @@ def projected(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str 
     low = torch.empty(low_shape, dtype=work, device=p.device)
     for a, k in spans:
         down_into(low.narrow(axis, a, k), grad.narrow(axis, a, k), projector, side, q, mm)
+    if reduce is not None:
+        reduce(low)
     if whole_rule is None:
         d = torch.empty_like(low) if residual else low
         c = directions(low, d, state, group, codecs, age, stream, p.dtype, held)
@@ -298,7 +182,7 @@ def projected(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str 
     for a, k in spans:
         # rows [a, a + k) are elements [a n, (a + k) n) of the weight; a column window is no range of them
         gen = None if rounding != "stochastic" else stream(PARAM_STREAM, a * n) if axis == 0 else \
-            stream(PARAM_STREAM, 0).fork(a)
+            stream.columns(a, k)
         _lift(p.narrow(axis, a, k), grad.narrow(axis, a, k), comp.narrow(axis, a, k) if comp is not None else None,
               d.narrow(axis, a, k), low.narrow(axis, a, k) if residual else None, projector, side, q, work,
               mm, c * coef_scale, group, gen)
@@ -339,15 +223,15 @@ def _lift(p: Tensor, grad: Tensor, comp: Tensor | None, d: Tensor, low: Tensor |
     """Step 3 of ``projected`` on one slice window: p, grad, comp, d, low are its slices; the direction is lifted
     in the products' dtype mm, the residual formed in the work dtype (sign() needs its small entries)."""
     if low is not None:
-        on_cpu = native.lift_applies(group, p, grad, mm)
-        if on_cpu or triton_step.lift_applies(group, p, grad, mm):
+        kernel = choice.lifted_write(group, p, grad, mm, True)
+        if kernel != "eager":
             # FRUGAL's residual -up + g, its free rule, the decay, the update and the write in one pass: the C
             # kernel on a CPU, one Triton launch on CUDA. For the coordinate projectors up(low) holds the gradient's
             # own entries at the chosen coordinates (zeros elsewhere), so -up + g is index_fill's residual wherever
             # g is finite (a non-finite entry steps the weight to NaN either way)
             inside = P.up(projector, side, low, q, grad.shape)  # the gradient's part inside the subspace, fp32
             full = P.up(projector, side, d.to(mm), q, p.shape)
-            if on_cpu:
+            if kernel == "c_kernel":
                 native.lift_update(p, full, grad, inside, group, coef, comp, gen)
                 return
             write = {**group, "lift_coef": coef}
@@ -361,13 +245,13 @@ def _lift(p: Tensor, grad: Tensor, comp: Tensor | None, d: Tensor, low: Tensor |
         resid = P.residual(projector, side, g, low, q)
         del g
     full = P.up(projector, side, d.to(mm), q, p.shape)
-    if resid is None and native.add_applies(group, p, full):  # decay, update and write in one pass
+    kernel = choice.lifted_write(group, p, grad, full, False) if resid is None else "eager"
+    if kernel == "c_kernel":  # decay, update and write in one pass
         native.add_update(p, full, group, coef, comp, gen)
         return
-    if resid is None:  # on CUDA the same pass is the Triton step's state-free SGD of the update, one launch
+    if kernel == "triton":  # the same pass as the Triton step's state-free SGD of the update, one launch
         write = native.add_group(group, coef)
-        if triton_step.applies(write, p, full, []) and triton_step.run(
-                [triton_step.prepare(p, full, {}, write, [], 0, comp=comp, gen=gen)]) is not None:
+        if triton_step.run([triton_step.prepare(p, full, {}, write, [], 0, comp=comp, gen=gen)]) is not None:
             return
     apply_update(p, full.to(work), coef, resid, group, comp=comp, generator=gen)
 
@@ -379,16 +263,20 @@ def directions(low: Tensor, out: Tensor, state: dict[str, Tensor], group: dict[s
     `low`'s shape that `codecs` store (those of a `dtype` weight); the direction goes to `out` (low's shape; `low`
     itself is fine: each window reads its gradient before it writes); `held`: what the caller keeps allocated.
     Returns the rule's coefficient c (the same for every window)."""
-    if triton_step.applies(group, out, low, codecs):  # out, low: fp32 (or fp64: no kernel), contiguous
-        c = triton_step.run([triton_step.prepare(out, low, state, group, codecs, age, direction=True,
-                                                 streams=moment_streams(codecs, stream))])
+    kernel = choice.subspace_rule(group, low, codecs)  # out, low: fp32 (or fp64: no kernel), contiguous
+    if kernel == "triton":
+        launch = triton_step.prepare(out, low, state, group, codecs, age, direction=True,
+                                     streams=moment_streams(codecs, stream))
+        c = triton_step.run([launch])
         if c is not None:
+            triton_step.finish([launch])
             return c
     windows = [(i, key, codec, codec.open(key, state, low.shape)) for i, (key, codec) in enumerate(codecs)]
     src, dst = low.view(-1), out.view(-1)
     c = 1.0
+    one_pass = kernel == "c_kernel"
     for start, stop in direction_spans(low.shape, codecs, group, dtype, held):
-        c = _direction(src[start:stop], dst[start:stop], state, group, windows, start, age, stream)
+        c = _direction(src[start:stop], dst[start:stop], state, group, windows, start, age, stream, one_pass)
     for _, _, _, w in windows:
         w.close()
     return c
@@ -405,9 +293,8 @@ def direction_spans(shape: torch.Size | tuple, codecs: list[tuple[str, Any]], gr
 
 
 def _direction(g: Tensor, out: Tensor, state: dict[str, Tensor], group: dict[str, Any], windows: list, start: int,
-               age: int, stream: Callable[[int, int], CounterStream]) -> float:
-    codecs = [(key, codec) for _, key, codec, _ in windows]
-    if native.applies(group, out, g, codecs):
+               age: int, stream: Callable[[int, int], CounterStream], one_pass: bool) -> float:
+    if one_pass:
         # the one-pass kernel, writing the direction where it would write a weight
         return native.window_step(out, g, state, group, windows, start, age, stream, direction=True)
     d, c = _rule(g, group, windows, start, age, stream)

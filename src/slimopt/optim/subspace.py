@@ -1,0 +1,155 @@
+"""A projected step's subspace: chosen anew every ``update_gap`` steps, and what its moments do then.
+
+GaLore (arXiv 2403.03507) takes the top-r singular vectors of the gradient (``svd``, or a randomized range finder,
+``randomized_svd``); FRUGAL (arXiv 2411.07837) a random basis (``random``) or random coordinates (``columns``,
+``rows``). The choice is a pure function of (seed, parameter index, refresh index) or of the gradient, so every
+rank of a sharded run makes the same one: a decomposition of a row-sharded gradient gathers it or runs the range
+finder on its rows (``sharded_bases.py``), and a left basis is kept by rows like the parameter. At a refresh the
+moments are kept (GaLore), reset (FRUGAL) or rotated into the new basis (LDAdam, arXiv 2410.16103:
+``on_refresh``). A failed or non-finite decomposition keeps the previous subspace (one warning).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import projectors as P
+from . import taco
+from .rules import MOMENTS
+from .shardcomm import Rows, all_reduce, chosen_per_rank, gather_var_rows
+from .sharded import Target, local_selection, local_shape, moment_codecs, space_of
+from .sharded_bases import randomized_basis, rows_of_basis, svd_basis
+
+__all__ = ["basis_key", "refresh_if_due", "init_moments", "count_moment_step"]
+
+
+def basis_key(projector: str) -> str:
+    """The state key of a projector's choice: an orthonormal basis, or coordinates."""
+    return "proj" if projector in P.ORTHO_PROJECTORS else "proj_index"
+
+
+def init_moments(state: dict[str, Tensor], codecs, shape: torch.Size, device) -> None:
+    """Zero moments; ``moment_step`` counts the rule's updates since then, for Adam's bias correction (a reset or
+    newly active block starts from zero moments, and must not be corrected as if it were old)."""
+    for key, codec in codecs:
+        state.update(codec.init(key, shape, device))
+    state["moment_step"] = torch.zeros((), dtype=torch.float32)
+
+
+def count_moment_step(state: dict[str, Tensor], codecs, shape: torch.Size, device) -> int:
+    """Before a state-full update: zero moments (of the local `shape`) where there are none yet, and count this
+    update in their age (returned)."""
+    from .rules import advance
+    if codecs[0][0] not in state:
+        init_moments(state, codecs, shape, device)
+    return advance(state["moment_step"])
+
+
+def refresh_if_due(opt, t: Target, group: dict[str, Any], state: dict[str, Tensor], step: int, projector: str,
+                   side: str | None, r: int) -> Tensor:
+    """The subspace choice of this step (state's ``proj`` or ``proj_index``), chosen anew first where it is due."""
+    key = basis_key(projector)
+    if key not in state or P.refresh_due(step, group["update_gap"]):
+        g = t.grad if t.grad.dtype in (torch.float32, torch.float64) else t.grad.float()
+        _refresh(opt, t, group, state, g, step, projector, side, r, key)
+    return state[key]
+
+
+def _refresh(opt, t: Target, group: dict[str, Any], state: dict[str, Tensor], g: Tensor, step: int, projector: str,
+             side: str | None, r: int, key: str) -> None:
+    """Choose the subspace anew, identically on every rank; keep / reset / rotate the moments."""
+    rows = t.rows
+    gen = P.generator(t.p.device, group["seed"], t.index, P.refresh_index(step, group["update_gap"]))
+    m, n = t.shape
+    old = state.get(key)
+    new = None
+    if projector in ("svd", "randomized_svd"):
+        if projector == "svd":
+            new, status = svd_basis(g, r, side, rows)
+        else:
+            new, status = randomized_basis(g, r, side, gen, group["oversample"], group["power_iters"], rows)
+        if status == "nonfinite":
+            opt._warn_once("nonfinite", "slimopt: a non-finite gradient reached a subspace refresh; keeping the "
+                           "previous subspace (warned once)")
+        elif status != "ok":
+            opt._warn_once("svd", f"slimopt: the subspace decomposition failed ({status}); keeping the previous "
+                           "subspace (warned once)")
+        if new is None and old is None:
+            new = rows_of_basis(P.random_basis(m if side == "left" else n, r, gen, g.device, g.dtype), side, rows)
+    elif projector == "random":
+        new = rows_of_basis(P.random_basis(m if side == "left" else n, r, gen, g.device, g.dtype), side, rows)
+    else:
+        new = P.random_coordinates(n if projector == "columns" else m, r, gen, g.device)
+    if new is None:
+        return
+    if projector in P.ORTHO_PROJECTORS and t.p.dtype in (torch.bfloat16, torch.float16):
+        new = new.to(t.p.dtype)  # stored like the weights, as galore-torch does; used in fp32
+    if old is not None:
+        _carry_moments(opt, t, group, state, projector, side, r, old, new, step)
+    state[key] = new
+
+
+def _role(group: dict[str, Any], key: str) -> str:
+    return dict(MOMENTS[group["rule"]])[key]
+
+
+def _carry_moments(opt, t: Target, group: dict[str, Any], state: dict[str, Tensor], projector: str,
+                   side: str | None, r: int, old: Tensor, new: Tensor, step: int) -> None:
+    """on_refresh: keep, reset or rotate the moments into the new subspace."""
+    rows: Rows = t.rows
+    shape, dtype, device = t.shape, t.p.dtype, t.p.device
+    key = basis_key(projector)
+    old_space = space_of(projector, side, shape, r, rows, {key: old})
+    new_space = space_of(projector, side, shape, r, rows, {key: new})
+    if taco.owns(group, old_space.shape):
+        if group["on_refresh"] != "keep":
+            taco.reset(state)  # sparse (row, value) pairs cannot be rotated into a new subspace
+        return
+    old_codecs = moment_codecs(opt, group, old_space, dtype)
+    if old_codecs[0][0] not in state:
+        return
+    new_codecs = moment_codecs(opt, group, new_space, dtype)
+    mode = group["on_refresh"]
+    if mode == "reset":
+        init_moments(state, new_codecs, local_shape(new_space), device)
+        return
+    split_rows = projector == "rows" and rows.distributed
+    if mode == "keep" and not split_rows:
+        return  # the same local rows: nothing moves
+    rot = None
+    if mode == "project" and projector in P.ORTHO_PROJECTORS and side == "left" and rows.distributed:
+        # R = Q_new^T Q_old sums over the rows of both bases, which are split like the parameter's: (r, r)
+        rot = all_reduce(new.float().transpose(0, 1) @ old.float(), rows)
+    moved = split_rows and (old_space.rows.start, old_space.rows.stop) != (new_space.rows.start,
+                                                                         new_space.rows.stop)
+    moments = {}
+    for key_m, codec in old_codecs:
+        # the codec's best estimate (an error-feedback residual included)
+        x = codec.estimate(key_m, state, local_shape(old_space))
+        if mode == "keep":
+            # rows: moment row j stays at position j of the (r, n) subspace tensor, and position j now sits on
+            # the rank that holds the newly chosen row: gather the (r, n) moment, keep the new local part.
+            x = gather_var_rows(x, rows, chosen_per_rank(old, rows))[new_space.rows.start: new_space.rows.stop]
+        elif rot is not None:
+            x = (rot * rot if _role(group, key_m) == "v" else rot) @ x
+        elif split_rows:
+            old_sel, _ = local_selection(old, rows)
+            new_sel, _ = local_selection(new, rows)
+            x = P.rotate("rows", None, old_sel, new_sel, x, squared=False) if old_sel.numel() else \
+                x.new_zeros((new_sel.numel(), x.shape[1]))
+        else:
+            x = P.rotate(projector, side, old, new, x, squared=_role(group, key_m) == "v")
+        moments[key_m] = x.contiguous()
+    if mode == "keep" and not moved:
+        return  # this rank's part did not move: its stored moments stand as they are
+    for key_m, codec in new_codecs:
+        if moved:
+            state.update(codec.init(key_m, local_shape(new_space), device))
+        else:
+            codec.clear_feedback(key_m, state)  # the carried residual was in the old coordinates
+    for i, (key_m, codec) in enumerate(new_codecs):
+        gen = P.stream(group["seed"], t.index, step, i, 1).at(new_space.offset) if codec.needs_generator else None
+        codec.encode(key_m, moments[key_m], state, generator=gen)
