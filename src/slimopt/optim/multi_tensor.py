@@ -158,6 +158,8 @@ class Batch:
         # triton_step.Launch.key -> [(launch, the tensor's eager step, for a kernel that fails)]
         self._launches: dict[tuple, list[tuple[Any, Callable[[], None]]]] = defaultdict(list)
         self._order: list[Any] = []  # every launch in the order queued: the parameters' order, on every rank
+        # all-reduces over a row shard's ranks: (rows, tensor, op, what to do with the result), in the order queued
+        self._reduces: list[tuple[Any, Tensor, str, Callable[[Tensor], None]]] = []
 
     def adamw(self, group: dict[str, Any], p: Tensor, grad: Tensor, state: dict[str, Tensor]) -> None:
         """Queue p for a fused AdamW step; its ``moment_step`` is already counted for this step."""
@@ -178,6 +180,26 @@ class Batch:
         with the others of its key; eager: its step without the kernel, run instead where the launch fails."""
         self._launches[launch.key].append((launch, eager))
         self._order.append(launch)
+
+    def reduce(self, rows: Any, tensor: Tensor, op: str, finish: Callable[[Tensor], None]) -> None:
+        """Queue an all-reduce of `tensor` over the ranks of `rows` (``shardcomm.Rows``; op "sum" or "max"), and
+        `finish(result)` after it: the step's all-reduces of one group, op, dtype and device go as one (TACO's keys
+        of every sharded weight: one collective a step, not one a weight)."""
+        self._reduces.append((rows, tensor, op, finish))
+
+    def _run_reduces(self) -> None:
+        import torch.distributed as dist
+        buckets: dict[tuple, list] = {}
+        for item in self._reduces:  # every rank queues the same reduces in the same order: same buckets
+            rows, tensor, op, _ = item
+            buckets.setdefault((id(rows.group), op, tensor.dtype, tensor.device), []).append(item)
+        for (_, op, _, _), items in buckets.items():
+            flat = torch.cat([t.reshape(-1) for _, t, _, _ in items])
+            if items[0][0].distributed:
+                dist.all_reduce(flat, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
+                                group=items[0][0].group)
+            for (_, t, _, finish), part in zip(items, flat.split([t.numel() for _, t, _, _ in items])):
+                finish(part.view(t.shape))
 
     def run(self) -> None:
         """Step everything queued, then forget it."""
@@ -213,6 +235,8 @@ class Batch:
                 p.add_(d, alpha=-lr * float(group["free_scale"]))
         self._adamw.clear()
         self._resid.clear()
+        self._run_reduces()
         self._launches.clear()
         self._order.clear()
+        self._reduces.clear()
         self._groups.clear()

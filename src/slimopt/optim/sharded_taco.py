@@ -171,21 +171,17 @@ def _float_values(keys: Tensor) -> Tensor:
     return bits.to(torch.int32).view(torch.float32)
 
 
-def sparse_update_k1(state, g: Tensor, group, shape, rows: Rows, search=None) -> tuple[Tensor, Tensor, float]:
-    """``taco.sparse_update`` at taco_k 1 of this rank's rows g (fp32 or bf16) of a (rows.total, n) gradient, the
-    history replicated: (kept rows (1, n), global row numbers; their signs (1, n); c). This rank searches its rows
-    (search: a kernel's one-candidate search, ``taco_routes.search_for``, else row windows as tensor operations),
-    the stored row of each column hidden where it holds it; one MAX all-reduce of (2, n) int64 keys brings every
-    column's best candidate (``pack_keys``) and its stored entry's gradient (from the rank that holds it) to every
-    rank; steps 2, 4-6 of taco.py then run on identical data everywhere. 16 n bytes a weight and step."""
-    c = float(group["taco_alpha"]) * taco.dimension_factor(shape, group["taco_norm"])
+def local_keys(state, g: Tensor, group, rows: Rows, search=None) -> Tensor:
+    """What this rank sends for ``taco.sparse_update`` at taco_k 1 of its rows g (fp32 or bf16) of a
+    (rows.total, n) gradient, the history replicated: (2, n) int64 keys whose MAX over ranks (``finish_k1``) is
+    each column's best candidate (``pack_keys``; this rank searches its rows, the stored row of each column hidden
+    where it holds it: search is a kernel's one-candidate search, ``taco_routes.search_for``, else row windows as
+    tensor operations) and its stored entry's gradient (from the rank that holds it). 16 n bytes a weight."""
     m, n = rows.total, g.shape[1]
     if "taco_rows" not in state or state["taco_rows"].shape != (1, n):
         state.update(taco.init_state((m, n), 1, group["taco_format"], group["taco_scale_dtype"], g.device))
-    beta = float(group["taco_decay"])
     stored_rows, values = taco.decode(state)  # (1, n) global rows, fp32 values: replicated
-    live = values != 0
-    mine = live & (stored_rows >= rows.start) & (stored_rows < rows.stop)
+    mine = (values != 0) & (stored_rows >= rows.start) & (stored_rows < rows.stop)
     keys = torch.full((2, n), -1, dtype=torch.int64, device=g.device)
     keys[1] = _OWNERLESS
     if rows.local:
@@ -199,7 +195,16 @@ def sparse_update_k1(state, g: Tensor, group, shape, rows: Rows, search=None) ->
         v = g.gather(0, cand_rel).float()
         keys[0] = torch.where(valid, pack_keys(v.abs(), cand_rel + rows.start, torch.signbit(v)), -1)[0]
         keys[1] = torch.where(mine, _float_keys(g.gather(0, rel)), _OWNERLESS)[0]
-    all_reduce(keys, rows, op=dist.ReduceOp.MAX)
+    return keys
+
+
+def finish_k1(state, keys: Tensor, group, shape) -> tuple[Tensor, Tensor, float]:
+    """Steps 2, 4-6 of ``taco.sparse_update`` at taco_k 1 from the keys MAX-reduced over ranks (``local_keys``),
+    on identical data on every rank: (kept rows (1, n), global row numbers; their signs (1, n); c)."""
+    c = float(group["taco_alpha"]) * taco.dimension_factor(shape, group["taco_norm"])
+    beta = float(group["taco_decay"])
+    stored_rows, values = taco.decode(state)
+    live = values != 0
     cand_value, cand_rows, valid = unpack_keys(keys[:1])
     at_stored = _float_values(keys[1:])
     # 2. the stored component follows the EMA of its own entry (taco.sparse_update's arithmetic)

@@ -116,9 +116,15 @@ def sparse_step(p: Tensor, grad: Tensor, state: MutableMapping[str, Tensor], gro
 
 
 def sharded_step(p: Tensor, grad: Tensor, state: MutableMapping[str, Tensor], group: Mapping[str, Any], shape,
-                 rows: Rows) -> None:
+                 rows: Rows, batch: Any) -> None:
     """The sparse step at taco_k 1, nearest rounding, of this rank's rows p of a (rows.total, n) weight
-    (``sharded_taco``): the local search in a kernel where one takes it, one max-loc all-reduce, one entry a
-    column written where this rank holds its row."""
-    kept_rows, signs, c = sharded_taco.sparse_update_k1(state, grad, group, shape, rows, search_for(group, grad))
-    sharded_taco.apply_local(p, kept_rows, signs, c, group, rows)
+    (``sharded_taco``): the local search in a kernel where one takes it; its keys queued in `batch` for one MAX
+    all-reduce with every other such weight's at the end of ``step()``, which then writes one entry a column where
+    this rank holds its row."""
+    keys = sharded_taco.local_keys(state, grad, group, rows, search_for(group, grad))
+
+    def finish(reduced: Tensor) -> None:
+        kept_rows, signs, c = sharded_taco.finish_k1(state, reduced, group, shape)
+        sharded_taco.apply_local(p, kept_rows, signs, c, group, rows)
+
+    batch.reduce(rows, keys, "max", finish)
