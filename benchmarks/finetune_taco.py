@@ -159,7 +159,7 @@ def reset_peak() -> int | None:
 
 
 def _projectable_names(model: torch.nn.Module) -> set[str]:
-    from slimopt.optim.partition import classify
+    from slimopt.optim.algorithm.partition import classify
 
     return {n for n, (_, kind) in classify(model).items() if kind == "projectable"}
 

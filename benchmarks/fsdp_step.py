@@ -73,8 +73,9 @@ def one_process(methods: list[str], steps: int, device: str, out: dict) -> None:
 
 
 def _rank(rank: int, world: int, port: int, methods: list[str], steps: int, device: str, queue) -> None:
-    import slimopt
     from torch.distributed.fsdp import fully_shard
+
+    import slimopt
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     backend = "nccl" if device.startswith("cuda") else "gloo"

@@ -1,6 +1,6 @@
 """What Muon's Newton-Schulz iteration costs against an AdamW step, by matrix size (docs/benchmarks.md, "Muon").
 
-For each square size n: the median time of ``slimopt.optim.muon.orthogonalize`` (torch's 5 quintic steps) on an
+For each square size n: the median time of ``slimopt.optim.algorithm.muon.orthogonalize`` (torch's 5 quintic steps) on an
 n x n fp32 matrix, in fp32 and in bf16 (torch.optim.Muon's dtype), next to torch's fused AdamW step of one n x n
 fp32 weight, on one thread. The iteration is ~15 n x n matmuls (30 n^3 flops), an AdamW step ~a dozen passes over
 4 n^2 floats, so the ratio grows about linearly with n.
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from slimopt.optim import muon
+from slimopt.optim.algorithm import muon
 
 
 def _median_ms(fn, reps: int) -> float:

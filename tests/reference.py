@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from slimopt.optim import projectors as P
+from slimopt.optim.algorithm import projectors as P
 from slimopt.optim.optimizer import DEFAULTS
 
 

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from helpers import backward, batches, tiny_llama
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import slimopt
-from slimopt.optim.partition import classify, module_matches
-from helpers import backward, batches, tiny_llama
+from slimopt.optim.algorithm.partition import classify, module_matches
 
 
 def _groups(opt):

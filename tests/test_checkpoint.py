@@ -14,11 +14,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from pretrain_helpers import fast_config, write_corpus
 
 import slimopt
-from pretrain_helpers import fast_config, write_corpus
 from slimopt.cli import main
-from slimopt.optim import distcheckpoint
+from slimopt.optim.distributed import distcheckpoint
 from slimopt.train import checkpoint as ckpt
 from slimopt.train.logger import read_jsonl
 from slimopt.train.loop import known_methods, train

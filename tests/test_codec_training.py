@@ -3,9 +3,9 @@ uint8 codes and fp32 scales through load_state_dict with bit-identical continuat
 
 import pytest
 import torch
+from helpers import assert_continues_identically, backward, batches, save_and_load, tiny_llama
 
 import slimopt
-from helpers import assert_continues_identically, backward, batches, save_and_load, tiny_llama
 
 # hidden 64: the attention/MLP weights (4096 and 8192 elements) and the embedding are really quantized
 MODEL = dict(hidden=64, vocab=64)

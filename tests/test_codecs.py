@@ -1,4 +1,4 @@
-"""Tests of slimopt.optim.codecs: round trips, exact byte counts, the fp32 fallback, in-place encoding, ternary
+"""Tests of slimopt.optim.algorithm.codecs: round trips, exact byte counts, the fp32 fallback, in-place encoding, ternary
 stochastic rounding and error feedback, factored v, and make_codec / resolve_codecs errors."""
 
 import math
@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from slimopt.optim import codecs as C
-from slimopt.optim import quant as Q
+from slimopt.optim.algorithm import codecs as C
+from slimopt.optim.algorithm import quant as Q
 
 SHAPES = [torch.Size((64, 64)), torch.Size((4096,)), torch.Size((97, 131)), torch.Size((3, 50, 70)),
           torch.Size((4096, 4096))]

@@ -9,11 +9,17 @@ from dataclasses import replace
 import matplotlib.image
 import numpy as np
 import pytest
-
 from pretrain_helpers import VOCAB, fast_config, write_corpus
+
 from slimopt.cli import main
-from slimopt.train.compare import (CSV_COLUMNS, CompareConfig, default_methods, read_results, run_compare,
-                                   scaled_schedule_opts)
+from slimopt.train.compare import (
+    CSV_COLUMNS,
+    CompareConfig,
+    default_methods,
+    read_results,
+    run_compare,
+    scaled_schedule_opts,
+)
 from slimopt.train.logger import read_jsonl
 
 

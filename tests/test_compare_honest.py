@@ -7,23 +7,33 @@ from __future__ import annotations
 
 import math
 import statistics
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 
 import matplotlib.image
 import pytest
 import torch
-
 from pretrain_helpers import VOCAB, fast_config, write_corpus
+
 from slimopt import baselines
 from slimopt.cli import main
-from slimopt.optim.partition import classify
+from slimopt.optim.algorithm.partition import classify
 from slimopt.train import models
 from slimopt.train.compare import CompareConfig, read_results, run_compare
-from slimopt.train.compare_analysis import (MIN_CONTROL_MARGIN, aggregate_seeds, baseline_full_rank_weights,
-                                            budget_warning, choose_lr, control_verdicts, extension_multiplier,
-                                            full_rank_weights, inside_noise, noise_pairs, on_grid_edge,
-                                            ranking_text)
+from slimopt.train.compare_analysis import (
+    MIN_CONTROL_MARGIN,
+    aggregate_seeds,
+    baseline_full_rank_weights,
+    budget_warning,
+    choose_lr,
+    control_verdicts,
+    extension_multiplier,
+    full_rank_weights,
+    inside_noise,
+    noise_pairs,
+    on_grid_edge,
+    ranking_text,
+)
 from slimopt.train.loop import make_optimizer, train
 
 

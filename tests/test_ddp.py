@@ -10,9 +10,9 @@ import sys
 
 import pytest
 import torch
+from pretrain_helpers import VOCAB, fast_config, write_corpus
 from safetensors.torch import load_file
 
-from pretrain_helpers import VOCAB, fast_config, write_corpus
 from slimopt.train.logger import read_jsonl
 from slimopt.train.loop import train
 

@@ -8,14 +8,7 @@ import pytest
 import torch
 
 from slimopt.cli import main
-from slimopt.finetune.run import (
-    FINETUNE_DEFAULTS,
-    FinetuneConfig,
-    method_settings,
-    parse_method,
-    read_results,
-)
-
+from slimopt.finetune.run import FINETUNE_DEFAULTS, FinetuneConfig, method_settings, parse_method, read_results
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

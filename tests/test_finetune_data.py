@@ -16,7 +16,6 @@ from slimopt.finetune.data import (
     offline_model_path,
 )
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 

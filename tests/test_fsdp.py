@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(HERE, "distributed"))
 
 import common as C  # noqa: E402
 
-from slimopt.optim import distcheckpoint  # noqa: E402
+from slimopt.optim.distributed import distcheckpoint  # noqa: E402
 
 # one thread, as the workers run: with two, a CPU with AVX-512 (Intel Xeon, 2026-12-02) splits Muon's matmuls
 # differently and the in-process resume lands an fp32 ulp away from the two-rank run

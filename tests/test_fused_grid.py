@@ -12,9 +12,9 @@ import itertools
 
 import pytest
 import torch
+from helpers import assert_state_close
 
 import slimopt
-from helpers import assert_state_close
 
 RULES = ["adamw", "lion", "sgdm"]
 CODECS = ["fp32", "bf16", "bf16_sr", "int8", "int4", "ternary", "factored"]  # factored: AdamW's v

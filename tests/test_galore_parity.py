@@ -14,10 +14,10 @@ import copy
 
 import pytest
 import torch
+from helpers import backward, batches, tiny_llama, twins
 
 import slimopt
-from slimopt.optim.partition import classify
-from helpers import backward, batches, twins, tiny_llama
+from slimopt.optim.algorithm.partition import classify
 
 galore_torch = pytest.importorskip("galore_torch")
 pytestmark = pytest.mark.usefixtures("one_thread")

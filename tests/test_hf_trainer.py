@@ -5,12 +5,11 @@ import shutil
 
 import pytest
 import torch
+from helpers import tiny_llama
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
 
 from slimopt.finetune import hf
 from slimopt.optim.recipes import METHODS
-
-from helpers import tiny_llama
 
 VOCAB, SEQ, N = 128, 12, 48
 

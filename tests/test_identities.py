@@ -1,9 +1,9 @@
 """Degenerate identities that pin the composition: no projector == AdamW, density 1 == AdamW, density 0 == signSGD."""
 
 import torch
+from helpers import assert_params_close, backward, batches, run, twins
 
 import slimopt
-from helpers import assert_params_close, backward, batches, run, twins
 
 
 def test_no_projector_equals_torch_adamw():

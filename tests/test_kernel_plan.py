@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import slimopt
-from slimopt.optim import budget, kernel_plan, multi_tensor, native, windowed
+from slimopt.optim.algorithm import budget
+from slimopt.optim.routes import kernel_plan, multi_tensor, native
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="the C kernel could not be built here")
 

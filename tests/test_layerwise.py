@@ -5,9 +5,9 @@ import warnings
 
 import pytest
 import torch
+from helpers import batches, twins
 
 import slimopt
-from helpers import batches, twins
 from slimopt.optim.layerwise import LayerwiseUpdates, enable_layerwise
 
 # Methods whose update is per parameter, with settings that exercise their machinery in a few steps (GaLore and

@@ -1,4 +1,4 @@
-"""Muon as a slimopt rule (``rule="muon"``, ``slimopt.optim.muon``): torch.optim.Muon's step exactly, composed with
+"""Muon as a slimopt rule (``rule="muon"``, ``slimopt.optim.algorithm.muon``): torch.optim.Muon's step exactly, composed with
 codecs, projectors, layer-wise updates, checkpoints and the planner.
 
 Why the identity test can ask for bit equality and stay independent of the processor (DESIGN.md section 5): both
@@ -15,12 +15,12 @@ import math
 
 import pytest
 import torch
+from helpers import assert_continues_identically, backward, batches, save_and_load, tiny_llama, twins
 
 import slimopt
-from helpers import assert_continues_identically, backward, batches, save_and_load, tiny_llama, twins
-from slimopt.optim import multi_tensor
-from slimopt.optim import muon
-from slimopt.optim.partition import classify
+from slimopt.optim.algorithm import muon
+from slimopt.optim.algorithm.partition import classify
+from slimopt.optim.routes import multi_tensor
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -326,6 +326,7 @@ def test_muon_settings_reach_the_muon_group():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_planner_state_is_exact(method, hp, dtype):
     from test_planner import fill_grads, llama, planned
+
     from slimopt.train.loop import make_optimizer
 
     model = llama(dtype)

@@ -12,11 +12,12 @@ import warnings
 
 import pytest
 import torch
+from helpers import assert_state_close, save_and_load
 
 import slimopt
-from slimopt.optim import budget, native, windowed
-from slimopt.optim import quant as Q
-from helpers import assert_state_close, save_and_load
+from slimopt.optim.algorithm import budget
+from slimopt.optim.algorithm import quant as Q
+from slimopt.optim.routes import native
 
 SHAPES = [(40, 300), (5000,), (30,)]  # 2-D (partial last blocks, several tiles), 1-D, small (always fp32)
 LRS = [1e-2, 8e-3, 6e-3, 4e-3]
@@ -288,7 +289,7 @@ def test_state_free_step_equals_the_eager_step(counted, dtype, free_rule):
 def test_one_pass_weight_update_equals_apply_update(rounding, dtype):
     """A projected step's write (decay, p -= lr c d, the rounding) in one pass, against rules.apply_update on a
     weight with zeros, a NaN and an inf in the direction: bit for bit, the compensation too."""
-    from slimopt.optim import noise, rules
+    from slimopt.optim.algorithm import noise, rules
 
     if native.library() is None:
         pytest.skip("the kernel cannot be built here (no C compiler)")
@@ -327,7 +328,7 @@ def test_taco_one_component_step_equals_the_tensor_operations(monkeypatch, dtype
     """TACO's whole k = 1 step in the kernel against the sparse tensor-operation step (the kernel off) and the
     dense eager step (fused=False), bit for bit on the weight and every state tensor: 300 rows (int16 row
     indices) and 8 (uint8), ties, zero columns, tiny gradients (subnormal fp8 codes) and a NaN gradient entry."""
-    from slimopt.optim import taco
+    from slimopt.optim.algorithm import taco
 
     if native.library() is None:
         pytest.skip("the kernel cannot be built here (no C compiler)")

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from slimopt.optim import quant as Q
-from slimopt.optim.noise import CounterStream, mix32_int, mix_seed
+from slimopt.optim.algorithm import quant as Q
+from slimopt.optim.algorithm.noise import CounterStream, mix32_int, mix_seed
 
 M32 = 0xFFFFFFFF
 

@@ -8,7 +8,7 @@ import torch
 from torch.nn import Parameter
 
 import slimopt
-from slimopt.optim import portable
+from slimopt.optim.distributed import portable
 
 SETTINGS = {
     "adamw": dict(),

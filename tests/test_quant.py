@@ -1,4 +1,4 @@
-"""Tests of slimopt.optim.quant: maps equal the peers', nearest rounding equals a brute-force argmin exactly,
+"""Tests of slimopt.optim.algorithm.quant: maps equal the peers', nearest rounding equals a brute-force argmin exactly,
 error bounds, stochastic rounding is unbiased, padding, packing, and CPU parity with torchao / bitsandbytes."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from slimopt.optim import quant as Q
+from slimopt.optim.algorithm import quant as Q
 
 MAP_NAMES = ("dynamic8_signed", "dynamic8_unsigned", "dynamic4_signed", "linear4_nozero", "ternary")
 

@@ -138,6 +138,7 @@ def test_train_no_progress_draws_no_bar(tmp_path, capfd, bar_env):
     """`slimopt train --no-progress --out` saves the final model without transformers' "Writing model shards" bar
     (nor any other), and leaves the libraries' settings as they were."""
     from pretrain_helpers import VOCAB, write_corpus
+
     from slimopt.cli import main
 
     corpus = write_corpus(tmp_path, chapters=40)

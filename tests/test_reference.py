@@ -4,10 +4,10 @@ import itertools
 
 import pytest
 import torch
-
-import slimopt
 from helpers import backward, batches, twins
 from reference import ReferenceOptimizer
+
+import slimopt
 
 CASES = [
     dict(projector="none"),

@@ -3,11 +3,11 @@ read a setting refuses it (naming it and why), and projector=none turns GaLore's
 
 import pytest
 import torch
+from helpers import backward, batches, tiny_llama
 
 import slimopt
-from slimopt.optim import compiled
+from slimopt.optim.routes import compiled
 from slimopt.train.loop import make_optimizer
-from helpers import backward, batches, tiny_llama
 
 
 @pytest.mark.parametrize("method,setting,why", [

@@ -23,9 +23,8 @@ from helpers import save_and_load  # noqa: E402
 
 import slimopt  # noqa: E402
 from slimopt.bench.fsdp_comm import CollectiveCounter, expected_bytes  # noqa: E402
-from slimopt.optim import distcheckpoint, portable  # noqa: E402
-from slimopt.optim import sharded as S  # noqa: E402
-from slimopt.optim import sharded_taco  # noqa: E402
+from slimopt.optim.distributed import distcheckpoint, portable, sharded_taco  # noqa: E402
+from slimopt.optim.distributed import sharded as S  # noqa: E402
 
 
 @pytest.fixture(scope="module")

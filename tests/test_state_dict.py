@@ -5,9 +5,9 @@ import pickle
 
 import pytest
 import torch
+from helpers import assert_continues_identically, backward, batches, save_and_load, tiny_llama
 
 import slimopt
-from helpers import assert_continues_identically, backward, batches, save_and_load, tiny_llama
 
 SETTINGS = [
     dict(projector="none"),

@@ -4,9 +4,9 @@ recorded (tests/sync_free_worker.py, in a process of its own). On a GPU, benchma
 under torch.cuda.set_sync_debug_mode("error")."""
 
 import pytest
+from helpers import interpreted_worker
 
 import slimopt
-from helpers import interpreted_worker
 
 # the subspace methods whose refresh is a decomposition: its finite checks keep the previous subspace when a
 # gradient or the decomposition is not finite, which needs the answer on the host

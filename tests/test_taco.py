@@ -5,12 +5,11 @@ import itertools
 
 import pytest
 import torch
+from helpers import backward, batches, run, tiny_llama, twins
 
 import slimopt
-from helpers import backward, batches, run, tiny_llama, twins
-from slimopt.optim import taco
+from slimopt.optim.algorithm import taco
 from slimopt.optim.recipes import TACO
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # the direction

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from slimopt import SlimOptimizer
-from slimopt.optim import codecs as C
-from slimopt.optim import quant as Q
-from slimopt.optim import budget, windowed
+from slimopt.optim.algorithm import budget
+from slimopt.optim.algorithm import codecs as C
+from slimopt.optim.algorithm import quant as Q
+from slimopt.optim.routes import windowed
 
 NEW = [s for s in C.TERNARY_SPECS if s not in ("ternary_sr", "ternary_ef")]
 SHAPE = torch.Size((96, 1280))  # whole blocks of 64 and of 5 trits (a byte) in every row

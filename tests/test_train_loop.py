@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from pretrain_helpers import VOCAB, fast_config, write_corpus
+
 from slimopt.cli import main
 from slimopt.train import models
 from slimopt.train.evaluate import evaluate, lm_loss

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 import torch
+from helpers import interpreted_worker
 
 import slimopt
-from slimopt.optim import triton_step
-from helpers import interpreted_worker
+from slimopt.optim.routes import triton_step
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -1,4 +1,4 @@
-"""The element-wise update in windows (slimopt/optim/windowed.py): the same result as the whole-tensor step, and
+"""The element-wise update in windows (slimopt/optim/routes/windowed.py): the same result as the whole-tensor step, and
 temporaries bounded by the window whatever the tensor's size (torch's MemTracker on CPU, against the planner)."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from slimopt import SlimOptimizer, state_nbytes
-from slimopt.optim import budget, windowed
+from slimopt.optim.algorithm import budget
+from slimopt.optim.routes import windowed
 
 SHAPE = (96, 1280)  # 122,880 elements: several windows at the small window size below, whole blocks for every codec
 
@@ -156,7 +157,7 @@ def test_param_rounding_settings():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_taco_candidates_in_row_windows_equal_the_whole_search(k, dtype, monkeypatch):
     # gradients with many equal magnitudes: ties across windows must go to the smaller row, as in one search
-    from slimopt.optim import taco
+    from slimopt.optim.algorithm import taco
 
     # (and the C kernel's one-pass search, fused groups with k <= 1 on a CPU, equals both)
     gen = torch.Generator().manual_seed(0)
@@ -184,7 +185,8 @@ def test_taco_candidates_in_row_windows_equal_the_whole_search(k, dtype, monkeyp
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_taco_one_pass_search_nan_and_hidden_rows_as_the_torch_search(dtype):
-    from slimopt.optim import native, taco
+    from slimopt.optim.algorithm import taco
+    from slimopt.optim.routes import native
 
     if native.library() is None:
         pytest.skip("the kernel cannot be built here (no C compiler)")
@@ -208,7 +210,8 @@ def test_taco_one_pass_search_nan_and_hidden_rows_as_the_torch_search(dtype):
 def test_kahan_compensation_round_trips_in_both_checkpoint_forms(settings):
     # the compensation is state like a moment: torch's form and the world-size-free form (FSDP2 / DCP) both keep it
     from helpers import save_and_load
-    from slimopt.optim.portable import portable_state
+
+    from slimopt.optim.distributed.portable import portable_state
 
     def make():
         torch.manual_seed(0)
@@ -290,7 +293,7 @@ def test_projected_windows_equal_the_whole_step(case, free_rule, dtype, monkeypa
     # exact projections (integer gradients; coordinates, or a +-1/8 basis of rank 2 in place of the SVD's and the
     # random one): windows of a few rows or columns give the one-window step's weights and state bit for bit,
     # across refreshes (update_gap 3 over 5 steps), a state_dict round trip, and Kahan-compensated bf16 writes
-    from slimopt.optim import projectors as P
+    from slimopt.optim.algorithm import projectors as P
 
     monkeypatch.setattr(P, "svd_basis", _exact_basis)
     monkeypatch.setattr(P, "random_basis", lambda dim, r, gen, device, dtype=torch.float32: (

@@ -13,13 +13,14 @@ import json
 import os
 import sys
 
+
 def compile_all():
     assert os.environ.get("TRITON_INTERPRET") != "1"
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from slimopt.optim import triton_step
+    from slimopt.optim.routes import triton_step
 
     kernels = triton_step._triton()
     target = GPUTarget("cuda", int(os.environ.get("SLIMOPT_COMPILE_ARCH", "90")), 32)

@@ -18,7 +18,7 @@ GaLore (arXiv 2403.03507) compares gradient projection with three ways of making
   trainable factors W = B A of rank r and nothing else. ``apply_low_rank`` initialises them from the truncated
   SVD of the weight (the best rank-r approximation) or randomly for pretraining from scratch.
 
-- **Frozen** (the control of ``slimopt compare``): every projectable weight (``slimopt.optim.partition``: the
+- **Frozen** (the control of ``slimopt compare``): every projectable weight (``slimopt.optim.algorithm.partition``: the
   ``nn.Linear`` weights of attention and MLP, the ones GaLore, FRUGAL and TACO act on) stays at its
   initialisation; AdamW trains the embeddings, norms and output layer. A method that does not beat it has taught
   the transformer weights nothing measurable. ``freeze_projectable`` applies it to any model.
@@ -475,10 +475,10 @@ def merge_low_rank(model: nn.Module) -> nn.Module:
 
 
 def freeze_projectable(model: nn.Module) -> list[str]:
-    """Set ``requires_grad=False`` on every parameter ``slimopt.optim.partition.classify`` calls projectable (the
+    """Set ``requires_grad=False`` on every parameter ``slimopt.optim.algorithm.partition.classify`` calls projectable (the
     partition every slimopt method uses); return their names. Embeddings, norms, biases and the head stay
     trainable, so an optimizer over the trainable parameters trains exactly what is not a projectable weight."""
-    from slimopt.optim.partition import classify
+    from slimopt.optim.algorithm.partition import classify
 
     frozen = [name for name, (p, kind) in classify(model).items() if kind == "projectable"]
     params = dict(model.named_parameters())

@@ -1,6 +1,6 @@
 """Every name ``--method`` accepts, with its kind, description and default learning rate, without importing torch.
 
-Three kinds: slimopt's own methods (``slimopt.optim.specs``), the baselines (``slimopt.baselines``: GaLore's
+Three kinds: slimopt's own methods (``slimopt.optim.algorithm.specs``), the baselines (``slimopt.baselines``: GaLore's
 Low-Rank, LoRA arXiv 2106.09685, ReLoRA arXiv 2307.05695, and the frozen-weights control of ``slimopt compare``)
 and other libraries' optimizers (``slimopt.peers``). Listing them (``slimopt methods``) or checking a name costs
 no torch import: the tables are data, and a peer's availability is read from the installed packages, not by
@@ -23,7 +23,7 @@ BASELINE_LR = 1e-3  # the AdamW learning rate of the GaLore paper's LLaMA runs, 
 
 def known_methods() -> dict[str, tuple[str, str]]:
     """Every name ``--method`` accepts -> (kind, description); kind is 'slimopt', 'baseline' or 'peer'."""
-    from slimopt.optim.specs import METHODS
+    from slimopt.optim.algorithm.specs import METHODS
     from slimopt.peers import PEERS
 
     out = {n: ("slimopt", m.description) for n, m in METHODS.items()}
@@ -43,7 +43,7 @@ def method_kind(method: str) -> str:
 
 def default_lr(method: str) -> float:
     """The learning rate the method's paper (or the peer's authors) use for LLaMA pretraining."""
-    from slimopt.optim.specs import METHODS
+    from slimopt.optim.algorithm.specs import METHODS
     from slimopt.peers import PEERS
 
     kind = method_kind(method)

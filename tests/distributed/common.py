@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import slimopt
-from slimopt.optim import projectors as P
-from slimopt.optim import sharded as S
+from slimopt.optim.algorithm import projectors as P
+from slimopt.optim.distributed import sharded as S
 
 K1, K2 = 3, 3  # steps before the checkpoint, steps after it
 

@@ -42,7 +42,7 @@ def make_model():
 
 
 def settings(method: str) -> dict:
-    from slimopt.optim.specs import METHODS
+    from slimopt.optim.algorithm.specs import METHODS
     spec = METHODS[method]
     hp = {}
     if any(s.get("projector", "none") != "none" for s in (spec.projectable, spec.rest)):
@@ -53,7 +53,7 @@ def settings(method: str) -> dict:
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
-    from slimopt.optim import sharded as S
+    from slimopt.optim.distributed import sharded as S
     return {n: (p.full_tensor() if S.is_sharded(p) else p.detach()).clone() for n, p in model.named_parameters()}
 
 

@@ -45,8 +45,8 @@ import common as C  # noqa: E402
 
 import slimopt  # noqa: E402
 from slimopt.bench.fsdp_comm import CollectiveCounter, expected_bytes  # noqa: E402
-from slimopt.optim import distcheckpoint  # noqa: E402
-from slimopt.optim import sharded as S  # noqa: E402
+from slimopt.optim.distributed import distcheckpoint  # noqa: E402
+from slimopt.optim.distributed import sharded as S  # noqa: E402
 
 
 def shard(model, mesh):
@@ -86,7 +86,7 @@ def check_agreement(model, opt, world: int, what: str) -> int:
         st = opt.state[p]
         group = owner[id(p)]
         keys = list(REPLICATED)
-        from slimopt.optim import portable
+        from slimopt.optim.distributed import portable
         if "proj" in st and portable.layout_of(opt, p, group, "proj") == "replicated":
             keys.append("proj")
         mine[name] = {"keys": sorted(st), **{k: _as_bytes(st[k]) for k in keys if k in st}}

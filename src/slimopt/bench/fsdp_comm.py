@@ -1,7 +1,7 @@
 """Communication of slimopt's optimizer step under FSDP2: counted in a run, and predicted for any model.
 
 FSDP2 itself all-gathers parameters and reduce-scatters gradients; this module is about what the *optimizer*
-adds on top (``slimopt.optim.sharded``). Volumes are payloads in bytes per rank and call, the size of the
+adds on top (``slimopt.optim.distributed.sharded``). Volumes are payloads in bytes per rank and call, the size of the
 logical tensor a collective produces: an all-reduce of X bytes, an all-gather into X bytes (padding included),
 a gather of X bytes at the first rank, a broadcast of X bytes. With ring algorithms a rank sends about
 2 (W - 1) / W of an all-reduce's payload and (W - 1) / W of an all-gather's.
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from slimopt.optim import projectors as P
-from slimopt.optim import taco
+from slimopt.optim.algorithm import projectors as P
+from slimopt.optim.algorithm import taco
 
 __all__ = ["CollectiveCounter", "expected_bytes", "param_bytes", "volume_table"]
 
@@ -132,7 +132,7 @@ def param_bytes(opt, p, group: dict[str, Any], world: int, step: int) -> tuple[i
             # a factored v's column sums, all-reduced in fp64 (codecs.factored_means)
             per_step += 8 * cols * sum(c.name == "factored" for _, c in _codecs(opt, group, space, p.dtype))
         if group["rule"] == "muon":  # the rows to orthogonalize, all-gathered in the iteration's dtype
-            from slimopt.optim import muon
+            from slimopt.optim.algorithm import muon
             device = torch.device("cuda") if p.device.type == "meta" else p.device
             size = torch.empty((), dtype=muon.iteration_dtype(group["ns_dtype"], device)).element_size()
             per_step += size * world * max(1, -(-rows // world)) * cols
@@ -157,12 +157,12 @@ def param_bytes(opt, p, group: dict[str, Any], world: int, step: int) -> tuple[i
 
 
 def _codecs(opt, group, shape, dtype):
-    from slimopt.optim.sharded import Space, moment_codecs
+    from slimopt.optim.distributed.sharded import Space, moment_codecs
     return moment_codecs(opt, group, Space(torch.Size(shape), None), dtype)
 
 
 def _chosen_counts(index: torch.Tensor, m: int, world: int) -> list[int]:
-    from slimopt.optim.sharded import chunk_bounds
+    from slimopt.optim.distributed.sharded import chunk_bounds
     out = []
     for r in range(world):
         s, e = chunk_bounds(m, world, r)
@@ -187,9 +187,10 @@ def volume_table(size: str = "1b", world: int = 8, methods: dict[str, dict[str, 
                  vocab: int = 32000) -> list[dict[str, Any]]:
     """Per method: the optimizer's bytes per step and per refresh for a LLaMA size on `world` ranks, from its
     meta-device parameters (no memory), with the training command's defaults (GaLore rank hidden / 4)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from slimopt.train.loop import make_optimizer
     from slimopt.train.models import LLAMA_SIZES
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=vocab, tie_word_embeddings=False, **LLAMA_SIZES[size])
     with torch.device("meta"):

@@ -172,8 +172,8 @@ def bench_method(method: str, model: torch.nn.Module, grads: list[torch.Tensor],
     """One row: build `method`'s optimizer over `model`, time its steps on the fixed `grads`, count its state."""
     from slimopt.bench.planner import state_plan
     from slimopt.peers import PEERS, available_peers
-    from slimopt.train.loop import make_optimizer
     from slimopt.train.logger import MemoryProbe
+    from slimopt.train.loop import make_optimizer
 
     dev = torch.device(cfg.device)
     row: dict[str, Any] = {"method": method, "kind": _kind(method)}
@@ -239,7 +239,7 @@ def bench_method(method: str, model: torch.nn.Module, grads: list[torch.Tensor],
 
 def _build(cfg: BenchConfig):
     from slimopt.bench.planner import DTYPES, load_config
-    from slimopt.optim.partition import classify
+    from slimopt.optim.algorithm.partition import classify
     from slimopt.train.models import build_model
 
     if cfg.dtype not in DTYPES:
@@ -261,8 +261,8 @@ def _build(cfg: BenchConfig):
 
 
 def _check(cfg: BenchConfig) -> list[str]:
-    from slimopt.peers import PEERS
     import slimopt
+    from slimopt.peers import PEERS
 
     for name in ("steps", "warmup"):
         v = getattr(cfg, name)
@@ -485,7 +485,7 @@ def cpu_goals(rows: list[dict]) -> list[dict[str, str]]:
 def planned_goal_bytes(model: str = "1b", dtype: str = "bf16") -> dict[str, dict[str, float]]:
     """Exact state bytes per parameter (all, and on the projectable weights) of the goal methods on `model`."""
     from slimopt.bench.planner import load_config, meta_model, state_plan
-    from slimopt.optim.partition import classify
+    from slimopt.optim.algorithm.partition import classify
 
     label, config = load_config(model)
     out = {}

@@ -246,9 +246,9 @@ def planner_methods() -> list[str]:
 
 
 def _slim_moments(opt, p: torch.Tensor, group: dict, shape: torch.Size) -> int:
-    """Bytes of the state-full rule's state for a moment of `shape` (full or projected), as ``_stateful``
+    """Bytes of the state-full rule's state for a moment of `shape` (full or projected), as ``reference.stateful``
     creates it: TACO's compact per-column state, or the codec tensors plus ``moment_step``."""
-    from slimopt.optim import taco
+    from slimopt.optim.algorithm import taco
 
     if taco.owns(group, shape):
         return taco.state_nbytes(shape, group["taco_k"], group["taco_format"], group["taco_scale_dtype"], step=False)
@@ -258,8 +258,8 @@ def _slim_moments(opt, p: torch.Tensor, group: dict, shape: torch.Size) -> int:
 def _scratch_bytes(step_kind: str, p: torch.Tensor, group: dict, align: int | None = None) -> int:
     """What one parameter's update allocates (``windowed.SCRATCH_PER_ELEMENT``): per element of a window for the
     windowed kinds (align: the codecs' alignment), per element of the tensor for the others."""
-    from slimopt.optim import windowed
-    from slimopt.optim.rules import rounding_of
+    from slimopt.optim.algorithm.rules import rounding_of
+    from slimopt.optim.routes import windowed
 
     per = windowed.scratch_per_element(step_kind, p.dtype, rounding_of(group, p))
     n = p.numel() if align is None else windowed.window_elems(p.numel(), align, per)
@@ -269,7 +269,7 @@ def _scratch_bytes(step_kind: str, p: torch.Tensor, group: dict, align: int | No
 def _muon_scratch(p: torch.Tensor, group: dict, codecs) -> int:
     """Muon's step of a whole 2-D weight (``muon.scratch_bytes``): the iteration's dtype is the device's (a meta
     model is planned as the GPU runs it: bf16 under ns_dtype="auto")."""
-    from slimopt.optim import muon
+    from slimopt.optim.algorithm import muon
 
     device = torch.device("cuda") if p.device.type == "meta" else p.device
     return muon.scratch_bytes(p.shape, p.dtype, muon.iteration_dtype(group["ns_dtype"], device),
@@ -281,15 +281,13 @@ def _align(codecs, shape) -> int:
 
 
 def _slim_param(opt, p: torch.Tensor, group: dict) -> tuple[str, int, int, int]:
-    """(layout, moment bytes when the parameter holds moments, projection bytes, update scratch), as ``_update``
+    """(layout, moment bytes when the parameter holds moments, projection bytes, update scratch), as the step
     creates them."""
-    from slimopt.optim import multi_tensor, native
-    from slimopt.optim import projectors as P
-    from slimopt.optim import taco
-    from slimopt.optim import taco_routes
-    from slimopt.optim import windowed
-    from slimopt.optim.projectors import subspace_shape as state_shape
-    from slimopt.optim.rules import ELEMENTWISE_RULES, rounding_of
+    from slimopt.optim.algorithm import projectors as P
+    from slimopt.optim.algorithm import taco
+    from slimopt.optim.algorithm.projectors import subspace_shape as state_shape
+    from slimopt.optim.algorithm.rules import ELEMENTWISE_RULES, rounding_of
+    from slimopt.optim.routes import multi_tensor, native, taco_routes, windowed
 
     layout = opt._layout(p, group)
     if layout in ("none", "block"):
@@ -346,11 +344,10 @@ def _projected_scratch(opt, p: torch.Tensor, group: dict, layout: str, side: str
     """A projected step between refreshes (``windowed.projected_scratch``): the subspace gradient, the direction
     and the basis's work copy held, plus the larger of the rule's window and the lifting's window; a rule that
     needs the whole subspace matrix (Muon, TACO) on all of it. A refresh step's decomposition is not in it."""
-    from slimopt.optim import muon
-    from slimopt.optim import projectors as P
-    from slimopt.optim import taco
-    from slimopt.optim import windowed
-    from slimopt.optim.rules import ELEMENTWISE_RULES, rounding_of
+    from slimopt.optim.algorithm import muon, taco
+    from slimopt.optim.algorithm import projectors as P
+    from slimopt.optim.algorithm.rules import ELEMENTWISE_RULES, rounding_of
+    from slimopt.optim.routes import windowed
 
     whole = r == (p.shape[0] if side == "left" or layout == "rows" else p.shape[1])
     free = "none" if whole else group["free_rule"]
@@ -382,7 +379,7 @@ def _block_steps(opt, group: dict) -> list[int]:
 def _compensation(p: torch.Tensor, group: dict) -> int:
     """Bytes of the weight's Kahan compensation (``param_rounding="kahan"``, bf16 weights): p's size in bf16. Counted
     for every weight, as after a step that wrote each (a frozen BAdam block gets its own at its first turn)."""
-    from slimopt.optim.rules import rounding_of
+    from slimopt.optim.algorithm.rules import rounding_of
 
     return p.numel() * p.element_size() if rounding_of(group, p) == "kahan" else 0
 

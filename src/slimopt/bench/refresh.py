@@ -44,7 +44,7 @@ def _left_basis(q: torch.Tensor, m: int) -> torch.Tensor:
 
 def refresh_methods(rank: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor] | str]:
     """name -> function G (m, n) -> left basis (m, rank), or the reason it cannot run here."""
-    from slimopt.optim import projectors as P
+    from slimopt.optim.algorithm import projectors as P
 
     gen = {}
 

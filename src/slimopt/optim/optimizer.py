@@ -36,11 +36,13 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from . import multi_tensor, paramstep, portable, statedict
-from . import projectors as P
-from .codecs import make_codec
-from .settings import DEFAULTS, EPS_PLACEMENTS, ON_REFRESH, validate_group  # noqa: F401
-from .sharded import Space, moment_codecs
+from slimopt.optim import statedict
+from slimopt.optim.algorithm import projectors as P
+from slimopt.optim.algorithm.codecs import make_codec
+from slimopt.optim.distributed import portable
+from slimopt.optim.distributed.sharded import Space, moment_codecs
+from slimopt.optim.routes import paramstep
+from slimopt.optim.settings import DEFAULTS, EPS_PLACEMENTS, ON_REFRESH, validate_group  # noqa: F401
 
 __all__ = ["SlimOptimizer", "DEFAULTS", "validate_group"]
 
@@ -79,7 +81,7 @@ class SlimOptimizer(torch.optim.Optimizer):
         self._blocks: dict[tuple, frozenset[int]] = {}
         self._geometry: dict[Tensor, tuple] = {}  # each parameter's rows and index (sharded.target_of)
         self._routes: dict[Tensor, paramstep.Route] = {}  # each parameter's route and what it keeps (paramstep.py)
-        self._batch = multi_tensor.Batch()
+        self._batch = paramstep.Batch()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy or an unpickled optimizer (torch.optim.Optimizer keeps its defaults, state and groups) derives its
@@ -134,7 +136,7 @@ class SlimOptimizer(torch.optim.Optimizer):
                         paramstep.step(self, p, group)
             self._batch.run()  # what the routes queued for multi-tensor kernels and Triton launches
         finally:
-            self._batch = multi_tensor.Batch()  # nothing queued survives a failed step
+            self._batch = paramstep.Batch()  # nothing queued survives a failed step
         return loss
 
     @torch.no_grad()
@@ -145,7 +147,7 @@ class SlimOptimizer(torch.optim.Optimizer):
                 paramstep.step(self, p, self.param_groups[self._where[p][0]])
                 self._batch.run()
             finally:
-                self._batch = multi_tensor.Batch()
+                self._batch = paramstep.Batch()
 
     def explain(self, p: Tensor) -> tuple[str, dict[str, str]] | None:
         """(the route p's last step took, {each faster route of its work: why it declined}); None before it."""

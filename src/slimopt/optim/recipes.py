@@ -18,10 +18,10 @@ from typing import Any, Iterable
 
 from torch import nn
 
-from .optimizer import DEFAULTS, SlimOptimizer
-from .partition import check_owners, classify
-from .specs import FRUGAL_DEFAULTS, METHODS, STATE_FREE, TACO_DEFAULTS, TACO_LR, Method
-from .usage import unused_reason
+from slimopt.optim.algorithm.partition import check_owners, classify
+from slimopt.optim.algorithm.specs import FRUGAL_DEFAULTS, METHODS, STATE_FREE, TACO_DEFAULTS, TACO_LR, Method
+from slimopt.optim.algorithm.usage import unused_reason
+from slimopt.optim.optimizer import DEFAULTS, SlimOptimizer
 
 # Settings build() accepts; those in _SHARED go to every group, the rest to the projectable group.
 _SHARED = ("lr", "betas", "eps", "eps_placement", "weight_decay", "momentum", "rule", "seed", "codec", "m_codec",
@@ -244,7 +244,7 @@ class TACO(SlimOptimizer):
     whose accumulated gradient is largest, in its sign; k low-precision components of state per column
     (``taco_k``, default 1).
 
-    2-D tensors take TACO (``slimopt.optim.taco`` documents the direction, the normalization, the history and
+    2-D tensors take TACO (``slimopt.optim.algorithm.taco`` documents the direction, the normalization, the history and
     which choices are ours); other tensors take AdamW through the group's codecs. Settings: ``taco_k``,
     ``taco_decay``, ``taco_format``, ``taco_scale_dtype``, ``taco_norm``, ``taco_alpha`` and every SlimOptimizer
     setting. Use ``slimopt.build(model, "taco")`` to keep embeddings, norms and the head in AdamW.

@@ -13,9 +13,9 @@ Every keyword of ``DEFAULTS`` is a per-group setting:
   (m_hat / ((sqrt(v) + eps) / sqrt(1 - beta2^t)), galore-torch's and transformers' old AdamW's arithmetic).
 - ``rule``: the state-full rule, ``adamw`` | ``lion`` | ``sgdm`` | ``taco`` (2-D tensors: the one-sparse
   ternary step with a compact per-column history, set by the ``taco_*`` settings, see
-  ``slimopt.optim.taco``; other tensors: AdamW with the group's codecs) | ``muon`` (2-D tensors only:
+  ``slimopt.optim.algorithm.taco``; other tensors: AdamW with the group's codecs) | ``muon`` (2-D tensors only:
   the momentum orthogonalized by Newton-Schulz iterations, torch.optim.Muon's step; ``nesterov``,
-  ``ns_steps``, ``ns_coefficients``, ``ns_eps``, ``ns_dtype``, ``adjust_lr_fn``, see ``slimopt.optim.muon``).
+  ``ns_steps``, ``ns_coefficients``, ``ns_eps``, ``ns_dtype``, ``adjust_lr_fn``, see ``slimopt.optim.algorithm.muon``).
 - ``projector``: ``none`` | ``svd`` | ``randomized_svd`` | ``random`` | ``columns`` | ``rows`` | ``block``;
   ``rank`` or ``density`` sets the subspace size (for ``block``: how many tensors of the group are active);
   ``update_gap`` steps between refreshes; ``scale`` multiplies the state-full update (GaLore's alpha);
@@ -30,22 +30,20 @@ Every keyword of ``DEFAULTS`` is a per-group setting:
 - ``free_rule``: what the residual outside the subspace gets: ``sign`` (FRUGAL), ``sgd`` or ``none``
   (GaLore; inactive BAdam blocks stay frozen); ``free_scale`` multiplies it.
 - ``codec`` / ``m_codec`` / ``v_codec`` / ``state_bits``: the storage format of the moments
-  (see ``slimopt.optim.codecs``).
+  (see ``slimopt.optim.algorithm.codecs``).
 - ``compile``: run full-space AdamW steps through a torch.compile'd kernel (``compiled.py``) that decodes,
   updates and encodes in one pass; hyperparameters enter as 0-D tensors, so schedules never recompile.
-- ``fused`` (default True): step the parameters whose update is a standard kernel all at once
-  (``multi_tensor.py``: torch's fused AdamW for plain moments, foreach kernels for an inactive block's
-  residual) and run every other element-wise update of a CPU weight (codec-stored moments, Lion, SGDM) through
-  the one-pass C kernel (``native.py``), of a CUDA weight through one Triton launch for all the tensors of
-  one size and setting (``triton_step.py``); False runs every parameter through the eager per-tensor step,
-  the reference.
+- ``fused`` (default True): each parameter takes the fastest route its step allows (``routes/choice.py``,
+  docs/routes.md): torch's multi-tensor fused AdamW for plain moments, the one-pass C kernel on a CPU and one
+  Triton launch a size and setting on CUDA for every other element-wise update, TACO's sparse write; False runs
+  every parameter through the eager steps, the reference the fast routes are tested against.
 - ``param_rounding``: how a bf16 weight is written, ``nearest`` | ``stochastic`` (unbiased, no memory) |
   ``kahan`` (a bf16 compensation per weight, state ``kahan_comp``); see ``rules.py``. fp32 weights are written
   exactly; fp16 weights take ``nearest`` only.
 
 An element-wise update (AdamW, Lion, SGDM in full space or on a block, and every state-free update) runs in
-windows of the flattened tensor (``windowed.py``): its temporaries stay under 64 MiB whatever the tensor. A
-subspace projector's step runs in windows of rows or columns between refreshes (``windowed.projected``): it
+windows of the flattened tensor (``routes/windowed.py``): its temporaries stay under 64 MiB whatever the tensor.
+A subspace projector's step runs in windows of rows or columns between refreshes (``windowed.projected``): it
 holds the subspace gradient and direction, and a window.
 
 Parameters that are not 2-D take the rule on the full gradient under a subspace projector; ``block`` works for
@@ -57,11 +55,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from . import muon
-from . import projectors as P
-from . import taco
-from .codecs import resolve_codecs
-from .rules import FREE_RULES, PARAM_ROUNDINGS, RULES
+from slimopt.optim.algorithm import muon, taco
+from slimopt.optim.algorithm import projectors as P
+from slimopt.optim.algorithm.codecs import resolve_codecs
+from slimopt.optim.algorithm.rules import FREE_RULES, PARAM_ROUNDINGS, RULES
 
 __all__ = ["DEFAULTS", "ON_REFRESH", "EPS_PLACEMENTS", "validate_group"]
 

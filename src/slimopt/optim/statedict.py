@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from . import portable
-from .rules import MOMENTS
-from .settings import DEFAULTS, validate_group
+from slimopt.optim.algorithm.rules import MOMENTS
+from slimopt.optim.distributed import portable
+from slimopt.optim.settings import DEFAULTS, validate_group
 
 __all__ = ["load", "load_state"]
 

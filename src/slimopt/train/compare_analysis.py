@@ -230,8 +230,8 @@ def full_rank_weights(model, optimizer) -> list[tuple[str, tuple[int, int], int]
     low-rank method. Reads slimopt's groups (projector svd / randomized_svd / random, with their rank or
     density) and peers' GaLore-style groups (a "rank" key); block and column projectors are not low-rank
     projections and are not reported."""
-    from slimopt.optim.partition import classify
-    from slimopt.optim.projectors import ORTHO_PROJECTORS, side_for, subspace_rank
+    from slimopt.optim.algorithm.partition import classify
+    from slimopt.optim.algorithm.projectors import ORTHO_PROJECTORS, side_for, subspace_rank
 
     projectable = {id(p): n for n, (p, kind) in classify(model).items() if kind == "projectable"}
     out = []
@@ -259,7 +259,7 @@ def full_rank_weights(model, optimizer) -> list[tuple[str, tuple[int, int], int]
 def baseline_full_rank_weights(model, rank: int) -> list[tuple[str, tuple[int, int], int]]:
     """The same for a low-rank-weight baseline (W = B A, LoRA, ReLoRA) at `rank`, on the model before it is
     transformed: weights whose factors could hold any matrix of their shape."""
-    from slimopt.optim.partition import classify
+    from slimopt.optim.algorithm.partition import classify
 
     out = []
     for name, (p, kind) in classify(model).items():

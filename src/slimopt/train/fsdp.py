@@ -1,11 +1,11 @@
 """FSDP2 for `slimopt train --fsdp`: sharding the model, micro-batches, evaluation and resumable checkpoints.
 
 With ``--fsdp`` every decoder layer and the root module are wrapped by ``torch.distributed.fsdp.fully_shard``:
-parameters, gradients and the slimopt optimizer state are sharded over the ranks (``slimopt.optim.sharded``
+parameters, gradients and the slimopt optimizer state are sharded over the ranks (``slimopt.optim.distributed.sharded``
 steps them). Run it under torchrun (``torchrun --nproc_per_node N -m slimopt train --fsdp ...``), or as one
 plain process, which shards over a group of one (the CUDA path on a single GPU).
 
-Checkpoints are DCP folders (``slimopt.optim.distcheckpoint``: model, optimizer in its portable form) plus the
+Checkpoints are DCP folders (``slimopt.optim.distributed.distcheckpoint``: model, optimizer in its portable form) plus the
 training position: ``train_state.pt`` (step, tokens, scheduler, data sampler; loads with weights_only) and one
 ``rng_rank<r>.pt`` per rank; either file, damaged or incomplete, stops a resume with one line naming it, as
 ``checkpoint.pt`` does without FSDP. A checkpoint is written into ``checkpoint.dcp.tmp`` and renamed into place,
@@ -108,7 +108,7 @@ def save(out: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.
 
     train_state: the position of the run (the same on every rank; tensors, numbers, strings and containers);
     rng: this rank's RNG state (``slimopt.train.checkpoint.rng_state``)."""
-    from slimopt.optim import distcheckpoint
+    from slimopt.optim.distributed import distcheckpoint
     out = Path(out)
     final, tmp, old = out / CHECKPOINT_DIR, out / (CHECKPOINT_DIR + ".tmp"), out / (CHECKPOINT_DIR + ".old")
     if _rank() == 0:
@@ -140,7 +140,7 @@ def read_train_state(path: str | os.PathLike) -> dict[str, Any]:
 def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Load a checkpoint folder into `model` and `optimizer` (any number of ranks); return this rank's RNG state
     (rank 0's when the checkpoint was written by fewer ranks)."""
-    from slimopt.optim import distcheckpoint
+    from slimopt.optim.distributed import distcheckpoint
     path = Path(path)
     rng_file = path / f"rng_rank{_rank()}.pt"
     # The RNG file first: a damaged one is refused in one line (CheckpointError) before any shard is loaded.

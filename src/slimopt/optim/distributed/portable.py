@@ -48,12 +48,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import projectors as P
-from . import quant as Q
-from . import sharded as S
-from . import taco
-from .codecs import BlockCodec, TernaryCodec
-from .rules import COMP_KEY
+from slimopt.optim.algorithm import projectors as P
+from slimopt.optim.algorithm import quant as Q
+from slimopt.optim.algorithm import taco
+from slimopt.optim.algorithm.codecs import BlockCodec, TernaryCodec
+from slimopt.optim.algorithm.rules import COMP_KEY
+from slimopt.optim.distributed import sharded as S
 
 __all__ = ["LAYOUT", "COUNTERS", "portable_state", "wanted", "is_portable", "to_portable", "saved_state",
            "import_param", "layout_of"]
@@ -393,7 +393,7 @@ def _check_block_moments(opt, p, group, state) -> None:
     step = int(state["step"].item())
     if opt._block_active(p, group, step) and len(state) == 1:
         raise ValueError("the checkpoint holds no moments for a block that is active at its step: load it with "
-                         "slimopt.optim.distcheckpoint.load, which builds the load template from the checkpoint")
+                         "slimopt.optim.distributed.distcheckpoint.load, which builds the load template from the checkpoint")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -36,8 +36,8 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
-from . import muon
-from . import quant as Q
+from slimopt.optim.algorithm import muon
+from slimopt.optim.algorithm import quant as Q
 
 RULES = ("adamw", "lion", "sgdm", "taco", "muon")
 ELEMENTWISE_RULES = ("adamw", "lion", "sgdm")  # each element's update reads only that element (windowed.py)

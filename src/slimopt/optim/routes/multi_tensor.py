@@ -37,9 +37,9 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from . import native, triton_step, triton_taco
-from .codecs import Bf16Codec, Fp32Codec
-from .rules import decay_factor
+from slimopt.optim.algorithm.codecs import Bf16Codec, Fp32Codec
+from slimopt.optim.algorithm.rules import decay_factor
+from slimopt.optim.routes import native, triton_step, triton_taco
 
 __all__ = ["adamw_declines", "adamw_applies", "residual_declines", "residual_applies", "adamw_kernel_declines",
            "adamw_kernel_applies", "residual_kernel_declines", "residual_kernel_applies", "residual_scratch_bytes",
@@ -211,7 +211,9 @@ class Batch:
                 if kernels.run([launch for launch, _ in part]) is None:  # a kernel failed: eagerly
                     for _, eager in part:
                         eager()
-        triton_step.finish([x for x in self._order if isinstance(x, triton_step.Launch)])
+        for x in self._order:  # a row shard's factored column sums, summed over the ranks with the other reduces
+            if isinstance(x, triton_step.Launch) and x.pending is not None:
+                self.reduce(x.factored[2], x.pending, "sum", triton_step.column_means(x))
         for (gid, _), (params, grads, exp_avgs, exp_avg_sqs, steps) in self._adamw.items():
             group = self._groups[gid]
             beta1, beta2 = group["betas"]

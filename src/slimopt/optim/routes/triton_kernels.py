@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 
-
 def _constants(count: int) -> list:
     """0 .. count - 1 as tl.constexpr: a compiled kernel reads no other module-level value (the interpreter does,
     so only a compile for a GPU shows the difference: tests/test_triton.py compiles the kernels for sm_90)."""

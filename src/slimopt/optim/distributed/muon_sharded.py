@@ -13,8 +13,8 @@ from typing import Any, Mapping
 
 from torch import Tensor
 
-from .muon import iteration_dtype, lr_ratio, momentum_update, orthogonalize
-from .shardcomm import Rows, gather_rows
+from slimopt.optim.algorithm.muon import iteration_dtype, lr_ratio, momentum_update, orthogonalize
+from slimopt.optim.distributed.shardcomm import Rows, gather_rows
 
 __all__ = ["direction"]
 

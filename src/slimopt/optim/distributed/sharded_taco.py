@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import taco
-from .shardcomm import Rows, all_reduce
+from slimopt.optim.algorithm import taco
+from slimopt.optim.distributed.shardcomm import Rows, all_reduce
 
 __all__ = ["pack_keys", "unpack_keys", "taco_direction", "merge_top_keys", "taco_update"]
 
@@ -219,7 +219,7 @@ def finish_k1(state, keys: Tensor, group, shape) -> tuple[Tensor, Tensor, float]
 def apply_local(p: Tensor, kept_rows: Tensor, signs: Tensor, coef: float, group, rows: Rows) -> None:
     """``taco.apply_sparse`` at nearest rounding on this rank's rows p: the decay of every local row, and the one
     entry of each column whose kept row this rank holds."""
-    from .rules import decay
+    from slimopt.optim.algorithm.rules import decay
     decay(p, group)
     r = kept_rows[0]
     cols = torch.nonzero((r >= rows.start) & (r < rows.stop)).flatten()

@@ -19,14 +19,24 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from . import choice, compiled, kernel_plan, reference, taco, taco_routes, windowed
-from . import projectors as P
-from .rules import ELEMENTWISE_RULES, advance, comp_of, rounding_of
-from .shardcomm import all_reduce
-from .sharded import Target, effective_rank, local_selection, local_shape, moment_codecs, space_of, target_of
-from .subspace import count_moment_step, init_moments, refresh_if_due
+from slimopt.optim.algorithm import projectors as P
+from slimopt.optim.algorithm import taco
+from slimopt.optim.algorithm.rules import ELEMENTWISE_RULES, advance, comp_of, rounding_of
+from slimopt.optim.distributed.shardcomm import all_reduce
+from slimopt.optim.distributed.sharded import (
+    Target,
+    effective_rank,
+    local_selection,
+    local_shape,
+    moment_codecs,
+    space_of,
+    target_of,
+)
+from slimopt.optim.routes import choice, compiled, kernel_plan, reference, taco_routes, windowed
+from slimopt.optim.routes.multi_tensor import Batch  # what a step queues: the optimizer's, run at its end
+from slimopt.optim.routes.subspace import count_moment_step, init_moments, refresh_if_due
 
-__all__ = ["step", "work_of", "explain", "Route", "ROUTE_SETTINGS"]
+__all__ = ["step", "work_of", "explain", "Route", "ROUTE_SETTINGS", "Batch"]
 
 log = logging.getLogger("slimopt.routes")
 
@@ -163,7 +173,7 @@ def _elementwise(kind: str) -> Callable[..., None]:
         else:
             rounding = rounding_of(group, t.p)
             windowed.in_windows(t.p, t.grad, state, group, codecs, age, stream, rounding,
-                                comp_of(state, t.p, rounding), one_pass=kind == "c_kernel")
+                                comp_of(state, t.p, rounding), one_pass=kind == "c_kernel", batch=opt._batch)
         if work == "full" and route.plan is None:  # the next steps replay the kernel's arguments where they hold
             build = {"triton": kernel_plan.build_launch, "c_kernel": kernel_plan.build_cpu}.get(kind)
             route.plan = build(t.p, t.grad, state, group, codecs) if build and not group["compile"] else \

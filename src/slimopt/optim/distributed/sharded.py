@@ -32,11 +32,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import projectors as P
-from .codecs import FactoredCodec, FactoredRows, factored_means, resolve_codecs
-from .rules import MOMENTS, PARAM_STREAM
-from .shardcomm import (Rows, all_reduce, chosen_per_rank, chunk_bounds, gather_var_rows, is_sharded,  # noqa: F401
-                        rows_of)
+from slimopt.optim.algorithm import projectors as P
+from slimopt.optim.algorithm.codecs import FactoredCodec, FactoredRows, factored_means, resolve_codecs
+from slimopt.optim.algorithm.rules import MOMENTS, PARAM_STREAM
+from slimopt.optim.distributed.shardcomm import (  # noqa: F401
+    Rows,
+    all_reduce,
+    chosen_per_rank,
+    chunk_bounds,
+    gather_var_rows,
+    is_sharded,
+    rows_of,
+)
 
 __all__ = ["Rows", "Space", "Target", "Streams", "is_sharded", "rows_of", "target_of", "check_agreement", "moment_codecs",
            "RowShardedFactored", "local_selection", "space_of", "local_shape", "effective_rank"]
@@ -217,9 +224,19 @@ class ShardFactoredRows(FactoredRows):
         self.group_rows = rows
         self.rows = rows.total  # the column means divide by every rank's rows
         self.denom = state[key + "_col"].mean().clamp_min(torch.finfo(torch.float32).tiny)
+        self.batch = None
+
+    def defer_to(self, batch) -> None:
+        self.batch = batch
 
     def close(self):
-        all_reduce(self.col_sum, self.group_rows)
+        if self.batch is not None:  # summed with the step's other column sums, in one all-reduce at its end
+            self.batch.reduce(self.group_rows, self.col_sum, "sum", self._write)
+            return
+        self._write(all_reduce(self.col_sum, self.group_rows))
+
+    def _write(self, col_sum: Tensor) -> None:
+        self.col_sum = col_sum
         super().close()
 
 

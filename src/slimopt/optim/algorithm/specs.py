@@ -31,7 +31,7 @@ GALORE_DEFAULTS = {"projector": "svd", "rank": 128, "update_gap": 200, "scale": 
 FRUGAL_DEFAULTS = {"projector": "block", "density": 0.25, "update_gap": 200, "free_rule": "sign", "on_refresh": "reset"}
 MUON_DEFAULTS = {"rule": "muon", "adjust_lr_fn": "match_rms_adamw"}
 MUON_SHARED = {"momentum": 0.95}  # shared, so a momentum given to build() replaces it (AdamW groups ignore it)
-TACO_DEFAULTS = {"rule": "taco"}  # taco_* settings: slimopt.optim.taco.DEFAULTS
+TACO_DEFAULTS = {"rule": "taco"}  # taco_* settings: slimopt.optim.algorithm.taco.DEFAULTS
 
 TACO_LR = 3e-4  # a fine-tuning learning rate (the AdamW fallback's); TACO's matrices step lr * taco_alpha * m / n
 

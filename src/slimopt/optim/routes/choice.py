@@ -41,9 +41,9 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from . import compiled, multi_tensor, native, triton_step, triton_taco
-from .rules import ELEMENTWISE_RULES, rounding_of
-from .sharded import RowShardedFactored, Target, moment_codecs
+from slimopt.optim.algorithm.rules import ELEMENTWISE_RULES, rounding_of
+from slimopt.optim.distributed.sharded import RowShardedFactored, Target, moment_codecs
+from slimopt.optim.routes import compiled, multi_tensor, native, triton_step, triton_taco
 
 __all__ = ["ROUTES", "WORKS", "choose", "subspace_rule", "lifted_write"]
 

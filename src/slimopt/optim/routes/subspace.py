@@ -16,12 +16,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import projectors as P
-from . import taco
-from .rules import MOMENTS
-from .shardcomm import Rows, all_reduce, chosen_per_rank, gather_var_rows
-from .sharded import Target, local_selection, local_shape, moment_codecs, space_of
-from .sharded_bases import randomized_basis, rows_of_basis, svd_basis
+from slimopt.optim.algorithm import projectors as P
+from slimopt.optim.algorithm import taco
+from slimopt.optim.algorithm.rules import MOMENTS
+from slimopt.optim.distributed.shardcomm import Rows, all_reduce, chosen_per_rank, gather_var_rows
+from slimopt.optim.distributed.sharded import Target, local_selection, local_shape, moment_codecs, space_of
+from slimopt.optim.distributed.sharded_bases import randomized_basis, rows_of_basis, svd_basis
 
 __all__ = ["basis_key", "refresh_if_due", "init_moments", "count_moment_step"]
 
@@ -42,7 +42,7 @@ def init_moments(state: dict[str, Tensor], codecs, shape: torch.Size, device) ->
 def count_moment_step(state: dict[str, Tensor], codecs, shape: torch.Size, device) -> int:
     """Before a state-full update: zero moments (of the local `shape`) where there are none yet, and count this
     update in their age (returned)."""
-    from .rules import advance
+    from slimopt.optim.algorithm.rules import advance
     if codecs[0][0] not in state:
         init_moments(state, codecs, shape, device)
     return advance(state["moment_step"])

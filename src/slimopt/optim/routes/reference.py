@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import muon_sharded
-from . import projectors as P
-from . import taco
-from .rules import PARAM_STREAM, apply_update, comp_of, direction, rounding_of
-from .sharded import Space, Target, moment_codecs
-from .sharded_taco import taco_update
-from .subspace import count_moment_step
+from slimopt.optim.algorithm import projectors as P
+from slimopt.optim.algorithm import taco
+from slimopt.optim.algorithm.rules import PARAM_STREAM, apply_update, comp_of, direction, rounding_of
+from slimopt.optim.distributed import muon_sharded
+from slimopt.optim.distributed.sharded import Space, Target, moment_codecs
+from slimopt.optim.distributed.sharded_taco import taco_update
+from slimopt.optim.routes.subspace import count_moment_step
 
 __all__ = ["step", "stateful", "weight_stream"]
 

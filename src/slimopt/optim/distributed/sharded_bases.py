@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import projectors as P
-from .shardcomm import Rows, broadcast, gather_rows_to_root
+from slimopt.optim.algorithm import projectors as P
+from slimopt.optim.distributed.shardcomm import Rows, broadcast, gather_rows_to_root
 
 __all__ = ["svd_basis", "randomized_basis", "rows_of_basis"]
 

@@ -45,9 +45,9 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from . import quant as Q
-from .codecs import Bf16Codec, BlockCodec, FactoredCodec, Fp32Codec, TernaryCodec, FactoredRows
-from .noise import CounterStream
+from slimopt.optim.algorithm import quant as Q
+from slimopt.optim.algorithm.codecs import Bf16Codec, BlockCodec, FactoredCodec, FactoredRows, Fp32Codec, TernaryCodec
+from slimopt.optim.algorithm.noise import CounterStream
 
 __all__ = ["library", "in_kernel", "scratch_per_element", "kernel_declines", "kernel_applies", "declines", "applies",
            "window_step",
@@ -452,7 +452,7 @@ def window_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[s
                 start: int, age: int, stream: Callable[[int, int], CounterStream], direction: bool = False,
                 comp: Tensor | None = None, gen: CounterStream | None = None) -> float:
     """Elements [start, start + p.numel()) of a parameter stepped in one pass: p, grad are that window's flat
-    views; state the whole parameter's state; windows the rule's moments as ``windowed.step`` opened them
+    views; state the whole parameter's state; windows the rule's moments as ``windowed.in_windows`` opened them
     ((index, key, codec, codecs.Window) each; none: the state-free update); age the moments' step count;
     stream(i, start) the random stream of moment i for this window (stochastic codecs draw from it exactly what
     the eager encode draws). direction: p is an fp32 buffer that receives the rule's direction d instead

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .noise import CounterStream, mix_seed
+from slimopt.optim.algorithm.noise import CounterStream, mix_seed
 
 PROJECTORS = ("none", "svd", "randomized_svd", "random", "columns", "rows", "block")
 ORTHO_PROJECTORS = ("svd", "randomized_svd", "random")

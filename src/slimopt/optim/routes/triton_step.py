@@ -61,11 +61,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import native
-from .codecs import Bf16Codec, BlockCodec, FactoredCodec, Fp32Codec, TernaryCodec
-from .noise import CounterStream
+from slimopt.optim.algorithm.codecs import Bf16Codec, BlockCodec, FactoredCodec, Fp32Codec, TernaryCodec
+from slimopt.optim.algorithm.noise import CounterStream
+from slimopt.optim.routes import native
 
-__all__ = ["available", "declines", "applies", "prepare", "run", "finish", "failed", "fallbacks"]
+__all__ = ["available", "declines", "applies", "prepare", "run", "finish", "column_means", "failed", "fallbacks"]
 
 _K_FP32, _K_BF16, _K_INT8, _K_INT4, _K_BF16_SR, _K_TERNARY, _K_FACTORED = range(7)
 _BLOCK_KINDS = (_K_INT8, _K_INT4)
@@ -97,7 +97,7 @@ def _triton():
         try:
             import triton  # noqa: F401
 
-            from . import triton_kernels
+            from slimopt.optim.routes import triton_kernels
             _state["triton"] = triton_kernels
         except Exception as exc:  # ImportError, or a triton too old for the kernels' language
             _state["triton"] = None
@@ -522,12 +522,18 @@ def finish(launches: list[Launch]) -> None:
     """The column means of every row shard's factored moment that ``run`` left (``Launch.pending``): its column
     sums all-reduced over its ranks, divided by all the rows, in the order of `launches` (which every rank must
     give alike: the order the tensors were queued in)."""
-    from .shardcomm import all_reduce
+    from slimopt.optim.distributed.shardcomm import all_reduce
     for x in launches:
         if x.pending is not None:
-            rows = x.factored[2]
-            x.factored[1].copy_((all_reduce(x.pending, rows) / rows.total).float())
-            x.pending = None
+            column_means(x)(all_reduce(x.pending, x.factored[2]))
+
+
+def column_means(launch: Launch):
+    """What writes a row shard's factored column means from its column sums summed over the ranks."""
+    def write(sums: Tensor) -> None:
+        launch.factored[1].copy_((sums / launch.factored[2].total).float())
+        launch.pending = None
+    return write
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -36,15 +36,26 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from . import choice
-from . import native
-from . import projectors as P
-from . import triton_step
-from .budget import (PROJECTED_APPLY, PROJECTED_ROUNDING, PROJECTED_RULE, ROUNDING_SCRATCH,  # noqa: F401
-                     SCRATCH_PER_ELEMENT, WINDOW_BYTES, apply_scratch, kind, projected_held, projected_scratch,
-                     rule_scratch, scratch_per_element, window_elems, window_lines)
-from .noise import CounterStream
-from .rules import PARAM_STREAM, apply_update, comp_of, direction, rounding_of
+from slimopt.optim.algorithm import projectors as P
+from slimopt.optim.algorithm.budget import (  # noqa: F401
+    PROJECTED_APPLY,
+    PROJECTED_ROUNDING,
+    PROJECTED_RULE,
+    ROUNDING_SCRATCH,
+    SCRATCH_PER_ELEMENT,
+    WINDOW_BYTES,
+    apply_scratch,
+    kind,
+    projected_held,
+    projected_scratch,
+    rule_scratch,
+    scratch_per_element,
+    window_elems,
+    window_lines,
+)
+from slimopt.optim.algorithm.noise import CounterStream
+from slimopt.optim.algorithm.rules import PARAM_STREAM, apply_update, comp_of, direction, rounding_of
+from slimopt.optim.routes import choice, native, triton_step
 
 __all__ = ["WINDOW_BYTES", "SCRATCH_PER_ELEMENT", "ROUNDING_SCRATCH", "kind", "scratch_per_element",
            "window_elems", "launch", "in_windows", "projected", "directions"]
@@ -88,13 +99,17 @@ def spans(p: Tensor, group: dict[str, Any], codecs: list[tuple[str, Any]], round
 
 def in_windows(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
                codecs: list[tuple[str, Any]], age: int, stream: Callable[[int, int], CounterStream], rounding: str,
-               comp: Tensor | None, one_pass: bool) -> None:
+               comp: Tensor | None, one_pass: bool, batch: Any = None) -> None:
     """One update of p from grad in windows: the rule on codec-stored moments (codecs: the rule's (key, codec)
     list, its ``moment_step`` already counted as `age`), or with no codecs the state-free update of the residual;
     each window in one pass of the C kernel (`one_pass`) or as the eager tensor operations. p, grad: contiguous
-    tensors of one shape; stream as ``launch``'s; comp: the weight's Kahan compensation under ``kahan``."""
+    tensors of one shape; stream as ``launch``'s; comp: the weight's Kahan compensation under ``kahan``; batch: the
+    step's queue, where a row shard's factored moment leaves its column sums to be summed over the ranks."""
     weight, gradient = p.view(-1), grad.view(-1)
     windows = [(i, key, codec, codec.open(key, state, p.shape)) for i, (key, codec) in enumerate(codecs)]
+    if batch is not None:
+        for *_, w in windows:
+            w.defer_to(batch)
     for start, stop in spans(p, group, codecs, rounding):
         gen = stream(PARAM_STREAM, start) if rounding == "stochastic" else None
         part = comp.view(-1)[start:stop] if comp is not None else None

@@ -1,7 +1,7 @@
 """Pure quantize / dequantize functions for compressed optimizer state.
 
 Everything here is a stateless tensor function: the storage forms that hold codes and scales between steps live
-in `slimopt.optim.codecs`. The functions are written as whole-tensor ops (no Python loops over elements or
+in `slimopt.optim.algorithm.codecs`. The functions are written as whole-tensor ops (no Python loops over elements or
 blocks, no host syncs) so that a `torch.compile`d optimizer step can fuse them.
 
 What is provided:
@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .noise import CounterStream
+from slimopt.optim.algorithm.noise import CounterStream
 
 __all__ = [
     "TERNARY_MAP",

@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from . import portable
-from . import sharded as S
+from slimopt.optim.distributed import portable
+from slimopt.optim.distributed import sharded as S
 
 __all__ = ["save", "load", "load_template"]
 

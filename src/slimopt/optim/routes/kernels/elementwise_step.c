@@ -1,17 +1,17 @@
 /* One element-wise optimizer step over a window of one parameter, in a single pass.
  *
- * The eager step (slimopt/optim/windowed.py) decodes each stored moment into a full fp32 tensor, runs the rule
+ * The eager step (slimopt/optim/routes/windowed.py) decodes each stored moment into a full fp32 tensor, runs the rule
  * op by op (a dozen passes over memory), encodes the moments back and writes the weight. This kernel does the
  * same arithmetic tile by tile: a tile of a few hundred elements (whole codec blocks) is decoded into stack
  * buffers, updated in registers, encoded and written before the next tile, so the gradient, the weight and each
  * coded moment are read once and written once.
  *
- * Rules (slimopt/optim/rules.py): AdamW (arXiv 1412.6980, 1711.05101; eps after the bias correction as
+ * Rules (slimopt/optim/algorithm/rules.py): AdamW (arXiv 1412.6980, 1711.05101; eps after the bias correction as
  * torch.optim.AdamW, or before it as galore-torch), Lion (arXiv 2302.06675), heavy-ball SGD momentum, and the
  * state-free sign or SGD update (signSGD, FRUGAL's residual, arXiv 2411.07837). A bf16 weight is written to
  * nearest, or stochastically rounded from its own counter-based stream, or with a Kahan compensation
  * (rules.rounded).
- * Codecs (slimopt/optim/codecs.py): fp32, bf16 (nearest), blockwise absmax int8 / int4 on a sorted map
+ * Codecs (slimopt/optim/algorithm/codecs.py): fp32, bf16 (nearest), blockwise absmax int8 / int4 on a sorted map
  * (arXiv 2110.02861, 2309.01507), ternary with stochastic rounding or with a carried ternary residual, scaled by
  * the block's absmax, mean magnitude (arXiv 2402.17764) or root mean square, the scale stored fp32 or bf16;
  * an Adafactor-style factored second moment (arXiv 1804.04235) over a window of whole rows.
@@ -20,15 +20,15 @@
  * (tests/test_native.py): lerp as fma(w, end - self, self) for |w| < 0.5 (else fma(w - 1, end - self, end)),
  * add-with-alpha as fma(other, alpha, self), each other operation rounded to fp32 on its own (compiled with
  * -ffp-contract=off so that the compiler fuses nothing else). Nearest and stochastic codes are the exact
- * integer answers of slimopt.optim.quant (count of decision points <= x, found through the same 65536-range
+ * integer answers of slimopt.optim.algorithm.quant (count of decision points <= x, found through the same 65536-range
  * look-up table), so codes agree whenever the fp32 moment does.
  *
- * slimopt_column_best is TACO's candidate search (arXiv 2610.02199; slimopt/optim/taco.py) at
+ * slimopt_column_best is TACO's candidate search (arXiv 2610.02199; slimopt/optim/algorithm/taco.py) at
  * one candidate a column: one pass over the gradient instead of |g|, a scatter and a strided argmax;
  * slimopt_taco_one is TACO's whole step at one stored component a column, that search included.
  *
  * Stochastic codecs draw their uniform [0, 1) numbers themselves, from the counter-based stream of
- * slimopt/optim/noise.py: the number of element j of the parameter is a hash of (key, j), so every tile computes
+ * slimopt/optim/algorithm/noise.py: the number of element j of the parameter is a hash of (key, j), so every tile computes
  * exactly what the eager encode draws for its elements, with nothing read from memory.
  */
 

@@ -1,7 +1,7 @@
 """A weight's one-pass element-wise step, its kernel arguments prepared once and replayed every step.
 
 Reaching a kernel through the general path costs some 40-55 us of Python a tensor a step: the route through
-``SlimOptimizer._update``, the moments' windows opened, each argument set one by one (the C kernel's struct on a
+``paramstep.step``, the moments' windows opened, each argument set one by one (the C kernel's struct on a
 CPU, ``native.py``; the Triton launch's row of addresses and its key on CUDA, ``triton_step.py``). On the small
 benchmark model that was 2.2 ms of 8-bit AdamW's 13-16 ms CPU step (39 tensors), more than the step's margin over
 its goal; on a GPU, where launches are asynchronous, host time a step is the step time wherever it exceeds the
@@ -30,16 +30,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import choice
-from . import native
-from . import projectors as P
-from . import taco_routes
-from . import triton_step
-from . import triton_taco
-from . import windowed
-from .codecs import FactoredRows
-from .noise import CounterStream
-from .rules import PARAM_STREAM, apply_update, comp_of, rounding_of
+from slimopt.optim.algorithm import projectors as P
+from slimopt.optim.algorithm.codecs import FactoredRows
+from slimopt.optim.algorithm.noise import CounterStream
+from slimopt.optim.algorithm.rules import PARAM_STREAM, apply_update, comp_of, rounding_of
+from slimopt.optim.routes import choice, native, taco_routes, triton_step, triton_taco, windowed
 
 __all__ = ["Plan", "CpuPlan", "LaunchPlan", "ProjectedPlan", "ProjectedLaunchPlan", "TacoLaunchPlan",
            "build_launch", "build_cpu", "build_projected", "build_taco", "SETTINGS"]
@@ -106,6 +101,8 @@ class CpuPlan(Plan):
     def run(self, p, grad, state, group, age, batch, stream=None) -> None:
         address, size = grad.data_ptr(), grad.element_size()
         opened = [(i, codec.open(key, state, p.shape)) for i, key, codec in self.factored]
+        for _, window in opened:
+            window.defer_to(batch)
         for s, start in self.steps:
             s.grad = address + start * size
             native.set_scalars(s, group, age, True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from . import projectors as P
+from slimopt.optim.algorithm import projectors as P
 
 __all__ = ["unused_reason"]
 

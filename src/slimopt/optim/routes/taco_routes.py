@@ -17,10 +17,12 @@ from typing import Any, Mapping, MutableMapping
 import torch
 from torch import Tensor
 
-from . import native, sharded_taco, taco, triton_taco
-from .budget import ROUNDING_SCRATCH, window_elems
-from .rules import rounding_of
-from .shardcomm import Rows
+from slimopt.optim.algorithm import taco
+from slimopt.optim.algorithm.budget import ROUNDING_SCRATCH, window_elems
+from slimopt.optim.algorithm.rules import rounding_of
+from slimopt.optim.distributed import sharded_taco
+from slimopt.optim.distributed.shardcomm import Rows
+from slimopt.optim.routes import native, triton_taco
 
 __all__ = ["search_for", "scratch_bytes", "c_kernel_step", "queue_triton", "sparse_step", "sharded_step"]
 

@@ -3,7 +3,7 @@
 The optimizer computes in fp32 and stores narrow (DESIGN.md section 3): each step it calls
 ``decode(key, state, shape)``, updates the moment in fp32, and ``encode(key, x, state, generator)`` writes it back
 into the same state tensors in place. A codec is a thin, stateless object around the pure functions of
-`slimopt.optim.quant`; everything it stores is a plain tensor in the optimizer state, named ``key`` (the main
+`slimopt.optim.algorithm.quant`; everything it stores is a plain tensor in the optimizer state, named ``key`` (the main
 tensor) or ``key + "_<suffix>"``, so state_dicts load with ``torch.load(weights_only=True)``.
 
 Specs (``make_codec``), with the exact bytes of the state of an n-element moment (``nbytes``); nb = ceil(n / B):
@@ -120,7 +120,7 @@ from typing import Mapping, MutableMapping
 import torch
 from torch import Tensor
 
-from . import quant as Q
+from slimopt.optim.algorithm import quant as Q
 
 __all__ = [
     "SMALL_NUMEL",
@@ -254,7 +254,7 @@ class Codec:
 
 
 class Window:
-    """One moment read and written one element range at a time (``slimopt.optim.windowed``): decode a range, update
+    """One moment read and written one element range at a time (``slimopt.optim.routes.windowed``): decode a range, update
     it, encode it back, next range. Ranges start at a multiple of the codec's ``align``, in increasing order, and
     are each encoded at most once; ``close`` ends the pass."""
 
@@ -273,6 +273,10 @@ class Window:
 
     def close(self) -> None:
         """Finish the pass (a codec whose stored form spans ranges writes what it gathered)."""
+
+    def defer_to(self, batch) -> None:
+        """Let ``close`` leave what it must gather from other ranks to `batch` (a step's queue that runs it, with
+        every other such collective, at the end of the step): nothing to leave here."""
 
 
 def _flat_part(key: str, state: Mapping[str, Tensor], start: int, stop: int) -> dict[str, Tensor]:

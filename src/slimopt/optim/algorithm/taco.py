@@ -70,9 +70,9 @@ from typing import Any, Callable, Mapping, MutableMapping
 import torch
 from torch import Tensor
 
-from .budget import ROUNDING_SCRATCH, window_elems
-from .noise import CounterStream
-from .rules import decay, rounded, rounding_of, value_of, write
+from slimopt.optim.algorithm.budget import ROUNDING_SCRATCH, window_elems
+from slimopt.optim.algorithm.noise import CounterStream
+from slimopt.optim.algorithm.rules import decay, rounded, rounding_of, value_of, write
 
 # a kernel's one-candidate column search: (g (m, n), rows hidden (n,) or None) -> (rows (1, n), |g| (1, n)) or None
 Search = Callable[[Tensor, "Tensor | None"], "tuple[Tensor, Tensor] | None"]

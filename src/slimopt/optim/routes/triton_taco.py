@@ -11,7 +11,7 @@ found component, stores it (fp8 or int8 code, scale, row) and moves the weight a
 hidden rows (k, n) and the search's keys (k, chunks, n), int64: at most ``triton_step._SCRATCH_BYTES`` a launch
 (``batch_size``), as the element-wise step's.
 
-``column_best`` alone is TACO's search where a step keeps more than one component or none (``taco._one_pass_best``).
+``column_best`` alone is TACO's search where a step keeps more than one component or none (``taco_routes.search_for``).
 A kernel that fails to compile or launch costs one warning; that setting then runs as tensor operations for the
 rest of the process (``triton_step.fallbacks()`` lists it). The last kernel is compiled before the first writes,
 so that a failure leaves the weights and their state as they were.
@@ -25,8 +25,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import native, triton_step
-from .triton_step import _COMPILED, _DTYPES, _OPTIONS, _PLAIN, _cdiv, _device_ok, _failed, _table, _triton, available
+from slimopt.optim.routes import native, triton_step
+from slimopt.optim.routes.triton_step import (
+    _COMPILED,
+    _DTYPES,
+    _OPTIONS,
+    _PLAIN,
+    _cdiv,
+    _device_ok,
+    _failed,
+    _table,
+    _triton,
+    available,
+)
 
 __all__ = ["column_best_applies", "column_best", "declines", "applies", "Launch", "prepare", "batch_size", "run"]
 
