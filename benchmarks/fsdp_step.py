@@ -1,17 +1,20 @@
 """Each rank's optimizer step under FSDP2 against one process stepping the whole model, per method.
 
 A method's step on a rank's shard should cost about its share of the one-process step: what FSDP2 saves in memory
-must not be paid back in optimizer time. For each method this script times ``opt.step()`` of the bench's small
-LLaMA (vocabulary 8192, bf16 weights) in one process over the whole model, then under FSDP2 on `--world` ranks
-(gloo, every decoder layer and the root ``fully_shard``-ed), each rank timing its own step; gradients come from one
-backward of a fixed batch and stay the same for every step; every process runs one torch thread. It prints, per
-method, the one-process median, each rank's median and their ratio, and with ``--json`` writes them.
+must not be paid back in optimizer time. This script starts `--world` ranks (gloo on CPU, one torch thread each;
+nccl on CUDA), each holding the bench's small LLaMA (vocabulary 8192, bf16 weights) sharded by ``fully_shard``
+(every decoder layer and the root), and rank 0 also holding the whole model; gradients come from one backward of a
+fixed batch and stay the same for every step. Per method it alternates, step by step: every rank steps its shards
+(each timing its own ``opt.step()``), then rank 0 steps the whole model while the others wait at a barrier. The
+paired ratio of a step is the slowest rank's sharded step over the whole-model step next to it; the script prints
+the medians of the two times and of the paired ratios, so that the noise of a shared machine (which moves both
+alike within a pair) cancels, as ``slimopt bench``'s paired figure does.
 
     python benchmarks/fsdp_step.py --methods adamw,adamw8bit,frugal,galore,taco,ternary_adamw --world 2 --runs 3
 
-The medians are of `--steps` steps after 3 warm-up steps (GaLore's refresh, at step 1, is among the warm-up:
-its steps are timed between refreshes). On a GPU (``--device cuda``, one rank: ``--world 1``, nccl) the same
-comparison shows the sharded route's time beside the plain one (benchmarks/gpu_bench.sh runs it).
+Medians of `--steps` pairs after 3 warm-up steps of each (GaLore's refresh, at step 1, is among the warm-up: its
+steps are timed between refreshes). ``--device cuda`` (nccl, one GPU a rank) makes the same comparison on GPUs;
+benchmarks/gpu_bench.sh runs it at one rank.
 """
 
 from __future__ import annotations
@@ -41,69 +44,60 @@ def _backward(model, device: str) -> None:
     model(input_ids=ids, labels=ids).loss.backward()
 
 
-def _sync(device: str) -> None:
+def _timed(step, device: str) -> float:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def _time_steps(opt, steps: int, device: str) -> float:
-    """The median ms of `steps` calls of opt.step() after 3 warm-up calls."""
-    for _ in range(3):
-        opt.step()
-    times = []
-    for _ in range(steps):
-        _sync(device)
-        t = time.perf_counter()
-        opt.step()
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
-
-
-
-def one_process(methods: list[str], steps: int, device: str, out: dict) -> None:
-    import slimopt
-    torch.set_num_threads(1)
-    model = _model(device)
-    _backward(model, device)
-    for m in methods:
-        opt = slimopt.build(model, m)
-        out[m] = _time_steps(opt, steps, device)
-        del opt
+    t = time.perf_counter()
+    step()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
 
 
 def _rank(rank: int, world: int, port: int, methods: list[str], steps: int, device: str, queue) -> None:
-    from torch.distributed.fsdp import fully_shard
-
     import slimopt
+    from torch.distributed.fsdp import fully_shard
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world)
     if device.startswith("cuda"):
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
-    model = _model(device)
-    for layer in model.model.layers:
+    sharded = _model(device)
+    for layer in sharded.model.layers:
         fully_shard(layer)
-    fully_shard(model)
-    _backward(model, device)
+    fully_shard(sharded)
+    _backward(sharded, device)
+    whole = None
+    if rank == 0:
+        whole = _model(device)
+        _backward(whole, device)
     mine = {}
     for m in methods:
-        opt = slimopt.build(model, m)
-        dist.barrier()
-        mine[m] = _time_steps(opt, steps, device)
-        routes = {}
-        for p in model.parameters():
-            name = opt.explain(p)[0] if opt.explain(p) else "none"
+        opt = slimopt.build(sharded, m)
+        plain = slimopt.build(whole, m) if whole is not None else None
+        for _ in range(3):
+            opt.step()
+            if plain is not None:
+                plain.step()
+        shard_t, whole_t = [], []
+        for _ in range(steps):
+            dist.barrier()
+            shard_t.append(_timed(opt.step, device))
+            dist.barrier()
+            if plain is not None:
+                whole_t.append(_timed(plain.step, device))
+        routes: dict[str, int] = {}
+        for p in sharded.parameters():
+            name = (opt.explain(p) or ("none",))[0]
             routes[name] = routes.get(name, 0) + 1
-        mine[m + ":routes"] = routes
-        del opt
+        mine[m] = {"shard_s": shard_t, "whole_s": whole_t, "routes": routes}
+        del opt, plain
     queue.put((rank, mine))
     dist.destroy_process_group()
 
 
-def sharded(methods: list[str], steps: int, world: int, device: str) -> list[dict]:
+def measure(methods: list[str], steps: int, world: int, device: str) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -117,14 +111,23 @@ def sharded(methods: list[str], steps: int, world: int, device: str) -> list[dic
         p.join()
         if p.exitcode:
             raise SystemExit(f"a rank failed (exit code {p.exitcode})")
-    return [results[r] for r in range(world)]
+    out = {}
+    for m in methods:
+        whole = results[0][m]["whole_s"]
+        shards = [results[r][m]["shard_s"] for r in range(world)]
+        slowest = [max(s[i] for s in shards) for i in range(steps)]
+        out[m] = {"whole_ms": statistics.median(whole) * 1e3,
+                  "rank_ms": [statistics.median(s) * 1e3 for s in shards],
+                  "paired_ratio": statistics.median(a / b for a, b in zip(slowest, whole)),
+                  "routes": results[0][m]["routes"]}
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--world", type=int, default=2, help="ranks of the FSDP2 run (default 2)")
-    ap.add_argument("--steps", type=int, default=7, help="timed steps a run (default 7; the median is kept)")
+    ap.add_argument("--steps", type=int, default=15, help="timed pairs a method (default 15; medians are kept)")
     ap.add_argument("--runs", type=int, default=1, help="repeat the whole comparison (default 1)")
     ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl, one GPU a rank)")
     ap.add_argument("--json", default=None, help="write the measurements here")
@@ -133,22 +136,15 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     runs = []
     for run in range(args.runs):
-        ctx = mp.get_context("spawn")
-        with ctx.Manager() as manager:
-            plain = manager.dict()
-            p = ctx.Process(target=one_process, args=(methods, args.steps, args.device, plain))
-            p.start()
-            p.join()
-            plain = dict(plain)
-        ranks = sharded(methods, args.steps, args.world, args.device)
-        runs.append({"one_process_ms": plain, "ranks_ms": [{m: r[m] for m in methods} for r in ranks],
-                     "routes": {m: ranks[0][m + ":routes"] for m in methods}})
-        print(f"run {run + 1}: per-rank step under FSDP2 ({args.world} ranks) against one process, whole model")
-        print(f"{'method':<16}{'one process ms':>16}{'ranks ms':>22}{'ratio (slowest rank)':>24}")
+        res = measure(methods, args.steps, args.world, args.device)
+        runs.append(res)
+        print(f"run {run + 1}: each rank's step under FSDP2 ({args.world} ranks) against the whole model's step in "
+              f"one process, alternated ({args.steps} pairs a method)")
+        print(f"{'method':<16}{'one process ms':>16}{'ranks ms':>22}{'paired ratio':>16}")
         for m in methods:
-            rank_ms = [r[m] for r in ranks]
-            print(f"{m:<16}{plain[m]:>16.2f}{' / '.join(f'{x:.2f}' for x in rank_ms):>22}"
-                  f"{max(rank_ms) / plain[m]:>24.2f}")
+            r = res[m]
+            print(f"{m:<16}{r['whole_ms']:>16.2f}{' / '.join(f'{x:.2f}' for x in r['rank_ms']):>22}"
+                  f"{r['paired_ratio']:>16.2f}")
     if args.json:
         info = {"world": args.world, "steps": args.steps, "device": args.device, "torch": torch.__version__,
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": runs}

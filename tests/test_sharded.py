@@ -200,3 +200,53 @@ def test_layerwise_updates_work_on_fsdp2_parameters(mesh, tmp_path):
     import fsdp_worker
     fsdp_worker.phase_layerwise(str(tmp_path), mesh, 1, 0)
     assert set(json.loads((tmp_path / "report_layerwise_1.json").read_text()).values()) == {"equal"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("blocks", [(40,), (20, 20), (14, 13, 13, 0)])
+def test_taco_row_shards_step_as_one_weight(dtype, blocks):
+    """TACO at one component a column on row shards, simulated without ranks (the MAX all-reduce is an element-wise
+    max of every shard's keys): the C kernel's two calls (taco_shard_keys, taco_shard_step) and the tensor
+    operations (sharded_taco.local_keys, finish_k1, apply_local) both equal one process's step (native.taco_one)
+    bit for bit, the stored component the same on every shard, over steps that move it."""
+    from slimopt.optim.algorithm import taco
+    from slimopt.optim.distributed.shardcomm import Rows
+    from slimopt.optim.routes import native
+    if native.library() is None:
+        pytest.skip("the C kernel could not be built here")
+    m, n = sum(blocks), 24
+    group = {"taco_decay": 0.5, "taco_alpha": 3.0, "taco_norm": "m/n", "taco_format": "fp8", "taco_scale_dtype": "bf16",
+             "lr": 1e-2, "weight_decay": 0.1, "param_rounding": "nearest"}
+    gen = torch.Generator().manual_seed(0)
+    whole = torch.randn(m, n, generator=gen).to(dtype)
+    bounds = [(sum(blocks[:i]), sum(blocks[:i + 1])) for i in range(len(blocks))]
+    one = {k: v for k, v in taco.init_state((m, n), 1, "fp8", "bf16", "cpu").items()}
+    kernel = [(whole[a:b].clone(), {k: v.clone() for k, v in one.items()}) for a, b in bounds]
+    ops = [(whole[a:b].clone(), {k: v.clone() for k, v in one.items()}) for a, b in bounds]
+    c = 3.0 * m / n
+    for step in range(4):
+        g = torch.randn(m, n, generator=gen).to(dtype)
+        native.taco_one(whole, g, one, 0.5, 1e-2, 0.1, c)
+        shards = [native.TacoShard(p, g[a:b], st, a) for (p, st), (a, b) in zip(kernel, bounds)]
+        sent = [(s.keys(g[a:b]).clone(), s) for s, (a, b) in zip(shards, bounds)]
+        # the keys travel as float64 and a float64 MAX orders them as integers
+        assert all(k.dtype == torch.float64 and bool((k >= 0).all()) and bool(k.isfinite().all()) for k, _ in sent)
+        reduced = torch.stack([k for k, _ in sent]).amax(0)
+        assert torch.equal(reduced.view(torch.int64), torch.stack([k.view(torch.int64) for k, _ in sent]).amax(0))
+        for (p, st), (_, shard) in zip(kernel, sent):
+            assert shard.step(reduced, 0.5, 1e-2, 0.1, c) is None
+        rows = [Rows(m, a, b, world=len(blocks)) for a, b in bounds]
+        keys = [sharded_taco.local_keys(st, g[a:b], group, r) for (_, st), (a, b), r in zip(ops, bounds, rows)]
+        for k, sent_k in zip(keys, sent):
+            assert torch.equal(k, sent_k[0])
+        reduced = torch.stack(keys).amax(0)
+        for (p, st), r in zip(ops, rows):
+            kept, signs, coef = sharded_taco.finish_k1(st, reduced, group, (m, n))
+            sharded_taco.apply_local(p, kept, signs, coef, group, r)
+        for shards in (kernel, ops):
+            assert torch.equal(torch.cat([p for p, _ in shards]), whole), step
+            for _, st in shards:
+                for key in taco.KEYS:
+                    assert torch.equal(st[key].view(torch.uint8) if st[key].dtype == torch.float8_e4m3fn else
+                                       st[key], one[key].view(torch.uint8) if one[key].dtype == torch.float8_e4m3fn
+                                       else one[key]), (step, key)

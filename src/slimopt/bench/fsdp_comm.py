@@ -125,7 +125,7 @@ def param_bytes(opt, p, group: dict[str, Any], world: int, step: int) -> tuple[i
             k = group["taco_k"]
             if layout in ("none", "block") and k == 1 and group["fused"] and (
                     p.dtype != torch.bfloat16 or group["param_rounding"] == "nearest"):
-                per_step += 16 * cols  # the fast route's keys: candidates and stored entries, one all-reduce
+                per_step += 16 * cols  # the fast route's keys (float64): candidates and stored entries
             else:
                 per_step += 8 * cols if k == 0 else 4 * k * cols + 8 * min(k, rows) * cols
         else:

@@ -131,9 +131,10 @@ class SlimOptimizer(torch.optim.Optimizer):
                 loss = closure()
         try:
             for group in self.param_groups:
+                settings = paramstep.group_key(group)
                 for p in group["params"]:
                     if p.grad is not None:
-                        paramstep.step(self, p, group)
+                        paramstep.step(self, p, group, settings)
             self._batch.run()  # what the routes queued for multi-tensor kernels and Triton launches
         finally:
             self._batch = paramstep.Batch()  # nothing queued survives a failed step

@@ -154,7 +154,7 @@ def random_coordinates(dim: int, r: int, gen: torch.Generator, device: torch.dev
 def down(projector: str, side: str | None, g: Tensor, basis: Tensor) -> Tensor:
     """Project g (m, n) into the subspace: (r, n) or (m, r)."""
     if projector in ORTHO_PROJECTORS:
-        q = basis.to(g.dtype)
+        q = basis if basis.dtype == g.dtype else basis.to(g.dtype)
         return q.transpose(0, 1) @ g if side == "left" else g @ q
     if projector == "columns":
         return g.index_select(1, basis)
@@ -164,7 +164,7 @@ def down(projector: str, side: str | None, g: Tensor, basis: Tensor) -> Tensor:
 def up(projector: str, side: str | None, low: Tensor, basis: Tensor, shape: torch.Size) -> Tensor:
     """Map a subspace tensor back to the full (m, n) space (zero outside the subspace)."""
     if projector in ORTHO_PROJECTORS:
-        q = basis.to(low.dtype)
+        q = basis if basis.dtype == low.dtype else basis.to(low.dtype)
         return q @ low if side == "left" else low @ q.transpose(0, 1)
     full = torch.zeros(shape, dtype=low.dtype, device=low.device)
     dim = 1 if projector == "columns" else 0

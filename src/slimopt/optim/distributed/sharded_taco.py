@@ -156,7 +156,12 @@ def taco_update(state, g: Tensor, group, shape, rows: Rows) -> tuple[Tensor, flo
 # the fast path at one component a column: one collective a weight
 
 
-_OWNERLESS = -(1 << 62)  # a float key below every float's (``_float_keys``)
+# The keys of the fast path travel as float64 (what gloo reduces fastest on a CPU; int64 reductions there are several
+# times slower): every key is a non-negative int64 whose bits, read as a float64, are a finite non-negative number
+# that orders like the integer, so a float64 MAX is the integer MAX. A candidate's key is ``pack_keys``' (its |g|
+# bits at most those of inf: no NaN pattern), 0 for none; a stored entry's gradient is its order-preserving
+# integer (``_float_keys``) shifted above 0 by _SHIFT, 0 from a rank that does not hold its row.
+_SHIFT = (1 << 31) + 1
 
 
 def _float_keys(x: Tensor) -> Tensor:
@@ -173,17 +178,17 @@ def _float_values(keys: Tensor) -> Tensor:
 
 def local_keys(state, g: Tensor, group, rows: Rows, search=None) -> Tensor:
     """What this rank sends for ``taco.sparse_update`` at taco_k 1 of its rows g (fp32 or bf16) of a
-    (rows.total, n) gradient, the history replicated: (2, n) int64 keys whose MAX over ranks (``finish_k1``) is
-    each column's best candidate (``pack_keys``; this rank searches its rows, the stored row of each column hidden
-    where it holds it: search is a kernel's one-candidate search, ``taco_routes.search_for``, else row windows as
-    tensor operations) and its stored entry's gradient (from the rank that holds it). 16 n bytes a weight."""
+    (rows.total, n) gradient, the history replicated: (2, n) keys as float64 (above) whose MAX over ranks
+    (``finish_k1``) is each column's best candidate (``pack_keys``; this rank searches its rows, the stored row of
+    each column hidden where it holds it: search is a kernel's one-candidate search, ``taco_routes.search_for``,
+    else row windows as tensor operations) and its stored entry's gradient (from the rank that holds it). 16 n
+    bytes a weight."""
     m, n = rows.total, g.shape[1]
     if "taco_rows" not in state or state["taco_rows"].shape != (1, n):
         state.update(taco.init_state((m, n), 1, group["taco_format"], group["taco_scale_dtype"], g.device))
     stored_rows, values = taco.decode(state)  # (1, n) global rows, fp32 values: replicated
     mine = (values != 0) & (stored_rows >= rows.start) & (stored_rows < rows.stop)
-    keys = torch.full((2, n), -1, dtype=torch.int64, device=g.device)
-    keys[1] = _OWNERLESS
+    keys = torch.zeros((2, n), dtype=torch.int64, device=g.device)
     if rows.local:
         rel = (stored_rows - rows.start).clamp(0, rows.local - 1)
         best = search(g, torch.where(mine[0], rel[0], -1)) if search is not None else None
@@ -193,9 +198,9 @@ def local_keys(state, g: Tensor, group, rows: Rows, search=None) -> Tensor:
         else:
             cand_rel, valid = taco._window_candidates(g, rel, mine, 1)
         v = g.gather(0, cand_rel).float()
-        keys[0] = torch.where(valid, pack_keys(v.abs(), cand_rel + rows.start, torch.signbit(v)), -1)[0]
-        keys[1] = torch.where(mine, _float_keys(g.gather(0, rel)), _OWNERLESS)[0]
-    return keys
+        keys[0] = torch.where(valid, pack_keys(v.abs(), cand_rel + rows.start, torch.signbit(v)), 0)[0]
+        keys[1] = torch.where(mine, _float_keys(g.gather(0, rel)) + _SHIFT, 0)[0]
+    return keys.view(torch.float64)
 
 
 def finish_k1(state, keys: Tensor, group, shape) -> tuple[Tensor, Tensor, float]:
@@ -205,8 +210,9 @@ def finish_k1(state, keys: Tensor, group, shape) -> tuple[Tensor, Tensor, float]
     beta = float(group["taco_decay"])
     stored_rows, values = taco.decode(state)
     live = values != 0
-    cand_value, cand_rows, valid = unpack_keys(keys[:1])
-    at_stored = _float_values(keys[1:])
+    keys = keys.view(torch.int64)
+    cand_value, cand_rows, valid = unpack_keys(torch.where(keys[:1] > 0, keys[:1], -1))
+    at_stored = _float_values(keys[1:] - _SHIFT)
     # 2. the stored component follows the EMA of its own entry (taco.sparse_update's arithmetic)
     values = torch.where(live, values.mul_(beta).add_(at_stored, alpha=1.0 - beta), 0.0)
     cand_values = cand_value.mul_(1.0 - beta).masked_fill_(~valid, 0.0)

@@ -176,14 +176,20 @@ class ProjectedPlan(Plan):
                 and not P.refresh_due(int(step.numpy()), group["update_gap"]))
 
     def run(self, p, grad, state, group, age, batch, stream=None) -> None:
-        q = state[self.key].to(self.mm)
+        q = state[self.key]
+        q = q if q.dtype == self.mm else q.to(self.mm)
         low = torch.empty(self.low_shape, dtype=torch.float32, device=p.device)
         windowed.down_into(low, grad, self.projector, self.side, q, self.mm)
-        if self.reduce is not None:  # a left projection of a row shard: summed over the ranks
-            self.reduce(low)
-        c = self.direction(low, state, group, age, p.dtype)  # written over the subspace gradient
-        full = P.up(self.projector, self.side, low.to(self.mm), q, p.shape)
-        self.lifted_write(p, full, group, c * float(group["scale"]))
+
+        def rest() -> None:
+            c = self.direction(low, state, group, age, p.dtype)  # written over the subspace gradient
+            full = P.up(self.projector, self.side, low.to(self.mm), q, p.shape)
+            self.lifted_write(p, full, group, c * float(group["scale"]))
+
+        if self.reduce is None:
+            rest()
+        else:  # a left projection of a row shard: summed over the ranks, the rest once the sum is there
+            self.reduce(low, rest)
 
     def direction(self, low: Tensor, state, group, age: int, dtype) -> float:
         """The rule on the subspace gradient `low`, its direction written over it; returns its coefficient."""

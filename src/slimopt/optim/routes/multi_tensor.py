@@ -160,6 +160,8 @@ class Batch:
         self._order: list[Any] = []  # every launch in the order queued: the parameters' order, on every rank
         # all-reduces over a row shard's ranks: (rows, tensor, op, what to do with the result), in the order queued
         self._reduces: list[tuple[Any, Tensor, str, Callable[[Tensor], None]]] = []
+        # sums over ranks started already (asynchronous): (their work, what runs once each is done), in that order
+        self._started: list[tuple[Any, Callable[[], None]]] = []
 
     def adamw(self, group: dict[str, Any], p: Tensor, grad: Tensor, state: dict[str, Tensor]) -> None:
         """Queue p for a fused AdamW step; its ``moment_step`` is already counted for this step."""
@@ -187,6 +189,21 @@ class Batch:
         of every sharded weight: one collective a step, not one a weight)."""
         self._reduces.append((rows, tensor, op, finish))
 
+    def reduce_async(self, rows: Any, tensor: Tensor, then: Callable[[], None]) -> None:
+        """Start the sum of `tensor` over the ranks of `rows` now, in place and in the background, and run `then()`
+        once it is done, at the end of the step: the rest of the step goes on meanwhile (a left projection's
+        partial products: their round trips overlap the other parameters' steps)."""
+        import torch.distributed as dist
+        work = dist.all_reduce(tensor, group=rows.group, async_op=True) if rows.distributed else None
+        self._started.append((work, then))
+
+    def _finish_started(self) -> None:
+        for work, then in self._started:
+            if work is not None:
+                work.wait()
+            then()
+        self._started.clear()
+
     def _run_reduces(self) -> None:
         import torch.distributed as dist
         buckets: dict[tuple, list] = {}
@@ -203,6 +220,7 @@ class Batch:
 
     def run(self) -> None:
         """Step everything queued, then forget it."""
+        self._finish_started()
         for queued in self._launches.values():
             # the element-wise step's launches, or TACO's (triton_taco.py)
             kernels = triton_taco if isinstance(queued[0][0], triton_taco.Launch) else triton_step

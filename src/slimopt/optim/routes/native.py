@@ -95,7 +95,7 @@ class _Taco(ctypes.Structure):
                 ("beta", ctypes.c_float), ("w", ctypes.c_float), ("param", p), ("param_dtype", ctypes.c_int32),
                 ("has_decay", ctypes.c_int32), ("decay", ctypes.c_float), ("alpha", ctypes.c_float),
                 ("out_rows", p), ("out_values", p), ("out_signs", p), ("hidden", p), ("cand_rows", p),
-                ("cand_abs", p), ("keys", p)]
+                ("cand_abs", p), ("keys", p), ("row0", ctypes.c_int64), ("shard_keys", p)]
     del p
 
 
@@ -170,8 +170,9 @@ def _build(native_flags: list[str] = NATIVE_FLAGS) -> tuple[ctypes.CDLL | None, 
     p = ctypes.c_void_p
     lib.slimopt_column_best.argtypes = [p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, p, p, p, p]
     lib.slimopt_column_best.restype = ctypes.c_int
-    lib.slimopt_taco_one.argtypes = [ctypes.POINTER(_Taco)]
-    lib.slimopt_taco_one.restype = ctypes.c_int
+    for name in ("slimopt_taco_one", "slimopt_taco_shard_keys", "slimopt_taco_shard_step"):
+        getattr(lib, name).argtypes = [ctypes.POINTER(_Taco)]
+        getattr(lib, name).restype = ctypes.c_int
     return lib, ""
 
 
@@ -607,17 +608,14 @@ def _fp8_values() -> Tensor:
     return _FP8_VALUES[0]
 
 
-def taco_one(p: Tensor, grad: Tensor, state: dict[str, Tensor], beta: float, lr: float, weight_decay: float,
-             coef: float) -> tuple[Tensor, Tensor] | None:
-    """TACO's step at taco_k 1 on p (``taco.sparse_update`` then ``taco.apply_sparse`` at nearest rounding), the
-    state's three tensors updated in place. Returns None when done; where a kept value is NaN nothing is written
-    and it returns (kept rows (1, n) int64, kept values (1, n) fp32) for the caller to encode and apply eagerly.
-    Allocates ``TACO_COLUMN_SCRATCH`` bytes a column."""
+def _taco(p: Tensor, grad: Tensor, state: dict[str, Tensor], beta: float, lr: float, weight_decay: float,
+          coef: float) -> tuple[_Taco, Tensor, Tensor]:
+    """The kernel's arguments of p's TACO step (its rows, its gradient's, its stored component's), and the scratch
+    they point into: (struct, kept rows and hidden rows (2, n) int64, kept values, signs, |g|, keys (4, n) fp32)."""
     m, n = p.shape
     rows, codes, absmax = state["taco_rows"], state["taco_values"], state["taco_absmax"]
-    out = torch.empty((2, n), dtype=torch.int64)  # the kept rows; the stored rows hidden from the search
+    out = torch.empty((3, n), dtype=torch.int64)  # the kept rows; the stored rows hidden; the candidates
     work = torch.empty((4, n), dtype=torch.float32)  # kept values, signs, candidates' |g|, the search's keys
-    cand = torch.empty(n, dtype=torch.int64)
     t = _Taco()
     t.m, t.n = m, n
     t.g, t.g_dtype = grad.data_ptr(), _DTYPES[grad.dtype]
@@ -629,11 +627,70 @@ def taco_one(p: Tensor, grad: Tensor, state: dict[str, Tensor], beta: float, lr:
     t.beta, t.w = beta, 1.0 - beta
     t.param, t.param_dtype = p.data_ptr(), _DTYPES[p.dtype]
     t.has_decay, t.decay, t.alpha = int(weight_decay != 0.0), 1.0 - lr * weight_decay, -lr * coef
-    t.out_rows, t.hidden, t.cand_rows = out[0].data_ptr(), out[1].data_ptr(), cand.data_ptr()
+    t.out_rows, t.hidden, t.cand_rows = out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr()
     t.out_values, t.out_signs, t.cand_abs, t.keys = (work[i].data_ptr() for i in range(4))
+    return t, out, work
+
+
+def taco_one(p: Tensor, grad: Tensor, state: dict[str, Tensor], beta: float, lr: float, weight_decay: float,
+             coef: float) -> tuple[Tensor, Tensor] | None:
+    """TACO's step at taco_k 1 on p (``taco.sparse_update`` then ``taco.apply_sparse`` at nearest rounding), the
+    state's three tensors updated in place. Returns None when done; where a kept value is NaN nothing is written
+    and it returns (kept rows (1, n) int64, kept values (1, n) fp32) for the caller to encode and apply eagerly.
+    Allocates ``TACO_COLUMN_SCRATCH`` bytes a column."""
+    t, out, work = _taco(p, grad, state, beta, lr, weight_decay, coef)
     rc = library().slimopt_taco_one(ctypes.byref(t))
     if rc == 1:
         return out[:1], work[:1]
     if rc != 0:
         raise RuntimeError(f"slimopt: the native TACO step refused a {tuple(p.shape)} {p.dtype} weight")
     return None
+
+
+class TacoShard:
+    """A row shard's TACO step at taco_k 1 in the kernel (``sharded_taco.local_keys``, then ``finish_k1`` and
+    ``apply_local`` from the keys MAX-reduced over the ranks), its arguments prepared once: p and its gradient hold
+    rows [row0, row0 + m) of the weight (m may be 0), the stored component's rows are global. ``valid`` says
+    whether the arguments still point at p's and its component's tensors."""
+
+    def __init__(self, p: Tensor, grad: Tensor, state: dict[str, Tensor], row0: int) -> None:
+        self.t, self.out, self.work = _taco(p, grad, state, 0.0, 0.0, 0.0, 0.0)
+        self.keys_out = torch.empty((2, p.shape[1]), dtype=torch.int64)
+        self.t.row0, self.t.shard_keys = row0, self.keys_out.data_ptr()
+        self.refs = [(p, p.data_ptr())] + [(state[k], state[k].data_ptr()) for k in ("taco_rows", "taco_values",
+                                                                                    "taco_absmax")]
+        self.grad_dtype = grad.dtype
+        self.shape = p.shape
+
+    def valid(self, p: Tensor, grad: Tensor, state: dict[str, Tensor]) -> bool:
+        if grad.dtype != self.grad_dtype or grad.shape != self.shape or not grad.is_contiguous():
+            return False
+        tensors = [p] + [state.get(k) for k in ("taco_rows", "taco_values", "taco_absmax")]
+        return all(x is t and x.data_ptr() == ptr for x, (t, ptr) in zip(tensors, self.refs))
+
+    def keys(self, grad: Tensor) -> Tensor:
+        """The (2, n) keys this shard sends, as float64 (``sharded_taco.local_keys``'; a buffer the next call
+        writes again)."""
+        self.t.g = grad.data_ptr()
+        self.t.shard_keys = self.keys_out.data_ptr()
+        if library().slimopt_taco_shard_keys(ctypes.byref(self.t)) != 0:
+            raise RuntimeError(f"slimopt: the native TACO step refused a {tuple(self.shape)} shard")
+        return self.keys_out.view(torch.float64)
+
+    def step(self, keys: Tensor, beta: float, lr: float, weight_decay: float,
+             coef: float) -> tuple[Tensor, Tensor] | None:
+        """The rest of the step from `keys` MAX-reduced over the ranks, at nearest rounding: the kept component
+        stored (the same on every rank), p's rows decayed and moved where it holds the kept row. Returns None when
+        done; where a kept value is NaN nothing is written and it returns (kept rows (1, n), global, kept values
+        (1, n)) for the caller."""
+        t = self.t
+        keys = keys.contiguous().view(torch.int64)
+        t.shard_keys = keys.data_ptr()
+        t.beta, t.w = beta, 1.0 - beta
+        t.has_decay, t.decay, t.alpha = int(weight_decay != 0.0), 1.0 - lr * weight_decay, -lr * coef
+        rc = library().slimopt_taco_shard_step(ctypes.byref(t))
+        if rc == 1:
+            return self.out[:1], self.work[:1]
+        if rc != 0:
+            raise RuntimeError(f"slimopt: the native TACO step refused a {tuple(self.shape)} shard")
+        return None

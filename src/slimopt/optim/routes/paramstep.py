@@ -22,7 +22,6 @@ from torch import Tensor
 from slimopt.optim.algorithm import projectors as P
 from slimopt.optim.algorithm import taco
 from slimopt.optim.algorithm.rules import ELEMENTWISE_RULES, advance, comp_of, rounding_of
-from slimopt.optim.distributed.shardcomm import all_reduce
 from slimopt.optim.distributed.sharded import (
     Target,
     effective_rank,
@@ -36,7 +35,7 @@ from slimopt.optim.routes import choice, compiled, kernel_plan, reference, taco_
 from slimopt.optim.routes.multi_tensor import Batch  # what a step queues: the optimizer's, run at its end
 from slimopt.optim.routes.subspace import count_moment_step, init_moments, refresh_if_due
 
-__all__ = ["step", "work_of", "explain", "Route", "ROUTE_SETTINGS", "Batch"]
+__all__ = ["step", "group_key", "work_of", "explain", "Route", "ROUTE_SETTINGS", "Batch"]
 
 log = logging.getLogger("slimopt.routes")
 
@@ -48,32 +47,55 @@ ROUTE_SETTINGS = ("rule", "projector", "codec", "m_codec", "v_codec", "state_bit
 
 class Route:
     """A parameter's route: its name, what it was chosen for (``signature``), why each faster route declined, and
-    what it keeps between steps (``plan``)."""
+    what it keeps between steps (``plan``; ``counter``: the parameter's ``step`` tensor and its numpy view)."""
 
-    __slots__ = ("name", "key", "why", "plan")
+    __slots__ = ("name", "key", "why", "plan", "counter")
 
     def __init__(self, name: str, key: tuple, why: dict[str, str]) -> None:
-        self.name, self.key, self.why, self.plan = name, key, why, None
+        self.name, self.key, self.why, self.plan, self.counter = name, key, why, None, None
 
 
-def signature(t: Target, group: dict[str, Any], work: str) -> tuple:
-    """What a parameter's route depends on: while it holds, the route stands."""
-    p, g = t.p, t.grad
-    return (work, id(group), tuple([group[k] for k in ROUTE_SETTINGS]), p.dtype, p.device, g.dtype, type(g),
-            p.is_contiguous(), g.is_contiguous(), g.shape == p.shape, t.rows.distributed)
-
-
-def step(opt, param: Tensor, group: dict[str, Any]) -> None:
-    """One step of `param` from its gradient (see the module docstring)."""
-    t = target_of(opt, param)
-    state = opt.state[param]
+def _count_step(state: dict[str, Tensor], route: Route | None) -> int:
+    """``state["step"] += 1`` (made where missing), returning the new count: through the counter's numpy view, kept
+    on the route while the counter is the same tensor (``rules.advance`` makes the view anew each call)."""
     counter = state.get("step")
     if counter is None:
         counter = state["step"] = torch.zeros((), dtype=torch.float32)
-    n = advance(counter)  # a CPU tensor, as in torch.optim: no device sync
-    work = work_of(opt, t, group, state, n)
-    key = signature(t, group, work)
+    if route is not None:
+        kept = route.counter
+        if kept is None or kept[0] is not counter:
+            try:
+                kept = route.counter = (counter, counter.numpy())
+            except (RuntimeError, TypeError):  # no numpy view (a tensor on a device)
+                return advance(counter)
+        view = kept[1]
+        view += 1
+        return int(view)
+    return advance(counter)
+
+
+def group_key(group: dict[str, Any]) -> tuple:
+    """The group's part of ``signature``: its identity and the settings a route depends on (asked once a step a
+    group, not a parameter)."""
+    return (id(group), *[group[k] for k in ROUTE_SETTINGS])
+
+
+def signature(t: Target, settings: tuple, work: str) -> tuple:
+    """What a parameter's route depends on: while it holds, the route stands. settings: ``group_key``."""
+    p, g = t.p, t.grad
+    return (work, settings, p.dtype, p.device, g.dtype, type(g), p.is_contiguous(), g.is_contiguous(),
+            g.shape == p.shape, t.rows.distributed)
+
+
+def step(opt, param: Tensor, group: dict[str, Any], settings: tuple | None = None) -> None:
+    """One step of `param` from its gradient (see the module docstring); settings: ``group_key(group)``, where the
+    caller has it."""
+    t = target_of(opt, param)
+    state = opt.state[param]
     route = opt._routes.get(param)
+    n = _count_step(state, route)  # a CPU tensor, as in torch.optim: no device sync
+    work = work_of(opt, t, group, state, n)
+    key = signature(t, group_key(group) if settings is None else settings, work)
     if route is None or route.key != key:
         name, why = choice.choose(opt, t, group, work)
         route = opt._routes[param] = Route(name, key, why)
@@ -195,7 +217,7 @@ def _taco_triton(opt, route, t, group, state, step, work) -> None:
 
 
 def _taco_sharded(opt, route, t, group, state, step, work) -> None:
-    taco_routes.sharded_step(t.p, t.grad, state, group, t.shape, t.rows, opt._batch)
+    route.plan = taco_routes.sharded_step(t.p, t.grad, state, group, t.shape, t.rows, opt._batch, route.plan)
 
 
 def _taco_sparse(opt, route, t, group, state, step, work) -> None:
@@ -238,9 +260,11 @@ def _projected(opt, route, t, group, state, step, work) -> None:
         def whole_rule(low: Tensor) -> tuple[Tensor, float]:
             return reference.stateful(opt, t, group, state, low, step, space)
     reduce = None
-    if side == "left" and t.split:  # Q^T G sums over rows: this rank's partial product, all-reduced
-        def reduce(low: Tensor) -> None:
-            all_reduce(low, t.rows)
+    if side == "left" and t.split:
+        # Q^T G sums over rows: this rank's partial product all-reduced while the step goes on with the other
+        # parameters, the rest of this one's step once the sum is there (at the end of the step)
+        def reduce(low: Tensor, rest: Callable[[], None]) -> None:
+            opt._batch.reduce_async(t.rows, low, rest)
     windowed.projected(t.p, t.grad, local, projector, side, residual, state, group, codecs, age, stream,
                        float(group["scale"]), whole_rule, reduce)
     if whole_rule is None and route.plan is None:  # the steps to the next refresh replay the kernels' arguments

@@ -63,12 +63,13 @@ def scratch_bytes(shape: torch.Size | tuple[int, ...], group: Mapping[str, Any],
     return max(search, taco._DECAY_SCRATCH[rounding] * window + taco._DECAY_COLUMN_SCRATCH * n)
 
 
-def _one_component(p: Tensor, state: MutableMapping[str, Tensor], group: Mapping[str, Any]) -> bool:
-    """The stored component of p (one a column) created where missing; whether the kernels can read it through
-    its pointers (contiguous)."""
-    n = p.shape[1]
+def _one_component(p: Tensor, state: MutableMapping[str, Tensor], group: Mapping[str, Any], shape=None) -> bool:
+    """The stored component of p (one a column; of the whole weight's `shape`, p's own by default) created where
+    missing; whether the kernels can read it through its pointers (contiguous)."""
+    shape = p.shape if shape is None else shape
+    n = shape[1]
     if "taco_rows" not in state or state["taco_rows"].shape != (1, n):
-        state.update(taco.init_state(p.shape, 1, group["taco_format"], group["taco_scale_dtype"], p.device))
+        state.update(taco.init_state(shape, 1, group["taco_format"], group["taco_scale_dtype"], p.device))
     return all(state[key].is_contiguous() for key in taco.KEYS)
 
 
@@ -118,15 +119,34 @@ def sparse_step(p: Tensor, grad: Tensor, state: MutableMapping[str, Tensor], gro
 
 
 def sharded_step(p: Tensor, grad: Tensor, state: MutableMapping[str, Tensor], group: Mapping[str, Any], shape,
-                 rows: Rows, batch: Any) -> None:
+                 rows: Rows, batch: Any, kept: Any = None) -> Any:
     """The sparse step at taco_k 1, nearest rounding, of this rank's rows p of a (rows.total, n) weight
-    (``sharded_taco``): the local search in a kernel where one takes it; its keys queued in `batch` for one MAX
-    all-reduce with every other such weight's at the end of ``step()``, which then writes one entry a column where
-    this rank holds its row."""
+    (``sharded_taco``): the local search and the keys in one C call where the kernel takes the shard (else tensor
+    operations, the search in a kernel where one takes it); the keys queued in `batch` for one MAX all-reduce with
+    every other such weight's at the end of ``step()``, after which the kept component is stored and one entry a
+    column written where this rank holds its row. kept: what the last step returned, its kernel arguments,
+    reused while they hold; returns what the next step may reuse."""
+    beta, lr, wd = float(group["taco_decay"]), float(group["lr"]), float(group["weight_decay"])
+    c = _coef(group, shape)
+    if native.taco_declines(group, p, grad) is None and _one_component(p, state, group, shape):
+        shard = kept if isinstance(kept, native.TacoShard) and kept.valid(p, grad, state) else \
+            native.TacoShard(p, grad, state, rows.start)
+        keys = shard.keys(grad)
+
+        def finish(reduced: Tensor) -> None:
+            nan = shard.step(reduced, beta, lr, wd, c)
+            if nan is not None:  # a NaN kept value: stored and applied as the tensor operations do
+                kept_rows, values = nan
+                taco._encode(state, kept_rows, values)
+                sharded_taco.apply_local(p, kept_rows, values.sign(), c, group, rows)
+
+        batch.reduce(rows, keys, "max", finish)
+        return shard
     keys = sharded_taco.local_keys(state, grad, group, rows, search_for(group, grad))
 
-    def finish(reduced: Tensor) -> None:
-        kept_rows, signs, c = sharded_taco.finish_k1(state, reduced, group, shape)
-        sharded_taco.apply_local(p, kept_rows, signs, c, group, rows)
+    def finish_ops(reduced: Tensor) -> None:
+        kept_rows, signs, coef = sharded_taco.finish_k1(state, reduced, group, shape)
+        sharded_taco.apply_local(p, kept_rows, signs, coef, group, rows)
 
-    batch.reduce(rows, keys, "max", finish)
+    batch.reduce(rows, keys, "max", finish_ops)
+    return None

@@ -154,7 +154,7 @@ def projected(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str 
               state: dict[str, Tensor], group: dict[str, Any], codecs: list[tuple[str, Any]], age: int,
               stream: Any, coef_scale: float,
               whole_rule: Callable[[Tensor], tuple[Tensor, float]] | None = None,
-              reduce: Callable[[Tensor], Any] | None = None) -> None:
+              reduce: Callable[[Tensor, Callable[[], None]], Any] | None = None) -> None:
     """One step of a subspace projector on the 2-D weight p between refreshes, in windows of slices along the axis
     the projector does not mix (``projectors.window_axis``: rows for a right projection and ``columns``, columns
     for a left one and ``rows``), with ``projectors.down`` / ``up`` / ``residual`` applied to each slice as they
@@ -168,7 +168,8 @@ def projected(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str 
        ``rules.apply_update`` on the weight's slice (its Kahan compensation's slice, a stream of its own).
 
     p may be a row shard of an FSDP2 weight (basis: the rows of a left basis it holds, or the local numbers of the
-    chosen rows it holds): `reduce` then sums ``low`` over the ranks after step 1 (a left projection), and stream
+    chosen rows it holds): `reduce(low, rest)` then sums ``low`` over the ranks after step 1 (a left projection)
+    and runs steps 2 and 3 (``rest``) once the sum is there, now or later in the step, and stream
     (``sharded.Streams``) reads the weight's and the moments' streams from the shard's elements.
 
     What it holds across windows is ``low`` and the direction (a subspace's size) and an fp32 copy of a bf16 basis;
@@ -184,23 +185,26 @@ def projected(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str 
     low = torch.empty(low_shape, dtype=work, device=p.device)
     for a, k in spans:
         down_into(low.narrow(axis, a, k), grad.narrow(axis, a, k), projector, side, q, mm)
-    if reduce is not None:
-        reduce(low)
-    if whole_rule is None:
-        d = torch.empty_like(low) if residual else low
-        c = directions(low, d, state, group, codecs, age, stream, p.dtype, held)
+
+    def rest() -> None:  # the rule on the subspace gradient, then the lifted write, window by window
+        if whole_rule is None:
+            d = torch.empty_like(low) if residual else low
+            c = directions(low, d, state, group, codecs, age, stream, p.dtype, held)
+        else:
+            d, c = whole_rule(low)
+        comp = comp_of(state, p, rounding)
+        for a, k in spans:
+            # rows [a, a + k) are elements [a n, (a + k) n) of the weight; a column window is no range of them
+            gen = None if rounding != "stochastic" else stream(PARAM_STREAM, a * n) if axis == 0 else \
+                stream.columns(a, k)
+            _lift(p.narrow(axis, a, k), grad.narrow(axis, a, k), comp.narrow(axis, a, k) if comp is not None
+                  else None, d.narrow(axis, a, k), low.narrow(axis, a, k) if residual else None, projector, side, q,
+                  work, mm, c * coef_scale, group, gen)
+
+    if reduce is None:
+        rest()
     else:
-        d, c = whole_rule(low)
-        if not residual:
-            low = None
-    comp = comp_of(state, p, rounding)
-    for a, k in spans:
-        # rows [a, a + k) are elements [a n, (a + k) n) of the weight; a column window is no range of them
-        gen = None if rounding != "stochastic" else stream(PARAM_STREAM, a * n) if axis == 0 else \
-            stream.columns(a, k)
-        _lift(p.narrow(axis, a, k), grad.narrow(axis, a, k), comp.narrow(axis, a, k) if comp is not None else None,
-              d.narrow(axis, a, k), low.narrow(axis, a, k) if residual else None, projector, side, q, work,
-              mm, c * coef_scale, group, gen)
+        reduce(low, rest)
 
 
 def projected_geometry(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str | None, residual: bool,
@@ -229,7 +233,7 @@ def projected_geometry(p: Tensor, grad: Tensor, basis: Tensor, projector: str, s
 def down_into(out: Tensor, grad: Tensor, projector: str, side: str | None, q: Tensor, mm: torch.dtype) -> None:
     """out <- down(grad) in the products' dtype mm, for one slice (a function of its own, so that its temporaries
     go before the next)."""
-    out.copy_(P.down(projector, side, grad.to(mm), q))
+    out.copy_(P.down(projector, side, grad if grad.dtype == mm else grad.to(mm), q))
 
 
 def _lift(p: Tensor, grad: Tensor, comp: Tensor | None, d: Tensor, low: Tensor | None, projector: str,

@@ -802,6 +802,9 @@ typedef struct {
     int64_t *cand_rows;       /* (n,) scratch */
     float *cand_abs;          /* (n,) scratch */
     int32_t *keys;            /* (n,) scratch */
+    /* a row shard (FSDP2): g and param hold rows [row0, row0 + m) of a weight whose stored rows are global */
+    int64_t row0;
+    int64_t *shard_keys;      /* (2, n) int64: what slimopt_taco_shard_keys writes and slimopt_taco_shard_step reads */
 } taco_t;
 
 static inline float g_at(const taco_t *t, int64_t r, int64_t c) {
@@ -827,6 +830,13 @@ static inline void store_row(const taco_t *t, int64_t c, int64_t r) {
     }
 }
 
+/* The stored component of column c decoded (taco.decode at k = 1). */
+static inline float stored_value(const taco_t *t, int64_t c) {
+    const float code = t->fp8 ? t->fp8_values[((const uint8_t *)t->codes)[c]] : (float)((const int8_t *)t->codes)[c];
+    const float scale = t->scale_bf16 ? bf16_to_f32(((const uint16_t *)t->absmax)[c]) : ((const float *)t->absmax)[c];
+    return code * (scale / t->top);
+}
+
 /* fp32 -> float8_e4m3fn, round to nearest even, for |x| <= 448 and not NaN (what the encode gives it): normal
  * values keep 3 of the 23 mantissa bits, rounded on the integer pattern; below 2^-6 the code is the number of
  * 2^-9 steps (subnormals, and 8 for the smallest normal). */
@@ -840,6 +850,8 @@ static inline uint8_t fp8_e4m3fn(float x) {
     return sign | (uint8_t)((r >> 20) - (120u << 3));
 }
 
+static void keep_and_move(const taco_t *t, float *stored, int64_t row0, int64_t m);
+
 /* Returns 0; 1 where a kept value is NaN (nothing written: the caller encodes and applies it as the eager step
  * does, from out_rows and out_values); -1 for arguments it does not know. */
 int slimopt_taco_one(const taco_t *t) {
@@ -848,9 +860,7 @@ int slimopt_taco_one(const taco_t *t) {
     if (t->param_dtype != D_FP32 && t->param_dtype != D_BF16) return -1;
     float *stored = t->out_values;  /* the stored components' values, until step 4 overwrites them */
     for (int64_t c = 0; c < n; c++) {  /* 1-2. decode; the EMA of the live ones at their row */
-        const float code = t->fp8 ? t->fp8_values[((const uint8_t *)t->codes)[c]] : (float)((const int8_t *)t->codes)[c];
-        const float scale = t->scale_bf16 ? bf16_to_f32(((const uint16_t *)t->absmax)[c]) : ((const float *)t->absmax)[c];
-        const float v = code * (scale / t->top);
+        const float v = stored_value(t, c);
         const int64_t r = stored_row(t, c);
         const int live = v != 0.0f;
         stored[c] = live ? fmaf(g_at(t, r, c), t->w, v * t->beta) : 0.0f;
@@ -870,6 +880,15 @@ int slimopt_taco_one(const taco_t *t) {
         nan |= stored[c] != stored[c];
     }
     if (nan) return 1;
+    keep_and_move(t, stored, 0, m);
+    return 0;
+}
+
+/* Steps 5-6 and apply_sparse of a step whose kept rows (out_rows, global) and values (stored) are known: the sign,
+ * the store (taco._encode at k = 1), the decay of the rows [row0, row0 + m) that p holds and the move of the kept
+ * entries among them. */
+static void keep_and_move(const taco_t *t, float *stored, int64_t row0, int64_t m) {
+    const int64_t n = t->n;
     const float tiny = 1.17549435e-38f;
     for (int64_t c = 0; c < n; c++) {  /* 5-6. the sign, and the store (taco._encode at k = 1) */
         const float v = stored[c];
@@ -889,22 +908,107 @@ int slimopt_taco_one(const taco_t *t) {
         else ((int8_t *)t->codes)[c] = (int8_t)nearbyintf(normed);
         store_row(t, c, t->out_rows[c]);
     }
-    /* apply_sparse: the decay over the whole weight, then the kept entries */
+    /* apply_sparse: the decay over the whole weight (its rows here), then the kept entries it holds */
     const int64_t total = m * n;
     if (t->param_dtype == D_FP32) {
         float *p = (float *)t->param;
         if (t->has_decay) for (int64_t i = 0; i < total; i++) p[i] = p[i] * t->decay;
         for (int64_t c = 0; c < n; c++) {
-            float *e = p + t->out_rows[c] * n + c;
+            const int64_t r = t->out_rows[c] - row0;
+            if (r < 0 || r >= m) continue;
+            float *e = p + r * n + c;
             *e = fmaf(t->out_signs[c], t->alpha, *e);
         }
     } else {
         uint16_t *p = (uint16_t *)t->param;
         if (t->has_decay) for (int64_t i = 0; i < total; i++) p[i] = f32_to_bf16(bf16_to_f32(p[i]) * t->decay);
         for (int64_t c = 0; c < n; c++) {
-            uint16_t *e = p + t->out_rows[c] * n + c;
+            const int64_t r = t->out_rows[c] - row0;
+            if (r < 0 || r >= m) continue;
+            uint16_t *e = p + r * n + c;
             *e = f32_to_bf16(fmaf(t->out_signs[c], t->alpha, bf16_to_f32(*e)));
         }
     }
+}
+
+/* TACO at one component a column on a row shard (sharded_taco.local_keys, finish_k1, apply_local): the shard
+ * holds rows [row0, row0 + m) of g and param (m may be 0); the stored rows are global. Order-preserving int64
+ * keys, non-negative, whose MAX over the ranks the caller all-reduces between the two calls (as float64, whose
+ * order they keep: sharded_taco's _SHIFT):
+ *   keys[c]     = |g| bits << 32 | (2^31 - 1 - global row) << 1 | sign bit, of this shard's best candidate of
+ *                 column c (the stored row hidden where the shard holds it), or 0 (sharded_taco.pack_keys);
+ *   keys[n + c] = the gradient at the stored row, where the shard holds it and the component is live, as an
+ *                 order-preserving key of the float (sharded_taco._float_keys) plus 2^31 + 1, else 0. */
+#define TACO_SHIFT (((int64_t)1 << 31) + 1)
+static inline int64_t float_key(float x) {
+    int32_t b;
+    memcpy(&b, &x, 4);
+    return (int64_t)(b ^ ((b >> 31) & 0x7FFFFFFF));
+}
+
+static inline float key_float(int64_t k) {
+    const int32_t b = (int32_t)(k ^ ((k >> 31) & 0x7FFFFFFF));
+    float x;
+    memcpy(&x, &b, 4);
+    return x;
+}
+
+int slimopt_taco_shard_keys(const taco_t *t) {
+    const int64_t m = t->m, n = t->n, row0 = t->row0;
+    if (m < 0 || n < 1 || (t->g_dtype != D_FP32 && t->g_dtype != D_BF16)) return -1;
+    int64_t *keys = t->shard_keys;
+    for (int64_t c = 0; c < n; c++) {
+        const int64_t r = stored_row(t, c) - row0;
+        const int mine = stored_value(t, c) != 0.0f && r >= 0 && r < m;
+        t->hidden[c] = mine ? r : -1;
+        keys[n + c] = mine ? float_key(g_at(t, r, c)) + TACO_SHIFT : 0;
+        keys[c] = 0;
+    }
+    if (m == 0) return 0;
+    int rc = slimopt_column_best(t->g, t->g_dtype, m, n, t->hidden, t->cand_rows, t->cand_abs, t->keys);
+    if (rc != 0) return rc;
+    for (int64_t c = 0; c < n; c++) {
+        if (!(t->cand_abs[c] >= 0.0f)) continue;
+        const float v = g_at(t, t->cand_rows[c], c);
+        uint32_t bits;
+        memcpy(&bits, &v, 4);
+        const int64_t abits = (int64_t)(bits & 0x7FFFFFFFu), negative = (int64_t)(bits >> 31);
+        keys[c] = (abits << 32) | ((((int64_t)1 << 31) - 1 - (t->cand_rows[c] + row0)) << 1) | negative;
+    }
+    return 0;
+}
+
+/* The rest of the step from the keys MAX-reduced over the ranks: every rank keeps and stores the same component
+ * (sharded_taco.finish_k1) and decays and moves its own rows (apply_local). Returns 1 where a kept value is NaN
+ * (nothing written: the caller takes the tensor operations), 0 otherwise. */
+int slimopt_taco_shard_step(const taco_t *t) {
+    const int64_t n = t->n;
+    if (n < 1 || (t->param_dtype != D_FP32 && t->param_dtype != D_BF16)) return -1;
+    const int64_t *keys = t->shard_keys;
+    float *stored = t->out_values;
+    int nan = 0;
+    for (int64_t c = 0; c < n; c++) {
+        const float v = stored_value(t, c);
+        const int live = v != 0.0f;
+        const float s = live ? fmaf(key_float(keys[n + c] - TACO_SHIFT), t->w, v * t->beta) : 0.0f;  /* 2. EMA */
+        const int64_t k = keys[c];
+        const int valid = k > 0;
+        float cv = 0.0f;
+        int64_t cr = 0;
+        if (valid) {  /* unpack_keys: the candidate's signed value and global row */
+            int32_t abits = (int32_t)(k >> 32);
+            float a;
+            memcpy(&a, &abits, 4);
+            cv = ((k & 1) ? -a : a) * t->w;
+            cr = (((int64_t)1 << 31) - 1) - ((k >> 1) & ((((int64_t)1) << 31) - 1));
+        }
+        const float sa = fabsf(s), ca = fabsf(cv);  /* 4. the larger kept (taco._keep_larger) */
+        const int take = (ca > sa) | ((ca != ca) & (sa == sa));
+        t->out_rows[c] = take ? cr : stored_row(t, c);
+        stored[c] = take ? cv : s;
+        nan |= stored[c] != stored[c];
+    }
+    if (nan) return 1;
+    keep_and_move(t, stored, t->row0, t->m);
     return 0;
 }
