@@ -3,14 +3,18 @@
 A method's step on a rank's shard should cost about its share of the one-process step: what FSDP2 saves in memory
 must not be paid back in optimizer time. This script starts `--world` ranks (gloo on CPU, one torch thread each;
 nccl on CUDA), each holding the bench's small LLaMA (vocabulary 8192, bf16 weights) sharded by ``fully_shard``
-(every decoder layer and the root), and rank 0 also holding the whole model; gradients come from one backward of a
+(every decoder layer and the root), and the whole model too; gradients come from one backward of a
 fixed batch and stay the same for every step. Per method it alternates, step by step: every rank steps its shards
-(each timing its own ``opt.step()``), then rank 0 steps the whole model while the others wait at a barrier. The
+(each timing its own ``opt.step()``), then rank 0 steps the whole model (every rank holds a copy) while the others
+wait at a barrier. The
 paired ratio of a step is the slowest rank's sharded step over the whole-model step next to it; the script prints
 the medians of the two times and of the paired ratios, so that the noise of a shared machine (which moves both
-alike within a pair) cancels, as ``slimopt bench``'s paired figure does.
+alike within a pair) cancels, as ``slimopt bench``'s paired figure does. A third step of each triple has every
+rank step the whole model at once: on a machine whose cores share caches and memory bandwidth, what the same
+work costs when all cores run (the "ratio to it" column compares the sharded step with that).
 
     python benchmarks/fsdp_step.py --methods adamw,adamw8bit,frugal,galore,taco,ternary_adamw --world 2 --runs 3
+    python benchmarks/fsdp_step.py --methods galore,galore+proj_side=right      # a variant NAME+KEY=VALUE
 
 Medians of `--steps` pairs after 3 warm-up steps of each (GaLore's refresh, at step 1, is among the warm-up: its
 steps are timed between refreshes). ``--device cuda`` (nccl, one GPU a rank) makes the same comparison on GPUs;
@@ -44,6 +48,14 @@ def _backward(model, device: str) -> None:
     model(input_ids=ids, labels=ids).loss.backward()
 
 
+def _build(model, entry: str):
+    """slimopt.build of a method, or of a variant NAME+KEY=VALUE (e.g. galore+proj_side=right)."""
+    import slimopt
+    from slimopt.options import split_variant
+    name, settings = split_variant(entry) if "+" in entry else (entry, {})
+    return slimopt.build(model, name, **settings)
+
+
 def _timed(step, device: str) -> float:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -55,7 +67,6 @@ def _timed(step, device: str) -> float:
 
 
 def _rank(rank: int, world: int, port: int, methods: list[str], steps: int, device: str, queue) -> None:
-    import slimopt
     from torch.distributed.fsdp import fully_shard
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -68,30 +79,29 @@ def _rank(rank: int, world: int, port: int, methods: list[str], steps: int, devi
         fully_shard(layer)
     fully_shard(sharded)
     _backward(sharded, device)
-    whole = None
-    if rank == 0:
-        whole = _model(device)
-        _backward(whole, device)
+    whole = _model(device)
+    _backward(whole, device)
     mine = {}
     for m in methods:
-        opt = slimopt.build(sharded, m)
-        plain = slimopt.build(whole, m) if whole is not None else None
+        opt = _build(sharded, m)
+        plain = _build(whole, m)
         for _ in range(3):
             opt.step()
-            if plain is not None:
-                plain.step()
-        shard_t, whole_t = [], []
+            plain.step()
+        shard_t, whole_t, together_t = [], [], []
         for _ in range(steps):
             dist.barrier()
             shard_t.append(_timed(opt.step, device))
             dist.barrier()
-            if plain is not None:
+            if rank == 0:
                 whole_t.append(_timed(plain.step, device))
+            dist.barrier()
+            together_t.append(_timed(plain.step, device))  # every rank at once: what sharing the machine costs
         routes: dict[str, int] = {}
         for p in sharded.parameters():
             name = (opt.explain(p) or ("none",))[0]
             routes[name] = routes.get(name, 0) + 1
-        mine[m] = {"shard_s": shard_t, "whole_s": whole_t, "routes": routes}
+        mine[m] = {"shard_s": shard_t, "whole_s": whole_t, "together_s": together_t, "routes": routes}
         del opt, plain
     queue.put((rank, mine))
     dist.destroy_process_group()
@@ -116,9 +126,12 @@ def measure(methods: list[str], steps: int, world: int, device: str) -> dict:
         whole = results[0][m]["whole_s"]
         shards = [results[r][m]["shard_s"] for r in range(world)]
         slowest = [max(s[i] for s in shards) for i in range(steps)]
+        together = [max(results[r][m]["together_s"][i] for r in range(world)) for i in range(steps)]
         out[m] = {"whole_ms": statistics.median(whole) * 1e3,
                   "rank_ms": [statistics.median(s) * 1e3 for s in shards],
                   "paired_ratio": statistics.median(a / b for a, b in zip(slowest, whole)),
+                  "together_ms": statistics.median(together) * 1e3,
+                  "ratio_to_together": statistics.median(a / b for a, b in zip(slowest, together)),
                   "routes": results[0][m]["routes"]}
     return out
 
@@ -140,11 +153,12 @@ def main() -> None:
         runs.append(res)
         print(f"run {run + 1}: each rank's step under FSDP2 ({args.world} ranks) against the whole model's step in "
               f"one process, alternated ({args.steps} pairs a method)")
-        print(f"{'method':<16}{'one process ms':>16}{'ranks ms':>22}{'paired ratio':>16}")
+        print(f"{'method':<16}{'one process ms':>16}{'ranks ms':>22}{'paired ratio':>14}"
+              f"{'whole, every rank at once ms':>30}{'ratio to it':>13}")
         for m in methods:
             r = res[m]
             print(f"{m:<16}{r['whole_ms']:>16.2f}{' / '.join(f'{x:.2f}' for x in r['rank_ms']):>22}"
-                  f"{r['paired_ratio']:>16.2f}")
+                  f"{r['paired_ratio']:>14.2f}{r['together_ms']:>30.2f}{r['ratio_to_together']:>13.2f}")
     if args.json:
         info = {"world": args.world, "steps": args.steps, "device": args.device, "torch": torch.__version__,
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": runs}

@@ -204,23 +204,37 @@ class Batch:
             then()
         self._started.clear()
 
-    def _run_reduces(self) -> None:
+    def _start_reduces(self) -> list:
+        """Start the queued reduces in the background, one all-reduce a bucket (group, op, dtype, device), in the
+        order every rank queued them: [(work, flat result, the bucket's items)]."""
         import torch.distributed as dist
         buckets: dict[tuple, list] = {}
         for item in self._reduces:  # every rank queues the same reduces in the same order: same buckets
             rows, tensor, op, _ = item
             buckets.setdefault((id(rows.group), op, tensor.dtype, tensor.device), []).append(item)
+        self._reduces = []
+        started = []
         for (_, op, _, _), items in buckets.items():
             flat = torch.cat([t.reshape(-1) for _, t, _, _ in items])
+            work = None
             if items[0][0].distributed:
-                dist.all_reduce(flat, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
-                                group=items[0][0].group)
+                work = dist.all_reduce(flat, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
+                                       group=items[0][0].group, async_op=True)
+            started.append((work, flat, items))
+        return started
+
+    @staticmethod
+    def _finish_reduces(started: list) -> None:
+        for work, flat, items in started:
+            if work is not None:
+                work.wait()
             for (_, t, _, finish), part in zip(items, flat.split([t.numel() for _, t, _, _ in items])):
                 finish(part.view(t.shape))
 
     def run(self) -> None:
-        """Step everything queued, then forget it."""
-        self._finish_started()
+        """Step everything queued, then forget it: the reduces the parameters' steps queued start first, and run
+        in the background while the launches and the multi-tensor kernels run."""
+        started = self._start_reduces()
         for queued in self._launches.values():
             # the element-wise step's launches, or TACO's (triton_taco.py)
             kernels = triton_taco if isinstance(queued[0][0], triton_taco.Launch) else triton_step
@@ -253,10 +267,11 @@ class Batch:
                 # in fp32, as the eager step: a bf16 operand would round lr * free_scale * sign(g) to bf16 first
                 d = (g.sign() if sign else g).float()
                 p.add_(d, alpha=-lr * float(group["free_scale"]))
+        self._finish_started()
+        self._finish_reduces(started)
+        self._finish_reduces(self._start_reduces())  # what the launches left: a row shard's factored sums
         self._adamw.clear()
         self._resid.clear()
-        self._run_reduces()
         self._launches.clear()
         self._order.clear()
-        self._reduces.clear()
         self._groups.clear()

@@ -128,9 +128,10 @@ def sharded_step(p: Tensor, grad: Tensor, state: MutableMapping[str, Tensor], gr
     reused while they hold; returns what the next step may reuse."""
     beta, lr, wd = float(group["taco_decay"]), float(group["lr"]), float(group["weight_decay"])
     c = _coef(group, shape)
-    if native.taco_declines(group, p, grad) is None and _one_component(p, state, group, shape):
-        shard = kept if isinstance(kept, native.TacoShard) and kept.valid(p, grad, state) else \
-            native.TacoShard(p, grad, state, rows.start)
+    shard = kept if isinstance(kept, native.TacoShard) and kept.valid(p, grad, state) else None
+    if shard is None and native.taco_declines(group, p, grad) is None and _one_component(p, state, group, shape):
+        shard = native.TacoShard(p, grad, state, rows.start)
+    if shard is not None:
         keys = shard.keys(grad)
 
         def finish(reduced: Tensor) -> None:
