@@ -164,6 +164,11 @@ def test_methods_command_lists_slimopt_methods_and_peers(capsys):
     assert main(["methods"]) == 0
     text = capsys.readouterr().out
     assert "adamw " in text and "torch-adamw" in text and "peer" in text
+    # every default lr says where it comes from; ternary_adamw's own is measured against AdamW's
+    lines = {line.split()[0]: line for line in text.splitlines()[2:] if line.strip() and not line.startswith(" ")}
+    assert "lr from" in text.splitlines()[0]
+    assert "0.002" in lines["ternary_adamw"] and "twice AdamW's" in lines["ternary_adamw"]
+    assert "GaLore paper" in lines["galore"] and "FRUGAL paper" in lines["frugal"]
 
 
 # ------------------------------------------------------------------------------------------------ bad input

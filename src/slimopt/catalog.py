@@ -9,7 +9,7 @@ importing them.
 
 from __future__ import annotations
 
-__all__ = ["BASELINES", "known_methods", "method_kind", "default_lr"]
+__all__ = ["BASELINES", "known_methods", "method_kind", "default_lr", "lr_source"]
 
 BASELINES: dict[str, str] = {
     "lowrank": "Low-rank weights W = B A in attention and MLP, trained from scratch (GaLore's Low-Rank baseline)",
@@ -41,8 +41,21 @@ def method_kind(method: str) -> str:
     return known[method][0]
 
 
+def lr_source(method: str) -> str:
+    """Where ``default_lr(method)`` comes from: a paper, a measured ratio to AdamW's tuned rate, a peer's authors."""
+    from slimopt.optim.algorithm.specs import METHODS, PAPER_ADAMW
+
+    kind = method_kind(method)
+    if kind == "slimopt":
+        return METHODS[method].lr_source
+    if kind == "peer":
+        return "the peer's authors' default"
+    return PAPER_ADAMW
+
+
 def default_lr(method: str) -> float:
-    """The learning rate the method's paper (or the peer's authors) use for LLaMA pretraining."""
+    """The method's default learning rate: its paper's for LLaMA pretraining (or the peer's authors'), or for a
+    method that is slimopt's own AdamW's times its measured ratio to it (``lr_source`` says which)."""
     from slimopt.optim.algorithm.specs import METHODS
     from slimopt.peers import PEERS
 

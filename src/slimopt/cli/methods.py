@@ -1,4 +1,5 @@
-"""`slimopt methods`: every name `--method` accepts, with what it is and whether it can run here."""
+"""`slimopt methods`: every name `--method` accepts, with what it is, its default learning rate and where that comes
+from, and whether it can run here."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def format_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
 
 
 def run(args) -> int:
-    from slimopt.catalog import default_lr, known_methods
+    from slimopt.catalog import default_lr, known_methods, lr_source
     from slimopt.peers import available_peers
 
     peers = available_peers()
@@ -36,8 +37,8 @@ def run(args) -> int:
             lr = f"{default_lr(name):g}"
         except Exception:  # a method whose default cannot be resolved still gets listed
             lr = "?"
-        rows.append((name, kind, lr, status, desc))
-    print(format_table(rows, ("method", "kind", "lr", "status", "description")))
+        rows.append((name, kind, lr, status, desc, lr_source(name)))
+    print(format_table(rows, ("method", "kind", "lr", "status", "description", "lr from")))
     missing = {n: why for n, why in peers.items() if why and args.kind in ("all", "peer")}
     for n, why in missing.items():
         print(f"  {n}: {why}")

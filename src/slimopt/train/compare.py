@@ -57,8 +57,8 @@ __all__ = ["DEFAULT_METHODS", "DEFAULT_LR_GRID", "DEFAULT_TUNE_FRACTION", "CONTR
 DEFAULT_METHODS = ("adamw", "adamw8bit", "galore", "frugal", "frugal_rho0", "badam", "ternary_adamw", "taco")
 
 # The learning rates that `slimopt compare --tune-lr --seeds 3` picked at the default setting (_compare_defaults;
-# 2026-12-01, docs/results/compare-kjv-tuned; ternary_adamw's since its default codec became ternary_sr_rms64:
-# docs/results/compare-ternary, at the x8 edge of that grid). The default comparison runs each method at its entry
+# docs/results/compare-kjv-tuned, 2026-12-03: each inside its grid, extended past an edge where the best sat on it;
+# the same rates as the 2026-12-01 run's). The default comparison runs each method at its entry
 # here, so that its one-seed ranking is the tuned one at a fraction of the cost; any other setting (another model,
 # corpus, vocabulary, batch or step count) runs at the papers' learning rates, or tuned ones with --tune-lr. The papers'
 # rates (1e-3 for Adam-based methods, 1e-2 for GaLore) are for 60M-7B models trained for thousands of steps.
@@ -208,7 +208,8 @@ def _tune_steps(cfg: CompareConfig) -> int:
 
 def _base_lr(cfg: CompareConfig, method: str) -> tuple[float, str]:
     """The lr a method runs at without tuning (and the centre of its tuning grid), and where it comes from: --set,
-    the variant's own lr= (``adamw+rule=lion+lr=3e-4``), the paper, or (control) AdamW's."""
+    the variant's own lr= (``adamw+rule=lion+lr=3e-4``), the tuned rate of the default setting, the paper, the
+    method's default (``slimopt methods`` says where that comes from), or (control) AdamW's."""
     lr = cfg.method_opts.get(method, {}).get("lr")
     if lr is not None:
         return float(lr), "--set"
@@ -219,7 +220,9 @@ def _base_lr(cfg: CompareConfig, method: str) -> tuple[float, str]:
         return resolve_lr("adamw"), "AdamW's"
     if method in DEFAULT_SETTING_LR and at_default_setting(cfg):
         return DEFAULT_SETTING_LR[method], "tuned at this setting"
-    return resolve_lr(split_method(method)[0]), "paper"
+    name = split_method(method)[0]
+    from slimopt.catalog import lr_source
+    return resolve_lr(name), "paper" if "arXiv" in lr_source(name) else "default"
 
 
 _SETTING_KEYS = ("model", "data", "tokenizer", "vocab_size", "text_field", "txt_split", "seq_len", "batch_size",

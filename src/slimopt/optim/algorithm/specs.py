@@ -36,9 +36,22 @@ TACO_DEFAULTS = {"rule": "taco"}  # taco_* settings: slimopt.optim.algorithm.tac
 TACO_LR = 3e-4  # a fine-tuning learning rate (the AdamW fallback's); TACO's matrices step lr * taco_alpha * m / n
 
 
+# Where a default learning rate comes from. The papers' rates are for 60M-7B LLaMA pretraining; a method that is
+# slimopt's own has no paper, so its default is AdamW's times the ratio of its tuned rate to AdamW's, measured with
+# `slimopt compare --tune-lr --seeds 3` on the built-in corpus (docs/reproduction.md, 2026-12-03: AdamW tuned to
+# 4e-3 there, inside its grid).
+PAPER_ADAMW = "the GaLore paper's AdamW lr for LLaMA pretraining (arXiv 2403.03507)"
+MEASURED_SAME = "AdamW's: it tuned to AdamW's tuned rate (docs/reproduction.md)"
+GALORE_PAPER = "the GaLore paper's (arXiv 2403.03507)"
+FRUGAL_PAPER = "the FRUGAL paper's (arXiv 2411.07837)"
+MUON_LR = ("AdamW's, as Moonlight's update-RMS match intends (arXiv 2502.16982); measured: a 4x rate won the short "
+           "tuning runs, AdamW's tuned rate the full ones (docs/reproduction.md)")
+
+
 @dataclass(frozen=True)
 class Method:
-    """One named method: its description, paper lr and the settings of each kind of parameter."""
+    """One named method: its description, default lr and where that comes from (``lr_source``), and the settings
+    of each kind of parameter."""
 
     description: str
     lr: float
@@ -46,45 +59,52 @@ class Method:
     rest: dict[str, Any] = field(default_factory=dict)
     shared: dict[str, Any] = field(default_factory=dict)  # settings for every group (codecs)
     state_full: str = "all"  # build()'s default: "head" keeps Adam state on the output layer only
+    lr_source: str = PAPER_ADAMW
 
 
 METHODS: dict[str, Method] = {
     "adamw": Method("AdamW on every parameter (torch.optim.AdamW's update)", 1e-3),
-    "adamw8bit": Method("AdamW with 8-bit blockwise moments (arXiv 2110.02861)", 1e-3, shared={"state_bits": 8}),
-    "adamw4bit": Method("AdamW with 4-bit moments (arXiv 2309.01507)", 1e-3, shared={"state_bits": 4}),
-    "ternary_adamw": Method("AdamW with ternary {-1,0,+1} first moment and factored second moment", 1e-3,
-                            shared={"codec": "ternary"}),
+    "adamw8bit": Method("AdamW with 8-bit blockwise moments (arXiv 2110.02861)", 1e-3, shared={"state_bits": 8},
+                         lr_source="AdamW's: 8-bit Adam keeps its hyperparameters (arXiv 2110.02861)"),
+    "adamw4bit": Method("AdamW with 4-bit moments (arXiv 2309.01507)", 1e-3, shared={"state_bits": 4},
+                         lr_source="AdamW's: 4-bit Adam keeps its hyperparameters (arXiv 2309.01507)"),
+    "ternary_adamw": Method("AdamW with ternary {-1,0,+1} first moment and factored second moment", 2e-3,
+                            shared={"codec": "ternary"},
+                            lr_source="twice AdamW's: it tuned to 2x AdamW's tuned rate (8e-3 against 4e-3; "
+                                      "docs/reproduction.md): its rms-scaled ternary m clips the update"),
     "galore": Method("GaLore: Adam in the top-r SVD subspace of each Linear weight's gradient, rank 128",
-                     1e-2, projectable=dict(GALORE_DEFAULTS)),
+                     1e-2, projectable=dict(GALORE_DEFAULTS), lr_source=GALORE_PAPER),
     "galore_rsvd": Method("GaLore with a randomized SVD refresh (same subspace, far cheaper)", 1e-2,
-                          projectable={**GALORE_DEFAULTS, "projector": "randomized_svd"}),
+                          projectable={**GALORE_DEFAULTS, "projector": "randomized_svd"}, lr_source=GALORE_PAPER),
     "galore8bit": Method("GaLore with 8-bit moments everywhere", 1e-2, projectable=dict(GALORE_DEFAULTS),
-                         shared={"state_bits": 8}),
+                         shared={"state_bits": 8}, lr_source=GALORE_PAPER),
     "frugal": Method("FRUGAL: Adam on 25% of the Linear weights in turn, signSGD on the rest", 1e-3,
-                     projectable=dict(FRUGAL_DEFAULTS)),
-    "frugal8bit": Method("FRUGAL with 8-bit moments", 1e-3, projectable=dict(FRUGAL_DEFAULTS), shared={"state_bits": 8}),
+                     projectable=dict(FRUGAL_DEFAULTS), lr_source=FRUGAL_PAPER),
+    "frugal8bit": Method("FRUGAL with 8-bit moments", 1e-3, projectable=dict(FRUGAL_DEFAULTS), shared={"state_bits": 8},
+                         lr_source=FRUGAL_PAPER),
     "frugal_ternary": Method("FRUGAL with ternary first and factored second moments", 1e-3,
-                             projectable=dict(FRUGAL_DEFAULTS), shared={"codec": "ternary"}),
+                             projectable=dict(FRUGAL_DEFAULTS), shared={"codec": "ternary"}, lr_source=MEASURED_SAME),
     "frugal_rho0": Method("FRUGAL at density 0: signSGD on Linear weights, Adam on embeddings, norms, head", 1e-3,
-                          projectable={**FRUGAL_DEFAULTS, "density": 0.0}),
+                          projectable={**FRUGAL_DEFAULTS, "density": 0.0}, lr_source=FRUGAL_PAPER),
     "badam": Method("BAdam: Adam on one Linear weight at a time (switching every 100 steps), the others frozen",
                     1e-3, projectable={"projector": "block", "rank": 1, "update_gap": 100, "free_rule": "none",
-                                       "on_refresh": "reset"}),
+                                       "on_refresh": "reset"}, lr_source="AdamW's, which BAdam's blocks step with"),
     "taco": Method("TACO: one-sparse ternary step per column of each Linear weight, one fp8 component of state "
                    "per column (taco_k); AdamW on embeddings, norms, biases and head", TACO_LR,
-                   projectable=dict(TACO_DEFAULTS)),
+                   projectable=dict(TACO_DEFAULTS),
+                   lr_source="a fine-tuning rate: the fine-tuning benchmark of docs/taco.md"),
     "signsgd": Method("signSGD on every parameter: no optimizer state", 3e-4, projectable=dict(STATE_FREE),
-                      rest=dict(STATE_FREE)),
+                      rest=dict(STATE_FREE), lr_source="not measured: under AdamW's, as a sign step moves every weight by the whole lr"),
     "frugal_head": Method("FRUGAL at density 0 with Adam state on the output layer only (8-bit); signSGD on every "
                           "other parameter; bf16 weights written with stochastic rounding: the 7B-under-16GB recipe",
                           1e-3, projectable={**FRUGAL_DEFAULTS, "density": 0.0}, rest={"codec": "int8"},
-                          shared={"param_rounding": "stochastic"}, state_full="head"),
+                          shared={"param_rounding": "stochastic"}, state_full="head", lr_source=MEASURED_SAME),
     "muon": Method("Muon: the momentum of each Linear weight orthogonalized by 5 Newton-Schulz steps (torch.optim."
                    "Muon's step, update RMS matched to AdamW's); AdamW on embeddings, norms, biases and head", 1e-3,
-                   projectable=dict(MUON_DEFAULTS), shared=dict(MUON_SHARED)),
+                   projectable=dict(MUON_DEFAULTS), shared=dict(MUON_SHARED), lr_source=MUON_LR),
     "muon8bit": Method("Muon with an 8-bit momentum (about 1 byte per parameter), AdamW's moments 8-bit too", 1e-3,
-                       projectable=dict(MUON_DEFAULTS), shared={**MUON_SHARED, "state_bits": 8}),
+                       projectable=dict(MUON_DEFAULTS), shared={**MUON_SHARED, "state_bits": 8}, lr_source=MUON_LR),
     "frugal_muon": Method("FRUGAL with Muon in the subspace: Muon on 25% of the Linear weights in turn, signSGD on "
                           "the rest", 1e-3, projectable={**FRUGAL_DEFAULTS, **MUON_DEFAULTS},
-                          shared=dict(MUON_SHARED)),
+                          shared=dict(MUON_SHARED), lr_source=MEASURED_SAME),
 }
