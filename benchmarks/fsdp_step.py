@@ -17,8 +17,9 @@ work costs when all cores run (the "ratio to it" column compares the sharded ste
     python benchmarks/fsdp_step.py --methods galore,galore+proj_side=right      # a variant NAME+KEY=VALUE
 
 Medians of `--steps` pairs after 3 warm-up steps of each (GaLore's refresh, at step 1, is among the warm-up: its
-steps are timed between refreshes). ``--device cuda`` (nccl, one GPU a rank) makes the same comparison on GPUs;
-benchmarks/gpu_bench.sh runs it at one rank.
+steps are timed between refreshes). ``--device cuda`` (nccl, one GPU a rank) makes the same comparison on GPUs and
+counts the CUDA kernels each step launches (torch's profiler), sharded and whole; benchmarks/gpu_bench.sh runs it at
+one rank on LLaMA-1B (``--model 1b``).
 """
 
 from __future__ import annotations
@@ -37,15 +38,26 @@ import torch.multiprocessing as mp
 METHODS = ("adamw", "adamw8bit", "frugal", "galore", "taco", "ternary_adamw")
 
 
+MODEL = {"name": "small"}  # --model: a size of slimopt.train.models, set in every rank by _rank
+
+
 def _model(device: str):
     from slimopt.train.models import build_model
-    return build_model("small", 8192, 64, dtype=torch.bfloat16, seed=0, device=torch.device(device))
+    return build_model(MODEL["name"], 8192, 64, dtype=torch.bfloat16, seed=0, device=torch.device(device))
 
 
 def _backward(model, device: str) -> None:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 8192, (4, 64), generator=gen).to(device)
     model(input_ids=ids, labels=ids).loss.backward()
+
+
+def _kernels(step) -> int:
+    """CUDA kernels one call of step() launches (torch's profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def _build(model, entry: str):
@@ -66,8 +78,10 @@ def _timed(step, device: str) -> float:
     return time.perf_counter() - t
 
 
-def _rank(rank: int, world: int, port: int, methods: list[str], steps: int, device: str, queue) -> None:
+def _rank(rank: int, world: int, port: int, methods: list[str], steps: int, device: str, model: str,
+          queue) -> None:
     from torch.distributed.fsdp import fully_shard
+    MODEL["name"] = model
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world)
@@ -97,23 +111,26 @@ def _rank(rank: int, world: int, port: int, methods: list[str], steps: int, devi
                 whole_t.append(_timed(plain.step, device))
             dist.barrier()
             together_t.append(_timed(plain.step, device))  # every rank at once: what sharing the machine costs
+        kernels = (_kernels(opt.step), _kernels(plain.step)) if device.startswith("cuda") else None
         routes: dict[str, int] = {}
         for p in sharded.parameters():
             name = (opt.explain(p) or ("none",))[0]
             routes[name] = routes.get(name, 0) + 1
-        mine[m] = {"shard_s": shard_t, "whole_s": whole_t, "together_s": together_t, "routes": routes}
+        mine[m] = {"shard_s": shard_t, "whole_s": whole_t, "together_s": together_t, "routes": routes,
+                   "kernels": kernels}
         del opt, plain
     queue.put((rank, mine))
     dist.destroy_process_group()
 
 
-def measure(methods: list[str], steps: int, world: int, device: str) -> dict:
+def measure(methods: list[str], steps: int, world: int, device: str, model: str = "small") -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, methods, steps, device, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, methods, steps, device, model, queue))
+             for r in range(world)]
     for p in procs:
         p.start()
     results = dict(queue.get() for _ in procs)
@@ -132,7 +149,7 @@ def measure(methods: list[str], steps: int, world: int, device: str) -> dict:
                   "paired_ratio": statistics.median(a / b for a, b in zip(slowest, whole)),
                   "together_ms": statistics.median(together) * 1e3,
                   "ratio_to_together": statistics.median(a / b for a, b in zip(slowest, together)),
-                  "routes": results[0][m]["routes"]}
+                  "routes": results[0][m]["routes"], "kernels_sharded_whole": results[0][m]["kernels"]}
     return out
 
 
@@ -143,13 +160,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=15, help="timed pairs a method (default 15; medians are kept)")
     ap.add_argument("--runs", type=int, default=1, help="repeat the whole comparison (default 1)")
     ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl, one GPU a rank)")
+    ap.add_argument("--model", default="small", help="a model size of slimopt.train.models (default small)")
     ap.add_argument("--json", default=None, help="write the measurements here")
     args = ap.parse_args()
     methods = [m for m in args.methods.split(",") if m]
     os.environ["OMP_NUM_THREADS"] = "1"
     runs = []
     for run in range(args.runs):
-        res = measure(methods, args.steps, args.world, args.device)
+        res = measure(methods, args.steps, args.world, args.device, args.model)
         runs.append(res)
         print(f"run {run + 1}: each rank's step under FSDP2 ({args.world} ranks) against the whole model's step in "
               f"one process, alternated ({args.steps} pairs a method)")
@@ -157,10 +175,13 @@ def main() -> None:
               f"{'whole, every rank at once ms':>30}{'ratio to it':>13}")
         for m in methods:
             r = res[m]
+            kernels = r["kernels_sharded_whole"]
             print(f"{m:<16}{r['whole_ms']:>16.2f}{' / '.join(f'{x:.2f}' for x in r['rank_ms']):>22}"
-                  f"{r['paired_ratio']:>14.2f}{r['together_ms']:>30.2f}{r['ratio_to_together']:>13.2f}")
+                  f"{r['paired_ratio']:>14.2f}{r['together_ms']:>30.2f}{r['ratio_to_together']:>13.2f}"
+                  + (f"   kernels a step: sharded {kernels[0]}, whole {kernels[1]}" if kernels else ""))
     if args.json:
-        info = {"world": args.world, "steps": args.steps, "device": args.device, "torch": torch.__version__,
+        info = {"world": args.world, "steps": args.steps, "device": args.device, "model": args.model,
+                "torch": torch.__version__,
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": runs}
         with open(args.json, "w") as f:
             json.dump(info, f, indent=1)

@@ -10,7 +10,8 @@
 #     bash benchmarks/gpu_bench.sh
 # Results land in $OUT (default ./gpu-bench): step_checks.md and step_checks.json (benchmarks/gpu_step_checks.py),
 # bench.md (tables, goals), bench.json, bench.png, memory-1b.md,
-# llama7b.md and llama7b.json (LLaMA-7B under a 16 GB cap: benchmarks/llama7b_16gb.py), env.txt, log.txt. Copy
+# llama7b.md and llama7b.json (LLaMA-7B under a 16 GB cap: benchmarks/llama7b_16gb.py), fsdp_step.json (FSDP2 at
+# one rank against the whole model: benchmarks/fsdp_step.py), env.txt, log.txt. Copy
 # them into docs/benchmarks.md with the date and device they name.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +50,7 @@ METHODS=torch-adamw-fused,torch-adamw,adamw8bit,bnb-adamw8bit,frugal,frugal_rho0
 METHODS=$METHODS,adamw8bit+compile=true,adamw+compile=true,adamw4bit,ternary_adamw,frugal8bit,frugal_ternary
 METHODS=$METHODS,badam,signsgd,apollo,apollo-mini,torchao-adamw8bit,torchao-adamw4bit,galore,galore8bit
 METHODS=$METHODS,galore-torch,galore-torch-8bit
-timeout 330 python3 -m slimopt bench --model 1b --device cuda --dtype bf16 --methods "$METHODS" \
+timeout 270 python3 -m slimopt bench --model 1b --device cuda --dtype bf16 --methods "$METHODS" \
     --steps 20 --warmup 3 --max-minutes 3 --check-planner --batch 8 --seq 512 --out "$OUT" 2>&1 | tee "$OUT/log.txt"
 status=${PIPESTATUS[0]}
 
@@ -59,6 +60,10 @@ timeout 30 python3 -m slimopt memory --model 1b --method all --gpu-memory 139GiB
 # 5. LLaMA-7B under a 16 GB cap with the frugal_head recipe: measured peak against the plan, step time
 timeout 120 python3 benchmarks/llama7b_16gb.py --out "$OUT" 2>&1 | tee -a "$OUT/log.txt"
 status7b=${PIPESTATUS[0]}
+# 6. the sharded route on the GPU: FSDP2 at one rank (nccl) against the whole model, LLaMA-1B, each step's time and
+# CUDA kernels (benchmarks/fsdp_step.py)
+timeout 60 python3 benchmarks/fsdp_step.py --device cuda --world 1 --model 1b --steps 11 \
+    --methods adamw,adamw8bit,frugal,ternary_adamw --json "$OUT/fsdp_step.json" 2>&1 | tee -a "$OUT/log.txt"
 echo "gpu_bench: slimopt bench exited with $status, the 7B run with $status7b; results in $OUT"
 [ "$status" -eq 0 ] && exit "$status7b"
 exit "$status"

@@ -37,42 +37,29 @@ from slimopt.optim.algorithm.rules import PARAM_STREAM, apply_update, comp_of, r
 from slimopt.optim.routes import choice, native, taco_routes, triton_step, triton_taco, windowed
 
 __all__ = ["Plan", "CpuPlan", "LaunchPlan", "ProjectedPlan", "ProjectedLaunchPlan", "TacoLaunchPlan",
-           "build_launch", "build_cpu", "build_projected", "build_taco", "SETTINGS"]
-
-# The group settings that decide the route and the kernels' fixed arguments (lr, betas, eps, weight decay and
-# momentum are read again every step)
-SETTINGS = ("rule", "projector", "codec", "m_codec", "v_codec", "state_bits", "eps_placement", "param_rounding",
-            "fused", "compile", "rank", "density", "proj_side", "proj_dtype", "free_rule", "update_gap")
-
+           "build_launch", "build_cpu", "build_projected", "build_taco"]
 
 class Plan:
-    """What one weight's kernel step was prepared for: its group and the group's settings, the weight's address
-    and shape, the gradient's dtype, and the state tensors the kernel arguments point into. A plain Plan replays
-    nothing: it marks a weight whose step is not planned, so that while the same holds no step asks again."""
+    """What one weight's kernel step was prepared for: the weight's address and shape and the state tensors the
+    kernel arguments point into. A plan lives on its parameter's route (``paramstep.Route``), which stands only
+    while the group, its settings and the tensors' dtypes and layout are the ones it was chosen for; ``holds``
+    checks the rest. A plain Plan replays nothing: it marks a weight whose step is not planned, so that while the
+    same holds no step asks again."""
 
     replays = False
     needs_stream = False  # whether ``run`` draws from the step's random streams (``stream``)
     ages = True  # whether ``run`` takes the moments' age (advanced by the caller): TACO keeps no moment_step
 
     def __init__(self, group: dict[str, Any], p: Tensor, grad: Tensor, refs: list[tuple[str, Tensor, int]]) -> None:
-        self.group = group
-        self.settings = tuple(group[k] for k in SETTINGS)
-        self.param_ptr, self.shape, self.grad_dtype = p.data_ptr(), p.shape, grad.dtype
+        self.param_ptr, self.shape = p.data_ptr(), p.shape
         self.refs = refs
 
-    def matches(self, p: Tensor, grad: Tensor, group: dict[str, Any], state: dict[str, Tensor]) -> bool:
-        """Whether this step would take the planned route with the planned arguments."""
-        if group is not self.group or p.data_ptr() != self.param_ptr or grad.dtype != self.grad_dtype:
-            return False
-        if p.shape != self.shape or grad.shape != self.shape or not (p.is_contiguous() and grad.is_contiguous()):
-            return False
-        if type(grad) is not Tensor:
+    def holds(self, p: Tensor, state: dict[str, Tensor], step: int) -> bool:
+        """Whether this step (number `step`) would take the planned arguments."""
+        if p.data_ptr() != self.param_ptr or p.shape != self.shape:
             return False
         for key, t, ptr in self.refs:
             if state.get(key) is not t or t.data_ptr() != ptr:
-                return False
-        for k, v in zip(SETTINGS, self.settings):
-            if group[k] != v:
                 return False
         return True
 
@@ -129,9 +116,9 @@ class LaunchPlan(Plan):
         self.rounding = rounding_of(group, p)
         self.needs_stream = self.rounding == "stochastic" or any(c.needs_generator for _, c in codecs)
 
-    def matches(self, p, grad, group, state) -> bool:
+    def holds(self, p, state, step) -> bool:
         # a launch of these settings that failed sends the weight to the eager step, as triton_step.applies does
-        return (super().matches(p, grad, group, state) and triton_step.available()
+        return (super().holds(p, state, step) and triton_step.available()
                 and not triton_step.failed(self.launch.key[1]))
 
     def run(self, p, grad, state, group, age, batch, stream=None) -> None:
@@ -169,11 +156,10 @@ class ProjectedPlan(Plan):
         super().__init__(group, p, grad, refs)
         self.key, self.projector, self.side, self.mm, self.low_shape = key, projector, side, mm, low_shape
         self.rule, self.write, self.windows, self.reduce = rule, write, windows, reduce
+        self.update_gap = group["update_gap"]
 
-    def matches(self, p, grad, group, state) -> bool:
-        step = state.get("step")  # already counted for this step
-        return (super().matches(p, grad, group, state) and step is not None
-                and not P.refresh_due(int(step.numpy()), group["update_gap"]))
+    def holds(self, p, state, step) -> bool:
+        return super().holds(p, state, step) and not P.refresh_due(step, self.update_gap)
 
     def run(self, p, grad, state, group, age, batch, stream=None) -> None:
         q = state[self.key]
@@ -217,8 +203,8 @@ class ProjectedLaunchPlan(ProjectedPlan):
         super().__init__(group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, [], reduce)
         self.codecs, self.comp, self.held = codecs, comp, held
 
-    def matches(self, p, grad, group, state) -> bool:
-        return (super().matches(p, grad, group, state) and triton_step.available()
+    def holds(self, p, state, step) -> bool:
+        return (super().holds(p, state, step) and triton_step.available()
                 and not triton_step.failed(self.rule.key[1]) and not triton_step.failed(self.write.key[1]))
 
     def direction(self, low, state, group, age, dtype) -> float:
@@ -243,9 +229,12 @@ class TacoLaunchPlan(Plan):
     replays = True
     ages = False
 
-    def matches(self, p, grad, group, state) -> bool:
-        return (super().matches(p, grad, group, state) and group["taco_k"] == 1 and triton_step.available()
-                and not triton_step.failed(triton_taco._kind(p, grad)))
+    def __init__(self, group, p, grad, refs) -> None:
+        super().__init__(group, p, grad, refs)
+        self.kind = triton_taco._kind(p, grad)
+
+    def holds(self, p, state, step) -> bool:
+        return super().holds(p, state, step) and triton_step.available() and not triton_step.failed(self.kind)
 
     def run(self, p, grad, state, group, age, batch, stream=None) -> None:
         taco_routes.queue_triton(p, grad, state, group, batch)

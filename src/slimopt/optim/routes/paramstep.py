@@ -170,14 +170,25 @@ def _replay(opt, route, t, group, state, step) -> bool:
     plan = route.plan
     if plan is None:
         return False
-    if not plan.matches(t.p, t.grad, group, state):
+    if not plan.holds(t.p, state, step):
         route.plan = None  # prepared for something else: the general path prepares it anew
         return False
     if not plan.replays:
         return False
     stream = t.streams(group, step) if plan.needs_stream else None
-    plan.run(t.p, t.grad, state, group, advance(state["moment_step"]) if plan.ages else 0, opt._batch, stream)
+    plan.run(t.p, t.grad, state, group, _count(state["moment_step"], plan) if plan.ages else 0, opt._batch, stream)
     return True
+
+
+def _count(counter: Tensor, plan) -> int:
+    """``counter += 1`` through its numpy view, kept on the plan (whose state tensors, the counter among them, it
+    holds while they are the same tensors)."""
+    view = getattr(plan, "age_view", None)
+    if view is None or plan.age_counter is not counter:
+        plan.age_counter, plan.age_view = counter, counter.numpy()
+        view = plan.age_view
+    view += 1
+    return int(view)
 
 
 def _elementwise(kind: str) -> Callable[..., None]:
