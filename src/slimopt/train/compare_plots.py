@@ -108,8 +108,8 @@ def plot_memory(rows: list[dict], path: str | Path, title: str = "",
         ax_p.set_xlim(0, top * 1.25)  # both bar sets and the GPU line in view
         ax_p.axvline(budget / 2**30, color="black", ls="--", lw=1)
         ax_p.text(budget / 2**30, -0.9, f" {gpu}", fontsize=8, va="bottom")
-        ax_p.set_xlabel(f"planned at {model} (GiB): optimizer state (blue) and step peak (green: fits {gpu}, "
-                        f"red: does not)")
+        ax_p.set_xlabel(f"planned at {model} (GiB): optimizer state (blue),\n"
+                        f"step peak (green: fits {gpu}, red: does not)")
         if not any(v is not None for v in peak):
             ax_p.text(0.5, 0.5, "no method here is one the planner models", transform=ax_p.transAxes,
                       ha="center", fontsize=9)
