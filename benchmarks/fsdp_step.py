@@ -6,8 +6,10 @@ nccl on CUDA), each holding the bench's small LLaMA (vocabulary 8192, bf16 weigh
 (every decoder layer and the root), and the whole model too; gradients come from one backward of a
 fixed batch and stay the same for every step. Per method it alternates, step by step: every rank steps its shards
 (each timing its own ``opt.step()``), then rank 0 steps the whole model (every rank holds a copy) while the others
-wait at a barrier. The
-paired ratio of a step is the slowest rank's sharded step over the whole-model step next to it; the script prints
+wait at a barrier. The sharded step's span runs from the moment the last rank enters ``opt.step()`` to the moment the last one leaves it
+(one monotonic clock serves every process of a machine): a rank's own time would also count its wait, inside a
+collective, for a rank that left the barrier late. The paired ratio of a step is the span over the whole-model step
+next to it (the slowest rank's own time over it is printed too, "own time"); the script prints
 the medians of the two times and of the paired ratios, so that the noise of a shared machine (which moves both
 alike within a pair) cancels, as ``slimopt bench``'s paired figure does. A third step of each triple has every
 rank step the whole model at once: on a machine whose cores share caches and memory bandwidth, what the same
@@ -68,14 +70,23 @@ def _build(model, entry: str):
     return slimopt.build(model, name, **settings)
 
 
-def _timed(step, device: str) -> float:
+def _clock() -> float:
+    return time.clock_gettime(time.CLOCK_MONOTONIC)  # one clock for every process of the machine
+
+
+def _timed(step, device: str) -> tuple[float, float]:
+    """(start, end) of one call of step() on the machine's monotonic clock."""
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    t = time.perf_counter()
+    t = _clock()
     step()
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    return time.perf_counter() - t
+    return t, _clock()
+
+
+def _took(span: tuple[float, float]) -> float:
+    return span[1] - span[0]
 
 
 def _rank(rank: int, world: int, port: int, methods: list[str], steps: int, device: str, model: str,
@@ -108,9 +119,9 @@ def _rank(rank: int, world: int, port: int, methods: list[str], steps: int, devi
             shard_t.append(_timed(opt.step, device))
             dist.barrier()
             if rank == 0:
-                whole_t.append(_timed(plain.step, device))
+                whole_t.append(_took(_timed(plain.step, device)))
             dist.barrier()
-            together_t.append(_timed(plain.step, device))  # every rank at once: what sharing the machine costs
+            together_t.append(_took(_timed(plain.step, device)))  # every rank at once: what sharing costs
         kernels = (_kernels(opt.step), _kernels(plain.step)) if device.startswith("cuda") else None
         routes: dict[str, int] = {}
         for p in sharded.parameters():
@@ -142,13 +153,18 @@ def measure(methods: list[str], steps: int, world: int, device: str, model: str 
     for m in methods:
         whole = results[0][m]["whole_s"]
         shards = [results[r][m]["shard_s"] for r in range(world)]
-        slowest = [max(s[i] for s in shards) for i in range(steps)]
+        # the step's span: from the last rank's start (every rank in the step) to the last rank's end; a rank's own
+        # time also counts its wait for a rank that left the barrier before it late, which the span does not
+        span = [max(s[i][1] for s in shards) - max(s[i][0] for s in shards) for i in range(steps)]
+        slowest = [max(_took(s[i]) for s in shards) for i in range(steps)]
         together = [max(results[r][m]["together_s"][i] for r in range(world)) for i in range(steps)]
         out[m] = {"whole_ms": statistics.median(whole) * 1e3,
-                  "rank_ms": [statistics.median(s) * 1e3 for s in shards],
-                  "paired_ratio": statistics.median(a / b for a, b in zip(slowest, whole)),
+                  "rank_ms": [statistics.median(_took(x) for x in s) * 1e3 for s in shards],
+                  "span_ms": statistics.median(span) * 1e3,
+                  "paired_ratio": statistics.median(a / b for a, b in zip(span, whole)),
+                  "paired_ratio_own_time": statistics.median(a / b for a, b in zip(slowest, whole)),
                   "together_ms": statistics.median(together) * 1e3,
-                  "ratio_to_together": statistics.median(a / b for a, b in zip(slowest, together)),
+                  "ratio_to_together": statistics.median(a / b for a, b in zip(span, together)),
                   "routes": results[0][m]["routes"], "kernels_sharded_whole": results[0][m]["kernels"]}
     return out
 
@@ -171,13 +187,14 @@ def main() -> None:
         runs.append(res)
         print(f"run {run + 1}: each rank's step under FSDP2 ({args.world} ranks) against the whole model's step in "
               f"one process, alternated ({args.steps} pairs a method)")
-        print(f"{'method':<16}{'one process ms':>16}{'ranks ms':>22}{'paired ratio':>14}"
-              f"{'whole, every rank at once ms':>30}{'ratio to it':>13}")
+        print(f"{'method':<24}{'one process ms':>16}{'ranks ms':>22}{'span ms':>10}{'paired ratio':>14}"
+              f"{'(own time)':>12}{'whole, every rank at once ms':>30}{'ratio to it':>13}")
         for m in methods:
             r = res[m]
             kernels = r["kernels_sharded_whole"]
-            print(f"{m:<16}{r['whole_ms']:>16.2f}{' / '.join(f'{x:.2f}' for x in r['rank_ms']):>22}"
-                  f"{r['paired_ratio']:>14.2f}{r['together_ms']:>30.2f}{r['ratio_to_together']:>13.2f}"
+            print(f"{m:<24}{r['whole_ms']:>16.2f}{' / '.join(f'{x:.2f}' for x in r['rank_ms']):>22}"
+                  f"{r['span_ms']:>10.2f}{r['paired_ratio']:>14.2f}{r['paired_ratio_own_time']:>12.2f}"
+                  f"{r['together_ms']:>30.2f}{r['ratio_to_together']:>13.2f}"
                   + (f"   kernels a step: sharded {kernels[0]}, whole {kernels[1]}" if kernels else ""))
     if args.json:
         info = {"world": args.world, "steps": args.steps, "device": args.device, "model": args.model,
