@@ -62,12 +62,9 @@ def adamw_kernel_declines(group: dict[str, Any], dtype: torch.dtype, device_type
         return f"eps_placement {group['eps_placement']!r} (torch's kernel adds eps after the bias correction)"
     if group["rule"] not in ("adamw", "taco"):
         return f"rule {group['rule']!r}"
-    if device_type not in _DEVICES:
-        return f"{device_type} weights take the Triton kernel"
-    if dtype not in _DTYPES:
-        return f"{dtype} weights"
-    if not _rounds_nearest(group, dtype):
-        return f"param_rounding {group['param_rounding']!r}"
+    why = _weights_declined(group, dtype, device_type)
+    if why:
+        return why
     if [k for k, _ in codecs] != ["exp_avg", "exp_avg_sq"]:
         return "not AdamW's two moments"
     for _, c in codecs:
@@ -89,6 +86,11 @@ def residual_kernel_declines(group: dict[str, Any], dtype: torch.dtype, device_t
         return "fused=False"
     if group["free_rule"] not in ("sign", "sgd"):
         return f"free_rule {group['free_rule']!r}"
+    return _weights_declined(group, dtype, device_type)
+
+
+def _weights_declined(group: dict[str, Any], dtype: torch.dtype, device_type: str) -> str | None:
+    """Why torch's multi-tensor kernels do not write `dtype` weights on `device_type` as the group asks, or None."""
     if device_type not in _DEVICES:
         return f"{device_type} weights take the Triton kernel"
     if dtype not in _DTYPES:
