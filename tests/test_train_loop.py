@@ -167,8 +167,11 @@ def test_methods_command_lists_slimopt_methods_and_peers(capsys):
     # every default lr says where it comes from; ternary_adamw's own is measured against AdamW's
     lines = {line.split()[0]: line for line in text.splitlines()[2:] if line.strip() and not line.startswith(" ")}
     assert "lr from" in text.splitlines()[0]
-    assert "0.002" in lines["ternary_adamw"] and "twice AdamW's" in lines["ternary_adamw"]
+    assert "0.002" in lines["ternary_adamw"] and "measured ratio 2" in lines["ternary_adamw"]
     assert "GaLore paper" in lines["galore"] and "FRUGAL paper" in lines["frugal"]
+    from slimopt.catalog import lr_is_papers
+    assert lr_is_papers("galore") and lr_is_papers("adamw8bit") and lr_is_papers("muon")
+    assert not lr_is_papers("ternary_adamw") and not lr_is_papers("taco") and not lr_is_papers("frugal_head")
 
 
 # ------------------------------------------------------------------------------------------------ bad input

@@ -9,7 +9,7 @@ importing them.
 
 from __future__ import annotations
 
-__all__ = ["BASELINES", "known_methods", "method_kind", "default_lr", "lr_source"]
+__all__ = ["BASELINES", "known_methods", "method_kind", "default_lr", "lr_source", "lr_is_papers"]
 
 BASELINES: dict[str, str] = {
     "lowrank": "Low-rank weights W = B A in attention and MLP, trained from scratch (GaLore's Low-Rank baseline)",
@@ -49,8 +49,15 @@ def lr_source(method: str) -> str:
     if kind == "slimopt":
         return METHODS[method].lr_source
     if kind == "peer":
-        return "the peer's authors' default"
+        return "peer authors' default"
     return PAPER_ADAMW
+
+
+def lr_is_papers(method: str) -> bool:
+    """Whether ``default_lr(method)`` is a paper's (its source cites an arXiv id and is not a measured ratio)."""
+    import re
+    source = lr_source(method)
+    return bool(re.search(r"\d{4}\.\d{5}", source)) and "measured" not in source
 
 
 def default_lr(method: str) -> float:

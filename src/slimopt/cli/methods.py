@@ -37,8 +37,10 @@ def run(args) -> int:
             lr = f"{default_lr(name):g}"
         except Exception:  # a method whose default cannot be resolved still gets listed
             lr = "?"
-        rows.append((name, kind, lr, status, desc, lr_source(name)))
-    print(format_table(rows, ("method", "kind", "lr", "status", "description", "lr from")))
+        rows.append((name, kind, lr, lr_source(name), status, desc))
+    print(format_table(rows, ("method", "kind", "lr", "lr from", "status", "description")))
+    print("lr from: a paper's rate for LLaMA pretraining (its arXiv id), or AdamW's times the ratio of the method's "
+          "tuned rate to AdamW's (docs/reproduction.md)")
     missing = {n: why for n, why in peers.items() if why and args.kind in ("all", "peer")}
     for n, why in missing.items():
         print(f"  {n}: {why}")

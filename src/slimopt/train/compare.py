@@ -221,8 +221,8 @@ def _base_lr(cfg: CompareConfig, method: str) -> tuple[float, str]:
     if method in DEFAULT_SETTING_LR and at_default_setting(cfg):
         return DEFAULT_SETTING_LR[method], "tuned at this setting"
     name = split_method(method)[0]
-    from slimopt.catalog import lr_source
-    return resolve_lr(name), "paper" if "arXiv" in lr_source(name) else "default"
+    from slimopt.catalog import lr_is_papers
+    return resolve_lr(name), "paper" if lr_is_papers(name) else "default"
 
 
 _SETTING_KEYS = ("model", "data", "tokenizer", "vocab_size", "text_field", "txt_split", "seq_len", "batch_size",

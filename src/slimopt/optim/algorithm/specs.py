@@ -36,16 +36,17 @@ TACO_DEFAULTS = {"rule": "taco"}  # taco_* settings: slimopt.optim.algorithm.tac
 TACO_LR = 3e-4  # a fine-tuning learning rate (the AdamW fallback's); TACO's matrices step lr * taco_alpha * m / n
 
 
-# Where a default learning rate comes from. The papers' rates are for 60M-7B LLaMA pretraining; a method that is
-# slimopt's own has no paper, so its default is AdamW's times the ratio of its tuned rate to AdamW's, measured with
-# `slimopt compare --tune-lr --seeds 3` on the built-in corpus (docs/reproduction.md, 2026-12-03: AdamW tuned to
-# 4e-3 there, inside its grid).
-PAPER_ADAMW = "the GaLore paper's AdamW lr for LLaMA pretraining (arXiv 2403.03507)"
-MEASURED_SAME = "AdamW's: it tuned to AdamW's tuned rate (docs/reproduction.md)"
-GALORE_PAPER = "the GaLore paper's (arXiv 2403.03507)"
-FRUGAL_PAPER = "the FRUGAL paper's (arXiv 2411.07837)"
-MUON_LR = ("AdamW's, as Moonlight's update-RMS match intends (arXiv 2502.16982); measured: a 4x rate won the short "
-           "tuning runs, AdamW's tuned rate the full ones (docs/reproduction.md)")
+# Where a default learning rate comes from (``slimopt methods``' short "lr from" column). The papers' rates are for
+# 60M-7B LLaMA pretraining. A method that is slimopt's own has no paper: its default is AdamW's times the ratio of its
+# tuned rate to AdamW's, measured with `slimopt compare --tune-lr --seeds 3` on the built-in corpus
+# (docs/reproduction.md, 2026-12-03: AdamW tuned to 4e-3 there, inside its grid; ternary_adamw to 8e-3, frugal_ternary,
+# frugal_head and frugal_muon to 4e-3). Muon keeps AdamW's, as Moonlight's update-RMS match intends (arXiv 2502.16982):
+# a 4x rate won the short tuning runs, AdamW's tuned rate the full ones.
+PAPER_ADAMW = "GaLore paper's AdamW (2403.03507)"
+MEASURED_SAME = "AdamW's (measured ratio 1)"
+GALORE_PAPER = "GaLore paper (2403.03507)"
+FRUGAL_PAPER = "FRUGAL paper (2411.07837)"
+MUON_LR = "AdamW's (Moonlight, 2502.16982)"
 
 
 @dataclass(frozen=True)
@@ -65,13 +66,12 @@ class Method:
 METHODS: dict[str, Method] = {
     "adamw": Method("AdamW on every parameter (torch.optim.AdamW's update)", 1e-3),
     "adamw8bit": Method("AdamW with 8-bit blockwise moments (arXiv 2110.02861)", 1e-3, shared={"state_bits": 8},
-                         lr_source="AdamW's: 8-bit Adam keeps its hyperparameters (arXiv 2110.02861)"),
+                         lr_source="AdamW's (2110.02861)"),
     "adamw4bit": Method("AdamW with 4-bit moments (arXiv 2309.01507)", 1e-3, shared={"state_bits": 4},
-                         lr_source="AdamW's: 4-bit Adam keeps its hyperparameters (arXiv 2309.01507)"),
+                         lr_source="AdamW's (2309.01507)"),
     "ternary_adamw": Method("AdamW with ternary {-1,0,+1} first moment and factored second moment", 2e-3,
                             shared={"codec": "ternary"},
-                            lr_source="twice AdamW's: it tuned to 2x AdamW's tuned rate (8e-3 against 4e-3; "
-                                      "docs/reproduction.md): its rms-scaled ternary m clips the update"),
+                            lr_source="2x AdamW's (measured ratio 2)"),
     "galore": Method("GaLore: Adam in the top-r SVD subspace of each Linear weight's gradient, rank 128",
                      1e-2, projectable=dict(GALORE_DEFAULTS), lr_source=GALORE_PAPER),
     "galore_rsvd": Method("GaLore with a randomized SVD refresh (same subspace, far cheaper)", 1e-2,
@@ -88,13 +88,13 @@ METHODS: dict[str, Method] = {
                           projectable={**FRUGAL_DEFAULTS, "density": 0.0}, lr_source=FRUGAL_PAPER),
     "badam": Method("BAdam: Adam on one Linear weight at a time (switching every 100 steps), the others frozen",
                     1e-3, projectable={"projector": "block", "rank": 1, "update_gap": 100, "free_rule": "none",
-                                       "on_refresh": "reset"}, lr_source="AdamW's, which BAdam's blocks step with"),
+                                       "on_refresh": "reset"}, lr_source="AdamW's (BAdam, 2404.02827)"),
     "taco": Method("TACO: one-sparse ternary step per column of each Linear weight, one fp8 component of state "
                    "per column (taco_k); AdamW on embeddings, norms, biases and head", TACO_LR,
                    projectable=dict(TACO_DEFAULTS),
-                   lr_source="a fine-tuning rate: the fine-tuning benchmark of docs/taco.md"),
+                   lr_source="fine-tuning (docs/taco.md)"),
     "signsgd": Method("signSGD on every parameter: no optimizer state", 3e-4, projectable=dict(STATE_FREE),
-                      rest=dict(STATE_FREE), lr_source="not measured: under AdamW's, as a sign step moves every weight by the whole lr"),
+                      rest=dict(STATE_FREE), lr_source="not measured"),
     "frugal_head": Method("FRUGAL at density 0 with Adam state on the output layer only (8-bit); signSGD on every "
                           "other parameter; bf16 weights written with stochastic rounding: the 7B-under-16GB recipe",
                           1e-3, projectable={**FRUGAL_DEFAULTS, "density": 0.0}, rest={"codec": "int8"},
