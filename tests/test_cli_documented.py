@@ -383,6 +383,9 @@ CASES = [
          "--set galore.rank=256 --layerwise --seq 2048", files=("my-model",), check=check_memory),
     Case("memory-local-config-budget", "slimopt memory --model ./my-model --method galore,frugal "
          "--set galore.rank=256 --gpu-memory 80GB --seq 2048", files=("my-model",), check=check_memory),
+    # the line a comparison's results.md gives for its planned columns
+    Case("memory-compare-plan", "slimopt memory --model 7b --method adamw --dtype bf16 --batch 1 --seq 256 "
+         "--layerwise --gpu-memory 24GiB", check=check_memory),
     Case("memory-1b-all", "slimopt memory --model 1b --method all --batch 8 --seq 512", check=check_memory),
     Case("memory-7b-16gb", "slimopt memory --model 7b --method frugal_head,frugal_rho0,taco,signsgd,galore8bit,"
          "galore-torch-8bit --layerwise --checkpointing --batch 1 --seq 1024 --gpu-memory 16GB", check=check_memory),
@@ -449,6 +452,10 @@ CASES = [
                           "--methods": "ternary_adamw+codec=ternary_sr_rms64,adamw+rule=lion+lr=2.5e-4"}, slow=True),
     compare_case("compare-tune-grid", "slimopt compare --tune-lr --lr-grid 1/3,1,3 --tune-fraction 0.5 --no-control",
                  add=("--methods", "adamw,galore"), slow=True),
+    compare_case("compare-own-text", "slimopt compare --data technical.txt --methods adamw,ternary_adamw,"
+                 "ternary_adamw+lr=0.001", files=("technical.txt",), slow=True),
+    compare_case("compare-own-text-tuned", "slimopt compare --data technical.txt --methods adamw,ternary_adamw "
+                 "--tune-lr", files=("technical.txt",), slow=True),
     compare_case("compare-local-data", "slimopt compare --model 60m --data ./c4.jsonl --tokenizer ./t5-base "
                  "--device cuda --batch-size 512 --tokens 1.1e9 --dtype bf16-autocast --set galore.rank=128",
                  replace={"--model": "tiny", "--batch-size": "8", "--tokens": "512"},
@@ -563,6 +570,11 @@ class Resources:
         return path
 
     _c4_jsonl = _c4_shard_jsonl = _jsonl
+
+    def _technical_txt(self, path: Path) -> Path:  # a user's own plain-text corpus
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n\n".join(self.documents))
+        return path
 
     def _c4___json_gz(self, path: Path) -> Path:  # c4/*.json.gz: a folder of gzipped json lines
         folder = path.parent
