@@ -3,7 +3,8 @@
 With no arguments: a tiny LLaMA on the built-in KJV corpus (a 512-token BPE, 512 steps of 16 x 64 tokens), the
 default methods (adamw, adamw8bit, galore, frugal, frugal_rho0, badam, ternary_adamw, taco) at the learning rates a
 tuned 3-seed run picked for this setting, two runs at a time on a 2-core CPU: about 5 minutes. Any other setting
-runs each method at its paper's learning rate (or tuned ones with --tune-lr). Writes results.md, results.csv, results_per_seed.csv, loss_curves.png, memory.png and
+runs each method at its default learning rate (its paper's, or AdamW's times a measured ratio for slimopt's own
+recipes: `slimopt methods`), or tuned ones with --tune-lr. Writes results.md, results.csv, results_per_seed.csv, loss_curves.png, memory.png and
 runs/<method>/metrics.jsonl.
 
 Every comparison includes a control row (method frozen: AdamW on embeddings, norms and head, the attention and

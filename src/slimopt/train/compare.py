@@ -60,7 +60,7 @@ DEFAULT_METHODS = ("adamw", "adamw8bit", "galore", "frugal", "frugal_rho0", "bad
 # docs/results/compare-kjv-tuned, 2026-12-03: each inside its grid, extended past an edge where the best sat on it;
 # the 2026-12-01 run's rates but BAdam's, 4e-3 at that grid's edge). The default comparison runs each method at its entry
 # here, so that its one-seed ranking is the tuned one at a fraction of the cost; any other setting (another model,
-# corpus, vocabulary, batch or step count) runs at the papers' learning rates, or tuned ones with --tune-lr. The papers'
+# corpus, vocabulary, batch or step count) runs at the methods' defaults, or tuned ones with --tune-lr. The papers'
 # rates (1e-3 for Adam-based methods, 1e-2 for GaLore) are for 60M-7B models trained for thousands of steps.
 DEFAULT_SETTING_LR = {"adamw": 4e-3, "adamw8bit": 2e-3, "galore": 4e-2, "frugal": 2e-3, "frugal_rho0": 4e-3,
                       "badam": 8e-3, "ternary_adamw": 8e-3, "taco": 6e-4}
