@@ -492,6 +492,8 @@ CASES = [
     bench_case("bench-cpu-ternary", "slimopt bench --model small --methods adamw,adamw8bit,ternary_adamw,"
                "frugal_ternary,torch-adamw-fused --device cpu --dtype bf16 --steps 5 --warmup 2 --vocab-size 8192 "
                "--threads 1 --out docs/bench/cpu-ternary"),
+    bench_case("bench-cpu-routes-ab", "slimopt bench --model small --vocab-size 8192 --steps 5 --warmup 2 --threads 1 "
+               "--methods torch-adamw-fused,adamw,adamw8bit,adamw4bit,ternary_adamw,galore,frugal,taco --no-refresh"),
     bench_case("bench-cpu-help", "slimopt bench --model small --vocab-size 8192 --steps 3 --warmup 1"),
     bench_case("bench-tiny-no-refresh", "slimopt bench --model tiny --methods adamw,adamw8bit,torch-adamw-fused,"
                "bnb-adamw8bit --no-refresh", slow=True),  # bitsandbytes' import compiles kernels
