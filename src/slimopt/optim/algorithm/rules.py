@@ -125,6 +125,27 @@ def advance(counter: Tensor) -> int:
     return int(view)
 
 
+class Counter:
+    """``advance`` for one counter slot that is stepped every step: the counter's numpy view kept while the slot
+    holds the same tensor (``advance`` makes the view anew each call)."""
+
+    __slots__ = ("tensor", "view")
+
+    def __init__(self) -> None:
+        self.tensor = self.view = None
+
+    def advance(self, counter: Tensor) -> int:
+        if counter is not self.tensor:
+            try:
+                self.view = counter.numpy()
+            except (RuntimeError, TypeError):  # no numpy view (a tensor on a device)
+                self.tensor = None
+                return advance(counter)
+            self.tensor = counter
+        self.view += 1
+        return int(self.view)
+
+
 def rounding_of(group: Mapping[str, Any], p: Tensor) -> str:
     """How p is written: the group's ``param_rounding`` for a bf16 weight, ``nearest`` for any other (an fp32
     weight holds the fp32 value exactly; fp16 weights are refused at construction)."""

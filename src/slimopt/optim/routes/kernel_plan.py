@@ -33,7 +33,7 @@ from torch import Tensor
 from slimopt.optim.algorithm import projectors as P
 from slimopt.optim.algorithm.codecs import FactoredRows
 from slimopt.optim.algorithm.noise import CounterStream
-from slimopt.optim.algorithm.rules import PARAM_STREAM, apply_update, comp_of, rounding_of
+from slimopt.optim.algorithm.rules import PARAM_STREAM, Counter, apply_update, comp_of, rounding_of
 from slimopt.optim.routes import choice, native, taco_routes, triton_step, triton_taco, windowed
 
 __all__ = ["Plan", "CpuPlan", "LaunchPlan", "ProjectedPlan", "ProjectedLaunchPlan", "TacoLaunchPlan",
@@ -53,6 +53,7 @@ class Plan:
     def __init__(self, group: dict[str, Any], p: Tensor, grad: Tensor, refs: list[tuple[str, Tensor, int]]) -> None:
         self.param_ptr, self.shape = p.data_ptr(), p.shape
         self.refs = refs
+        self.age = Counter()  # the moments' age, advanced by the caller where ``ages``
 
     def holds(self, p: Tensor, state: dict[str, Tensor], step: int) -> bool:
         """Whether this step (number `step`) would take the planned arguments."""

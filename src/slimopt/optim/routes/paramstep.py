@@ -21,7 +21,7 @@ from torch import Tensor
 
 from slimopt.optim.algorithm import projectors as P
 from slimopt.optim.algorithm import taco
-from slimopt.optim.algorithm.rules import ELEMENTWISE_RULES, advance, comp_of, rounding_of
+from slimopt.optim.algorithm.rules import ELEMENTWISE_RULES, Counter, advance, comp_of, rounding_of
 from slimopt.optim.distributed.sharded import (
     Target,
     effective_rank,
@@ -47,31 +47,20 @@ ROUTE_SETTINGS = ("rule", "projector", "codec", "m_codec", "v_codec", "state_bit
 
 class Route:
     """A parameter's route: its name, what it was chosen for (``signature``), why each faster route declined, and
-    what it keeps between steps (``plan``; ``counter``: the parameter's ``step`` tensor and its numpy view)."""
+    what it keeps between steps (``plan``; ``counter``: its ``step`` counter's numpy view)."""
 
     __slots__ = ("name", "key", "why", "plan", "counter")
 
     def __init__(self, name: str, key: tuple, why: dict[str, str]) -> None:
-        self.name, self.key, self.why, self.plan, self.counter = name, key, why, None, None
+        self.name, self.key, self.why, self.plan, self.counter = name, key, why, None, Counter()
 
 
 def _count_step(state: dict[str, Tensor], route: Route | None) -> int:
-    """``state["step"] += 1`` (made where missing), returning the new count: through the counter's numpy view, kept
-    on the route while the counter is the same tensor (``rules.advance`` makes the view anew each call)."""
+    """``state["step"] += 1`` (made where missing), returning the new count, through the route's kept view."""
     counter = state.get("step")
     if counter is None:
         counter = state["step"] = torch.zeros((), dtype=torch.float32)
-    if route is not None:
-        kept = route.counter
-        if kept is None or kept[0] is not counter:
-            try:
-                kept = route.counter = (counter, counter.numpy())
-            except (RuntimeError, TypeError):  # no numpy view (a tensor on a device)
-                return advance(counter)
-        view = kept[1]
-        view += 1
-        return int(view)
-    return advance(counter)
+    return route.counter.advance(counter) if route is not None else advance(counter)
 
 
 def group_key(group: dict[str, Any]) -> tuple:
@@ -176,19 +165,8 @@ def _replay(opt, route, t, group, state, step) -> bool:
     if not plan.replays:
         return False
     stream = t.streams(group, step) if plan.needs_stream else None
-    plan.run(t.p, t.grad, state, group, _count(state["moment_step"], plan) if plan.ages else 0, opt._batch, stream)
+    plan.run(t.p, t.grad, state, group, plan.age.advance(state["moment_step"]) if plan.ages else 0, opt._batch, stream)
     return True
-
-
-def _count(counter: Tensor, plan) -> int:
-    """``counter += 1`` through its numpy view, kept on the plan (whose state tensors, the counter among them, it
-    holds while they are the same tensors)."""
-    view = getattr(plan, "age_view", None)
-    if view is None or plan.age_counter is not counter:
-        plan.age_counter, plan.age_view = counter, counter.numpy()
-        view = plan.age_view
-    view += 1
-    return int(view)
 
 
 def _elementwise(kind: str) -> Callable[..., None]:
