@@ -100,6 +100,16 @@ def test_llama_1b_matrices_and_the_owner_scheme_at_8_and_64_ranks():
     assert len(shapes) == 168 and {s for _, s in shapes} == {(2048, 2048), (5461, 2048), (2048, 5461)}
     rows = [compare_schemes(shapes, w, "muon") for w in (8, 64)]
     for r in rows:  # the work is spread, and fewer bytes reach the busiest rank
-        assert r["owner_work"] <= r["total_work"] / r["world"] + r["largest_job"]
-        assert r["owner_bytes"] < r["today_bytes"]
+        # Muon's step plans each run of its queue in turn (64 MiB a rank: 5 runs at 8 ranks, 1 at 64): LPT's bound
+        # holds run by run
+        assert r["owner_work"] <= r["owner_bound"] <= r["total_work"] / r["world"] + r["runs"] * r["largest_job"]
+        assert r["owner_work"] <= 1.1 * r["total_work"] / r["world"]  # measured 0.134 at 8 ranks, 0.017 at 64
+        assert r["owner_bytes"] < r["today_bytes"] / 3.5
+    assert [r["runs"] for r in rows] == [5, 1]
     assert "| muon | 8 | 168 |" in markdown_table(rows)
+
+
+def test_plans_of_one_job_rotate_over_the_ranks():
+    # a layer-wise step runs each parameter's queue alone: its owner follows the parameter's index
+    owners = [plan_owners([Job(i, (4, 4), 64, 1.0)], 4).owners[0] for i in range(8)]
+    assert owners == [0, 1, 2, 3, 0, 1, 2, 3]

@@ -3,12 +3,13 @@
 FSDP2 itself all-gathers parameters and reduce-scatters gradients; this module is about what the *optimizer*
 adds on top (``slimopt.optim.distributed.sharded``). Volumes are payloads in bytes per rank and call, the size of the
 logical tensor a collective produces: an all-reduce of X bytes, an all-gather into X bytes (padding included),
-a gather of X bytes at the first rank, a broadcast of X bytes. With ring algorithms a rank sends about
+a gather of X bytes at the first rank, a broadcast of X bytes, an all-to-all: what the rank sends to the others
+(Muon's owner exchange, the one volume that differs between ranks). With ring algorithms a rank sends about
 2 (W - 1) / W of an all-reduce's payload and (W - 1) / W of an all-gather's.
 
 - ``CollectiveCounter``: a dispatch mode that records every c10d collective run inside it (the ``torch.
   distributed`` calls and DTensor's functional collectives alike), so a CPU run measures what the optimizer sends.
-- ``expected_bytes(opt, world, step)``: the same numbers from the optimizer's settings and the parameters' global
+- ``expected_bytes(opt, world, step, rank)``: the same numbers from the optimizer's settings and the parameters' global
   shapes, with no run: per step (every step) and per refresh (the extra at steps where a subspace is chosen anew).
   tests/distributed checks the two agree exactly on a small model; ``volume_table`` evaluates it for a LLaMA size
   on the meta device (docs/distributed.md, LLaMA-1B).
@@ -28,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from slimopt.optim.algorithm import projectors as P
 from slimopt.optim.algorithm import taco
 
-__all__ = ["CollectiveCounter", "expected_bytes", "param_bytes", "volume_table"]
+__all__ = ["CollectiveCounter", "expected_bytes", "muon_owner_bytes", "param_bytes", "volume_table"]
 
 
 def _nbytes(x: Any) -> int:
@@ -39,10 +40,14 @@ def _nbytes(x: Any) -> int:
     return 0
 
 
-def _group_size(group: Any) -> int:
+def _process_group(group: Any):
     if isinstance(group, torch.ScriptObject):  # how c10d ops carry their process group through the dispatcher
         group = torch.distributed.ProcessGroup.unbox(group)
-    return group.size()
+    return group
+
+
+def _group_size(group: Any) -> int:
+    return _process_group(group).size()
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -74,6 +79,11 @@ class CollectiveCounter(TorchDispatchMode):
             return _nbytes(args[0])  # the output (list of) tensor(s)
         if name.endswith("gather_"):  # (outputs at the root, inputs, group, ...): what the root receives
             return _nbytes(args[1]) * _group_size(args[2])
+        if name.endswith("alltoall_base_"):  # (output, input, group, output splits, input splits, ...)
+            rank = _process_group(args[2]).rank()
+            splits = args[4] or [args[1].shape[0] // _group_size(args[2])] * _group_size(args[2])
+            per_row = args[1][:1].numel() * args[1].element_size() if args[1].shape[0] else 0
+            return per_row * (sum(splits) - splits[rank])  # what this rank sends to the others
         return _nbytes(args[0])
 
     def total_bytes(self) -> int:
@@ -131,7 +141,9 @@ def param_bytes(opt, p, group: dict[str, Any], world: int, step: int) -> tuple[i
         else:
             # a factored v's column sums, all-reduced in fp64 (codecs.factored_means)
             per_step += 8 * cols * sum(c.name == "factored" for _, c in _codecs(opt, group, space, p.dtype))
-        if group["rule"] == "muon":  # the rows to orthogonalize, all-gathered in the iteration's dtype
+        if group["rule"] == "muon" and (not group["fused"] or layout not in ("none", "block")):
+            # the eager step's scheme: the rows to orthogonalize all-gathered in the iteration's dtype (the queued
+            # one sends rows to owner ranks: expected_bytes counts it over the step's matrices)
             from slimopt.optim.algorithm import muon
             device = torch.device("cuda") if p.device.type == "meta" else p.device
             size = torch.empty((), dtype=muon.iteration_dtype(group["ns_dtype"], device)).element_size()
@@ -170,11 +182,24 @@ def _chosen_counts(index: torch.Tensor, m: int, world: int) -> list[int]:
     return out
 
 
-def expected_bytes(opt, world: int, step: int) -> tuple[int, int]:
+def muon_owner_bytes(opt, world: int, step: int, rank: int = 0) -> int:
+    """What `rank` sends to the other ranks for Muon's iterations by owner ranks at `step`
+    (``routes.muon_batch``, ``distributed.muon_owners``): its rows to each matrix's owner, and from each matrix it
+    owns the others' rows of the result."""
+    from slimopt.optim.distributed import muon_owners
+    from slimopt.optim.routes import muon_batch
+
+    if world <= 1:
+        return 0
+    return sum(muon_owners.sent_bytes([(i, shape, size) for _, i, shape, size in run], world, rank, run[0][0][2])
+               for run in muon_batch.runs(muon_batch.queued_matrices(opt, step), world))
+
+
+def expected_bytes(opt, world: int, step: int, rank: int = 0) -> tuple[int, int]:
     """(bytes of the optimizer's collectives at `step` apart from refreshes, bytes of the refreshes due at `step`)
-    per rank, for the optimizer's parameters sharded over `world` ranks; call it before that step (a refresh
-    that carries moments over costs more than the first one)."""
-    per_step = refresh = 0
+    sent by `rank`, for the optimizer's parameters sharded over `world` ranks; call it before that step (a refresh
+    that carries moments over costs more than the first one). Only Muon's owner exchange differs between ranks."""
+    per_step, refresh = muon_owner_bytes(opt, world, step, rank), 0
     for group in opt.param_groups:
         for p in group["params"]:
             a, b = param_bytes(opt, p, group, world, step)

@@ -115,6 +115,7 @@ class ParamState:
     moments: int
     projections: int
     scratch: int = 0  # estimated temporaries while this parameter is updated
+    batched: int = 0  # what a step that updates it with others allocates at once (Muon's queue), if more
 
     @property
     def total(self) -> int:
@@ -276,6 +277,22 @@ def _muon_scratch(p: torch.Tensor, group: dict, codecs) -> int:
                               codecs[0][1].scratch_kind)
 
 
+def _queued_muon(opt) -> dict[int, int]:
+    """Muon's queued step (``routes.muon_batch``) iterates several matrices at once in an ordinary step (one at a
+    time in a layer-wise one): {id of each queued weight: its queue's peak scratch}, the waiting iterates and the
+    largest same-shape stack (``muon_batch.peak_bytes``)."""
+    from slimopt.optim.routes import muon_batch
+
+    matrices = muon_batch.queued_matrices(opt, 1)
+    params = {opt._where[p][2]: p for p in opt._where}
+    out: dict[int, int] = {}
+    for key in {m[0] for m in matrices}:
+        mine = [m for m in matrices if m[0] == key]
+        peak = muon_batch.peak_bytes(mine)
+        out.update({id(params[i]): peak for _, i, _, _ in mine})
+    return out
+
+
 def _align(codecs, shape) -> int:
     return math.lcm(1, *(codec.align(shape) for _, codec in codecs))
 
@@ -393,16 +410,17 @@ def _slim_state(model: nn.Module, method: str, step: int | None, hparams: dict[s
     opt = make_optimizer(model, method, **hparams)  # what `slimopt train` and `slimopt bench` build
     names = {id(p): n for n, p in model.named_parameters()}
     base = [(p, group, *_slim_param(opt, p, group)) for group in opt.param_groups for p in group["params"]]
+    batched = _queued_muon(opt)
 
     def states(active) -> list[ParamState]:
         """active(p, group) -> bool: whether a block-layout parameter holds its moments."""
         return [ParamState(names[id(p)], group.get("name", ""), tuple(p.shape), layout,
                            _COUNTER + _compensation(p, group) + (mom if layout != "block" or active(p, group) else 0),
-                           proj, scratch)
+                           proj, scratch, batched.get(id(p), 0))
                 for p, group, layout, mom, proj, scratch in base]
 
     if step == 0:
-        return [ParamState(names[id(p)], g.get("name", ""), tuple(p.shape), lay, 0, 0, x)
+        return [ParamState(names[id(p)], g.get("name", ""), tuple(p.shape), lay, 0, 0, x, batched.get(id(p), 0))
                 for p, g, lay, _, _, x in base]
     if step is not None:
         return states(lambda p, g: opt._block_active(p, g, step))
@@ -607,4 +625,4 @@ def _scratch(method: str, states: list[ParamState]) -> int:
 
     if method in ALL_AT_ONCE:
         return sum(s.scratch for s in states)
-    return max((s.scratch for s in states), default=0)
+    return max((max(s.scratch, s.batched) for s in states), default=0)

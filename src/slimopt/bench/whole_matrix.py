@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
+from slimopt.optim.distributed import muon_owners
 from slimopt.optim.distributed.owners import Job, muon_cost, plan_owners, randomized_svd_cost, svd_cost
+from slimopt.optim.routes import muon_batch
 
 __all__ = ["matrices", "compare_schemes", "markdown_table"]
 
@@ -46,7 +48,9 @@ def compare_schemes(shapes: list[tuple[int, tuple[int, int]]], world: int, kind:
     """For `kind` "muon" (bf16 rows, every step), "svd" or "randomized_svd" (fp32 gradients, bases of `rank`
     columns on GaLore's default side, at a refresh): the largest rank's work and received bytes today and with
     owner ranks, and the total work. Today's refresh decomposes everything on the first rank and broadcasts each
-    basis whole; an owner sends a left basis back as row blocks and a right basis to every rank."""
+    basis whole; an owner sends a left basis back as row blocks and a right basis to every rank. Muon's owners
+    are planned as its step runs them (``routes.muon_batch``): the step's matrices in runs of a bounded size, each
+    run planned and exchanged in turn, so the busiest rank's work is the sum over runs of each run's busiest."""
     size = 2 if kind == "muon" else 4
 
     def cost(m, n):
@@ -57,9 +61,23 @@ def compare_schemes(shapes: list[tuple[int, tuple[int, int]]], world: int, kind:
         return randomized_svd_cost(m, n, min(rank + oversample, m, n), power_iters)
 
     jobs = [Job(i, (m, n), m * n * size, cost(m, n)) for i, (m, n) in shapes]
-    plan = plan_owners(jobs, world)
     total = sum(j.cost for j in jobs)
-    today_work = [total if kind == "muon" or r == 0 else 0.0 for r in range(world)]
+    if kind == "muon":
+        runs = [[(i, shape, sz) for _, i, shape, sz in run]
+                for run in muon_batch.runs([((), i, shape, size) for i, shape in shapes], world)]
+        plans = [muon_owners.plan(run, world, ns_steps) for run in runs]
+        owner_work = sum(max(p.loads) for p in plans)
+        bound = sum(sum(j.cost for j in p.jobs) / world + max(j.cost for j in p.jobs) for p in plans)
+        # an exchange is symmetric: a rank receives what it sends
+        owner_bytes = [sum(muon_owners.sent_bytes(run, world, r, ns_steps) for run in runs) for r in range(world)]
+        today_bytes = [sum(m * n * size - _rows(m, world, r) * n * size for _, (m, n) in shapes)
+                       for r in range(world)]  # every rank gathers the whole of every matrix
+        return {"kind": kind, "world": world, "matrices": len(jobs), "total_work": total, "today_work": total,
+                "owner_work": owner_work, "owner_bound": bound, "runs": len(runs),
+                "largest_job": max((j.cost for j in jobs), default=0.0),
+                "today_bytes": max(today_bytes), "owner_bytes": max(owner_bytes)}
+    plan = plan_owners(jobs, world)
+    today_work = [total if r == 0 else 0.0 for r in range(world)]
     today_bytes, owner_bytes = [0] * world, [0] * world
     for j, owner in zip(jobs, plan.owners):
         m, n = j.shape
@@ -67,22 +85,18 @@ def compare_schemes(shapes: list[tuple[int, tuple[int, int]]], world: int, kind:
         left = m < n  # GaLore's default side: a left basis (m x r) for a wide matrix, else a right one (n x r)
         for r in range(world):
             mine = _rows(m, world, r) * n * size
-            if kind == "muon":
-                today_bytes[r] += m * n * size - mine  # every rank gathers the whole matrix
-            elif r == 0:
+            if r == 0:
                 today_bytes[r] += m * n * size - mine  # the gradient, gathered on the first rank
             else:
                 today_bytes[r] += (m if left else n) * k * 4  # the whole basis, broadcast
             if r == owner:
                 owner_bytes[r] += m * n * size - mine  # the other ranks' rows, to compute the matrix
-            elif kind == "muon":
-                owner_bytes[r] += mine  # its rows of the result
             else:
-                owner_bytes[r] += (_rows(m, world, r) if left else n) * k * 4  # its rows of a left basis, or a right one
+                owner_bytes[r] += (_rows(m, world, r) if left else n) * k * 4  # its rows of a left or a right basis
+    largest = max((j.cost for j in jobs), default=0.0)
     return {"kind": kind, "world": world, "matrices": len(jobs), "total_work": total,
-            "today_work": max(today_work), "owner_work": max(plan.loads),
-            "largest_job": max((j.cost for j in jobs), default=0.0),
-            "today_bytes": max(today_bytes), "owner_bytes": max(owner_bytes)}
+            "today_work": max(today_work), "owner_work": max(plan.loads), "owner_bound": total / world + largest,
+            "runs": 1, "largest_job": largest, "today_bytes": max(today_bytes), "owner_bytes": max(owner_bytes)}
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:

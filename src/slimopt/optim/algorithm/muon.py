@@ -56,8 +56,9 @@ uses the parameter's shape (A, B), not the subspace's: the step is Muon's restri
 that of full Muon times sqrt(r / k) (and then GaLore's ``scale``). ``block`` steps whole tensors: plain Muon on the
 active ones.
 
-Under FSDP2 a parameter's rows are spread over ranks, and the iteration needs the whole matrix: ``muon_sharded``
-brings the rows together (docs/distributed.md).
+Under FSDP2 a parameter's rows are spread over ranks, and the iteration needs the whole matrix: the fast step sends
+each matrix's rows to one owner rank (``muon_owners``), the eager one gathers them on every rank (``muon_sharded``);
+docs/distributed.md. ``orthogonalize_many`` iterates same-shape matrices as one batched product chain.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["DEFAULTS", "NS_COEFFICIENTS", "ADJUST_LR_FNS", "NS_DTYPES", "validate", "orthogonalize", "lr_ratio",
-           "momentum_update", "direction", "iteration_dtype", "scratch_bytes"]
+           "momentum_update", "direction", "iteration_dtype", "scratch_bytes", "orthogonalize_many"]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Jordan's quintic, torch.optim.Muon's default
 ADJUST_LR_FNS = ("original", "match_rms_adamw")  # None means "original", as in torch
@@ -146,6 +147,39 @@ def orthogonalize(u: Tensor, coefficients=NS_COEFFICIENTS, steps: int = 5, eps: 
     return x.T if tall else x
 
 
+def orthogonalize_many(us: list[Tensor], coefficients=NS_COEFFICIENTS, steps: int = 5, eps: float = 1e-7,
+                       dtype: torch.dtype = torch.bfloat16) -> list[Tensor]:
+    """``orthogonalize`` of each 2-D matrix in `us`, the matrices of one shape stacked into one batched product
+    chain (bmm / baddbmm: one kernel a product for the stack, not one a matrix). Each result equals its own
+    ``orthogonalize`` (bit for bit on the CPU and shapes tests/test_muon.py checks; a matrix alone in its shape
+    takes ``orthogonalize`` itself). Returns the results in `us`' order, each in `dtype`."""
+    out: list[Tensor | None] = [None] * len(us)
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, u in enumerate(us):
+        if u.dim() != 2:
+            raise ValueError(f"Muon orthogonalizes 2-D matrices, got shape {tuple(u.shape)}")
+        by_shape.setdefault(tuple(u.shape), []).append(i)
+    a, b, c = coefficients
+    for shape, idx in by_shape.items():
+        if len(idx) == 1:
+            out[idx[0]] = orthogonalize(us[idx[0]], coefficients, steps, eps, dtype)
+            continue
+        x = torch.stack([us[i].to(dtype) for i in idx])  # (k, A, B)
+        tall = shape[0] > shape[1]
+        if tall:
+            x = x.transpose(1, 2)  # (k, B, A): the wide orientation, as ``orthogonalize``
+        # each matrix's own norm, computed as ``orthogonalize`` computes it (a batched norm sums in another order)
+        norms = torch.stack([m.norm() for m in x]).clamp(min=eps)
+        x = x / norms.view(-1, 1, 1)
+        for _ in range(steps):
+            gram = torch.bmm(x, x.transpose(1, 2))  # (k, s, s)
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.baddbmm(x, poly, x, beta=a)
+        for j, i in enumerate(idx):
+            out[i] = x[j].T if tall else x[j]
+    return out  # type: ignore[return-value]
+
+
 def lr_ratio(adjust_lr_fn: str | None, shape) -> float:
     """The factor s of the step lr * s * O for a parameter of `shape` (A, B) (torch.optim.Muon's adjustment)."""
     rows, cols = shape[0], shape[1]
@@ -154,15 +188,18 @@ def lr_ratio(adjust_lr_fn: str | None, shape) -> float:
     return math.sqrt(max(1, rows / cols))
 
 
-# What the step of one A x B weight allocates on top of its weight, gradient and state, from its two phases
-# (k = min(A, B)), measured with torch's MemTracker on CPU (256 x 256, 256 x 512, 512 x 256, 128 x 512; fp32 and bf16
-# weights, every m codec, both iteration dtypes; tests/test_muon.py checks the planner's peak against it):
-# - the iteration: the look-ahead U (fp32), the iterate before and after a step and the two k x k products:
-#   8 A B + 8 k^2 bytes in fp32, max(6 A B, 4 A B + 4 k^2) in bf16; plus 4 A B for a decoded momentum that is not
-#   the stored tensor itself (every codec but fp32 of an fp32 weight) and 6 A B for a bf16 weight (the gradient's
-#   fp32 copy, the write);
+# What the step of one A x B weight allocates on top of its weight, gradient and state (k = min(A, B)), measured with
+# torch's MemTracker on CPU (square, 1:2, 1:4, 1:8 and 1:16 shapes, tall and wide; fp32 and bf16 weights, every m
+# codec, both iteration dtypes; tests/test_muon.py checks the planner's peak against it). The step stores the
+# momentum first, then iterates (routes/muon_batch.py):
+# - the iteration: the matrix waiting in the iteration's dtype, the iterate before and after a step and the two
+#   k x k products: 8 A B + 8 k^2 bytes in fp32, max(4 A B, 2 A B + 4 k^2) in bf16; plus 4 A B for a decoded momentum
+#   that is not the stored tensor (of an fp32 weight: every codec but fp32); a bf16 weight, whose momentum is decoded
+#   beside the gradient's fp32 copy and the look-ahead before the iteration, and whose write rounds through fp32:
+#   max(12 A B, the fp32 weight's figure + 2 A B);
 # - storing the momentum through a quantizing codec: bytes per element below (+6 for a bf16 weight), the codes'
 #   temporaries: the same as an AdamW step's in windowed.py minus 12, the second moment's share.
+# Matrices waiting for a batched iteration come on top (``muon_batch.peak_bytes``).
 _ENCODE_PER_ELEMENT = {"int8": 22, "int4": 22, "ternary_sr": 50, "ternary_ef": 66}
 
 
@@ -172,8 +209,10 @@ def scratch_bytes(shape, weight_dtype: torch.dtype, ns_dtype: torch.dtype, m_cod
     rows, cols = shape[0], shape[1]
     area, k2 = rows * cols, min(rows, cols) ** 2
     narrow = weight_dtype not in (torch.float32, torch.float64)
-    iterate = 8 * area + 8 * k2 if ns_dtype == torch.float32 else max(6 * area, 4 * area + 4 * k2)
-    iterate += (4 * area if narrow or m_codec not in ("fp32", "fp64") else 0) + (6 * area if narrow else 0)
+    iterate = 8 * area + 8 * k2 if ns_dtype == torch.float32 else max(4 * area, 2 * area + 4 * k2)
+    iterate += 4 * area if m_codec not in ("fp32", "fp64") and not narrow else 0
+    if narrow:
+        iterate = max(12 * area, iterate + 2 * area)
     encode = (_ENCODE_PER_ELEMENT[m_codec] + (6 if narrow else 0)) * area if m_codec in _ENCODE_PER_ELEMENT else 0
     return max(iterate, encode)
 

@@ -63,8 +63,9 @@ class OwnerPlan:
 
 def plan_owners(jobs: list[Job], world: int, bucket_bytes: int = 64 << 20) -> OwnerPlan:
     """Owners by longest-processing-time-first: jobs by decreasing cost (ties: lower index first), each to the rank
-    with the least load so far (ties: the lower rank). Buckets: the jobs by decreasing index, cut where adding
-    the next job would pass `bucket_bytes` (a bucket holds at least one job)."""
+    with the least load so far (ties: in turn from rank (smallest job index mod world), so that plans of one or a
+    few jobs, as a layer-wise step makes, rotate over the ranks instead of all landing on rank 0). Buckets: the
+    jobs by decreasing index, cut where adding the next job would pass `bucket_bytes` (at least one job each)."""
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive number of ranks, got {world!r}")
     if bucket_bytes < 1:
@@ -78,12 +79,14 @@ def plan_owners(jobs: list[Job], world: int, bucket_bytes: int = 64 << 20) -> Ow
                              f"{j.nbytes!r}")
     owners = [0] * len(jobs)
     loads = [0.0] * world
-    heap = [(0.0, r) for r in range(world)]  # (load, rank): the least-loaded rank, the lower one on ties
+    first = min(indices, default=0) % world
+    heap = [(0.0, (r - first) % world, r) for r in range(world)]  # (load, turn, rank): least loaded, then by turn
+    heapq.heapify(heap)
     for i in sorted(range(len(jobs)), key=lambda i: (-jobs[i].cost, jobs[i].index)):
-        load, rank = heapq.heappop(heap)
+        load, turn, rank = heapq.heappop(heap)
         owners[i] = rank
         loads[rank] = load + jobs[i].cost
-        heapq.heappush(heap, (loads[rank], rank))
+        heapq.heappush(heap, (loads[rank], turn, rank))
     buckets: list[tuple[int, ...]] = []
     current: list[int] = []
     size = 0

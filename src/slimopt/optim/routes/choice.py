@@ -19,6 +19,8 @@ DEBUG when a parameter's route is chosen):
 - ``c_kernel``: the one-pass C kernel in windows (CPU, ``native.py``);
 - ``eager_windows``: the element-wise step as tensor operations in windows (``windowed.py``), the reference of
   every element-wise route;
+- ``muon``: Muon's iteration queued, same-shape matrices stacked, each matrix of an FSDP2 parameter iterated by
+  one owner rank (``muon_batch.py``);
 - ``taco_c_kernel``, ``taco_triton``: TACO's step at one component a column in one pass (``taco.py``);
 - ``taco_sharded``: the same on a row shard, the column max-loc over ranks (``sharded_taco.py``);
 - ``taco_sparse``: TACO's step as tensor operations, one entry a column written (``taco_routes.py``);
@@ -48,7 +50,7 @@ from slimopt.optim.routes import compiled, multi_tensor, native, triton_step, tr
 __all__ = ["ROUTES", "WORKS", "choose", "subspace_rule", "lifted_write"]
 
 ROUTES: dict[str, tuple[str, ...]] = {
-    "full": ("multi_tensor_adamw", "compiled", "triton", "c_kernel", "eager_windows", "eager"),
+    "full": ("multi_tensor_adamw", "compiled", "triton", "c_kernel", "eager_windows", "muon", "eager"),
     "free": ("multi_tensor_free", "triton", "c_kernel", "eager_windows", "eager"),
     "taco": ("taco_c_kernel", "taco_triton", "taco_sharded", "taco_sparse", "eager"),
     "projected": ("projected",),
@@ -107,6 +109,14 @@ def _eager_windows(opt, t, group, work) -> str | None:
     return _whole_windows(t)
 
 
+def _muon(opt, t, group, work) -> str | None:
+    if group["rule"] != "muon":
+        return f"rule {group['rule']!r}"
+    if not group["fused"]:
+        return "fused=False"
+    return None
+
+
 def _taco_c_kernel(opt, t, group, work) -> str | None:
     if t.split:
         return "other ranks hold rows of the weight: its columns' search spans them"
@@ -145,10 +155,9 @@ def _always(opt, t, group, work) -> str | None:
 
 _DECLINES: dict[str, Callable[..., str | None]] = {
     "multi_tensor_adamw": _multi_tensor_adamw, "multi_tensor_free": _multi_tensor_free, "compiled": _compiled,
-    "triton": _triton, "c_kernel": _c_kernel, "eager_windows": _eager_windows, "taco_c_kernel": _taco_c_kernel,
-    "taco_triton": _taco_triton, "taco_sharded": _taco_sharded, "taco_sparse": _taco_sparse, "projected": _always,
-    "eager": _always,
-    "frozen": _always,
+    "triton": _triton, "c_kernel": _c_kernel, "eager_windows": _eager_windows, "muon": _muon,
+    "taco_c_kernel": _taco_c_kernel, "taco_triton": _taco_triton, "taco_sharded": _taco_sharded,
+    "taco_sparse": _taco_sparse, "projected": _always, "eager": _always, "frozen": _always,
 }
 
 

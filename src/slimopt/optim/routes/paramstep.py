@@ -31,7 +31,7 @@ from slimopt.optim.distributed.sharded import (
     space_of,
     target_of,
 )
-from slimopt.optim.routes import choice, compiled, kernel_plan, reference, taco_routes, windowed
+from slimopt.optim.routes import choice, compiled, kernel_plan, muon_batch, reference, taco_routes, windowed
 from slimopt.optim.routes.multi_tensor import Batch  # what a step queues: the optimizer's, run at its end
 from slimopt.optim.routes.subspace import count_moment_step, init_moments, refresh_if_due
 
@@ -193,6 +193,10 @@ def _elementwise(kind: str) -> Callable[..., None]:
     return run
 
 
+def _muon(opt, route, t, group, state, step, work) -> None:
+    muon_batch.queue_step(opt, t, group, state, step, opt._batch.muon)
+
+
 def _taco_c_kernel(opt, route, t, group, state, step, work) -> None:
     taco_routes.c_kernel_step(t.p, t.grad, state, group)
 
@@ -264,7 +268,7 @@ def _projected(opt, route, t, group, state, step, work) -> None:
 _RUNS: dict[str, Callable[..., None]] = {
     "multi_tensor_adamw": _multi_tensor_adamw, "multi_tensor_free": _multi_tensor_free, "compiled": _compiled,
     "triton": _elementwise("triton"), "c_kernel": _elementwise("c_kernel"),
-    "eager_windows": _elementwise("eager_windows"), "taco_c_kernel": _taco_c_kernel, "taco_triton": _taco_triton,
-    "taco_sharded": _taco_sharded, "taco_sparse": _taco_sparse, "projected": _projected, "eager": _eager,
-    "frozen": _frozen,
+    "eager_windows": _elementwise("eager_windows"), "muon": _muon, "taco_c_kernel": _taco_c_kernel,
+    "taco_triton": _taco_triton, "taco_sharded": _taco_sharded, "taco_sparse": _taco_sparse, "projected": _projected,
+    "eager": _eager, "frozen": _frozen,
 }

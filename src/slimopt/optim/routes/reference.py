@@ -18,7 +18,7 @@ process.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -31,7 +31,7 @@ from slimopt.optim.distributed.sharded import Space, Target, moment_codecs
 from slimopt.optim.distributed.sharded_taco import taco_update
 from slimopt.optim.routes.subspace import count_moment_step
 
-__all__ = ["step", "stateful", "weight_stream"]
+__all__ = ["step", "stateful", "moments", "weight_stream"]
 
 
 def weight_stream(group: dict[str, Any], t: Target, step: int):
@@ -65,12 +65,22 @@ def stateful(opt, t: Target, group: dict[str, Any], state: dict[str, Tensor], g:
         return taco.update(state, g, group, norm_shape)
     codecs = moment_codecs(opt, group, space, t.p.dtype)
     age = count_moment_step(state, codecs, g.shape, g.device)
+
+    def rule(mom: dict[str, Tensor]) -> tuple[Tensor, float]:
+        if group["rule"] == "muon" and space.split:  # the iteration needs the whole matrix
+            return muon_sharded.direction(g, mom["momentum_buffer"], group, t.shape, space.rows)
+        return direction(group["rule"], g, mom, age, group, shape=t.shape)
+
+    return moments(opt, t, group, state, g, step, space, codecs, rule)
+
+
+def moments(opt, t: Target, group: dict[str, Any], state: dict[str, Tensor], g: Tensor, step: int, space: Space,
+            codecs: list[tuple[str, Any]], rule: Callable[[dict[str, Tensor]], Any]) -> Any:
+    """Decode the moments of g's shape, run `rule` on them (it updates them in place), store them back (a
+    stochastic codec draws from moment i's stream at the space's offset); returns what `rule` returned."""
     mom = {key: codec.decode(key, state, g.shape) for key, codec in codecs}
-    if group["rule"] == "muon" and space.split:  # the iteration needs the whole matrix
-        d, c = muon_sharded.direction(g, mom["momentum_buffer"], group, t.shape, space.rows)
-    else:
-        d, c = direction(group["rule"], g, mom, age, group, shape=t.shape)
+    out = rule(mom)
     for i, (key, codec) in enumerate(codecs):
         gen = P.stream(group["seed"], t.index, step, i).at(space.offset) if codec.needs_generator else None
         codec.encode(key, mom[key], state, generator=gen)
-    return d, c
+    return out
