@@ -413,7 +413,7 @@ def test_the_queued_step_equals_the_eager_reference(method, hp, ns_dtype, dtype)
 
 
 def test_a_full_queue_runs_early_alike(monkeypatch):
-    from slimopt.optim.routes import muon_batch
+    from slimopt.optim.routes import muon_batch, whole_queue
 
     a, b = twins(hidden=64)
     whole, early = slimopt.build(a, "muon"), slimopt.build(b, "muon")
@@ -421,9 +421,9 @@ def test_a_full_queue_runs_early_alike(monkeypatch):
     calls = []
     orig = muon.orthogonalize_many
     monkeypatch.setattr(muon, "orthogonalize_many", lambda us, *r, **k: calls.append(len(us)) or orig(us, *r, **k))
-    monkeypatch.setattr(muon_batch, "QUEUE_BYTES", 40_000)  # a queue of two 64 x 64 fp32 matrices and a bit
+    monkeypatch.setattr(whole_queue, "QUEUE_BYTES", 40_000)  # a queue of two 64 x 64 fp32 matrices and a bit
     _steps(b, early, 2)
-    runs = muon_batch.runs(muon_batch.queued_matrices(early, 2), 1)
+    runs = whole_queue.runs(muon_batch.queued_matrices(early, 2), 1)
     assert calls == 2 * [len(r) for r in runs] and len(runs) > 4 and max(calls) >= 2
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)

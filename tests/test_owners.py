@@ -113,3 +113,12 @@ def test_plans_of_one_job_rotate_over_the_ranks():
     # a layer-wise step runs each parameter's queue alone: its owner follows the parameter's index
     owners = [plan_owners([Job(i, (4, 4), 64, 1.0)], 4).owners[0] for i in range(8)]
     assert owners == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+def test_no_rank_takes_more_than_its_share_of_jobs_plus_one():
+    # six large jobs and nine small ones over 4 ranks: by cost alone two ranks would take 6-7 of the small ones
+    jobs = [Job(i, (8, 8), 256, 100.0 if i < 6 else 1.0) for i in range(15)]
+    plan = plan_owners(jobs, 4)
+    counts = [plan.owners.count(r) for r in range(4)]
+    assert max(counts) <= -(-15 // 4) + 1 and sum(counts) == 15
+    assert max(plan.loads) <= sum(j.cost for j in jobs) / 4 + 100.0

@@ -155,7 +155,9 @@ def param_bytes(opt, p, group: dict[str, Any], world: int, step: int) -> tuple[i
     chunk = -(-m // world)
     state = opt.state.get(p, {})
     moments = "proj" in state or "proj_index" in state  # a refresh with moments to carry over
-    if layout in ("svd", "randomized_svd"):  # the gradient gathered, decomposed on one rank, the basis broadcast
+    if layout in ("svd", "randomized_svd") and not group["fused"]:
+        # the eager reference: the gradient gathered, decomposed on the first rank, the basis broadcast (the fast
+        # routes decompose on owner ranks: expected_bytes counts it over the step's refreshes)
         refresh = 4 * world * chunk * n + 8 + 4 * (m if side == "left" else n) * r
     stateful = moments and not taco.owns(group, (r, n)) and any(k in state for k, _ in _codecs(opt, group, (r, n),
                                                                                                p.dtype))
@@ -182,24 +184,41 @@ def _chosen_counts(index: torch.Tensor, m: int, world: int) -> list[int]:
     return out
 
 
-def muon_owner_bytes(opt, world: int, step: int, rank: int = 0) -> int:
-    """What `rank` sends to the other ranks for Muon's iterations by owner ranks at `step`
-    (``routes.muon_batch``, ``distributed.muon_owners``): its rows to each matrix's owner, and from each matrix it
-    owns the others' rows of the result."""
-    from slimopt.optim.distributed import muon_owners
-    from slimopt.optim.routes import muon_batch
+def refresh_owner_bytes(opt, world: int, step: int, rank: int = 0) -> int:
+    """What `rank` sends to the other ranks for the refreshes by owner ranks due at `step`
+    (``routes.refresh_batch``): its gradient rows to each matrix's owner, and from each matrix it owns the other
+    ranks' rows of a left basis or a whole right basis, with a status value each."""
+    from slimopt.optim.distributed.exchange import sent_bytes
+    from slimopt.optim.routes import refresh_batch, whole_queue
 
     if world <= 1:
         return 0
-    return sum(muon_owners.sent_bytes([(i, shape, size) for _, i, shape, size in run], world, rank, run[0][0][2])
-               for run in muon_batch.runs(muon_batch.queued_matrices(opt, step), world))
+    items = refresh_batch.queued_refreshes(opt, step)
+    by_index = {item[1]: item for item in items}
+    return sum(sent_bytes([by_index[i][1:] for _, i, _, _ in run], world, rank, status=True)
+               for run in whole_queue.runs([item[:4] for item in items], world))
+
+
+def muon_owner_bytes(opt, world: int, step: int, rank: int = 0) -> int:
+    """What `rank` sends to the other ranks for Muon's iterations by owner ranks at `step`
+    (``routes.muon_batch``, ``distributed.exchange``): its rows to each matrix's owner, and from each matrix it
+    owns the others' rows of the result."""
+    from slimopt.optim.distributed.exchange import sent_bytes
+    from slimopt.optim.distributed.owners import muon_cost
+    from slimopt.optim.routes import muon_batch, whole_queue
+
+    if world <= 1:
+        return 0
+    return sum(sent_bytes([(i, (m, n), size, muon_cost(m, n, key[1][2]), (m, n), True)
+                           for key, i, (m, n), size in run], world, rank)
+               for run in whole_queue.runs(muon_batch.queued_matrices(opt, step), world))
 
 
 def expected_bytes(opt, world: int, step: int, rank: int = 0) -> tuple[int, int]:
     """(bytes of the optimizer's collectives at `step` apart from refreshes, bytes of the refreshes due at `step`)
     sent by `rank`, for the optimizer's parameters sharded over `world` ranks; call it before that step (a refresh
     that carries moments over costs more than the first one). Only Muon's owner exchange differs between ranks."""
-    per_step, refresh = muon_owner_bytes(opt, world, step, rank), 0
+    per_step, refresh = muon_owner_bytes(opt, world, step, rank), refresh_owner_bytes(opt, world, step, rank)
     for group in opt.param_groups:
         for p in group["params"]:
             a, b = param_bytes(opt, p, group, world, step)

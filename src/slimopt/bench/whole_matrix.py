@@ -1,8 +1,9 @@
-"""Whole-matrix work under FSDP2, per rank: today's scheme against owner ranks (``optim.distributed.owners``).
+"""Whole-matrix work under FSDP2, per rank: the eager step's scheme against owner ranks (``optim.distributed.owners``).
 
-Today every rank all-gathers each Muon matrix and iterates on all of them, and an SVD refresh gathers every
-gradient on the group's first rank and decomposes it there. With owner ranks each matrix's rows go to one rank
-(all-to-all), which computes it, and the result's rows come back. For a LLaMA size on W ranks this counts, per
+The eager step ("today" below: what every step did before owner ranks, and the reference) all-gathers each Muon
+matrix on every rank and iterates on all of them, and an SVD refresh gathers every gradient on the group's first
+rank and decomposes it there. With owner ranks (the fast step) each matrix's rows go to one rank (all-to-all),
+which computes it, and the result comes back. For a LLaMA size on W ranks this counts, per
 rank, the work (multiply-adds of the cost models in ``owners``) and the bytes received in a step or a refresh
 (its own rows excluded), and reports the largest rank's: what the slowest rank waits for.
 
@@ -15,9 +16,9 @@ from typing import Any
 
 import torch
 
-from slimopt.optim.distributed import muon_owners
-from slimopt.optim.distributed.owners import Job, muon_cost, plan_owners, randomized_svd_cost, svd_cost
-from slimopt.optim.routes import muon_batch
+from slimopt.optim.distributed import exchange
+from slimopt.optim.distributed.owners import muon_cost, randomized_svd_cost, svd_cost
+from slimopt.optim.routes import whole_queue
 
 __all__ = ["matrices", "compare_schemes", "markdown_table"]
 
@@ -46,11 +47,12 @@ def _rows(m: int, world: int, rank: int) -> int:
 def compare_schemes(shapes: list[tuple[int, tuple[int, int]]], world: int, kind: str, rank: int = 512,
                     ns_steps: int = 5, power_iters: int = 1, oversample: int = 8) -> dict[str, Any]:
     """For `kind` "muon" (bf16 rows, every step), "svd" or "randomized_svd" (fp32 gradients, bases of `rank`
-    columns on GaLore's default side, at a refresh): the largest rank's work and received bytes today and with
-    owner ranks, and the total work. Today's refresh decomposes everything on the first rank and broadcasts each
-    basis whole; an owner sends a left basis back as row blocks and a right basis to every rank. Muon's owners
-    are planned as its step runs them (``routes.muon_batch``): the step's matrices in runs of a bounded size, each
-    run planned and exchanged in turn, so the busiest rank's work is the sum over runs of each run's busiest."""
+    columns on GaLore's default side, at a refresh): the largest rank's work and received bytes with the eager
+    step's scheme ("today": every rank iterates each Muon matrix; the first rank decomposes every refresh and
+    broadcasts each basis whole) and with owner ranks as the fast step runs them (``routes/whole_queue.py``: the
+    matrices in runs of a bounded size, each run planned and exchanged in turn; an owner sends Muon's result and a
+    left basis back by rows, a right basis whole to every rank, a refresh's with a status value), and the total
+    work. The busiest rank's owner work is the sum over runs of each run's busiest."""
     size = 2 if kind == "muon" else 4
 
     def cost(m, n):
@@ -60,43 +62,33 @@ def compare_schemes(shapes: list[tuple[int, tuple[int, int]]], world: int, kind:
             return svd_cost(m, n)
         return randomized_svd_cost(m, n, min(rank + oversample, m, n), power_iters)
 
-    jobs = [Job(i, (m, n), m * n * size, cost(m, n)) for i, (m, n) in shapes]
-    total = sum(j.cost for j in jobs)
-    if kind == "muon":
-        runs = [[(i, shape, sz) for _, i, shape, sz in run]
-                for run in muon_batch.runs([((), i, shape, size) for i, shape in shapes], world)]
-        plans = [muon_owners.plan(run, world, ns_steps) for run in runs]
-        owner_work = sum(max(p.loads) for p in plans)
-        bound = sum(sum(j.cost for j in p.jobs) / world + max(j.cost for j in p.jobs) for p in plans)
-        # an exchange is symmetric: a rank receives what it sends
-        owner_bytes = [sum(muon_owners.sent_bytes(run, world, r, ns_steps) for run in runs) for r in range(world)]
-        today_bytes = [sum(m * n * size - _rows(m, world, r) * n * size for _, (m, n) in shapes)
-                       for r in range(world)]  # every rank gathers the whole of every matrix
-        return {"kind": kind, "world": world, "matrices": len(jobs), "total_work": total, "today_work": total,
-                "owner_work": owner_work, "owner_bound": bound, "runs": len(runs),
-                "largest_job": max((j.cost for j in jobs), default=0.0),
-                "today_bytes": max(today_bytes), "owner_bytes": max(owner_bytes)}
-    plan = plan_owners(jobs, world)
-    today_work = [total if r == 0 else 0.0 for r in range(world)]
-    today_bytes, owner_bytes = [0] * world, [0] * world
-    for j, owner in zip(jobs, plan.owners):
-        m, n = j.shape
+    def result(m, n):  # (shape, by rows) of what an owner computes
+        if kind == "muon":
+            return (m, n), True
         k = min(rank, m, n)
-        left = m < n  # GaLore's default side: a left basis (m x r) for a wide matrix, else a right one (n x r)
+        return ((m, k), True) if m < n else ((n, k), False)  # GaLore's default side: left for a wide matrix
+
+    total = sum(cost(m, n) for _, (m, n) in shapes)
+    runs = whole_queue.runs([((), i, shape, size) for i, shape in shapes], world)
+    plans = [exchange.plan([(i, (m, n), size, cost(m, n)) for _, i, (m, n), _ in run], world) for run in runs]
+    owner_of = {job.index: owner for plan in plans for job, owner in zip(plan.jobs, plan.owners)}
+    status = 0 if kind == "muon" else 4
+    today_bytes, owner_bytes = [0] * world, [0] * world
+    for i, (m, n) in shapes:
+        (rm, rc), by_rows = result(m, n)
         for r in range(world):
             mine = _rows(m, world, r) * n * size
-            if r == 0:
-                today_bytes[r] += m * n * size - mine  # the gradient, gathered on the first rank
+            share = (_rows(rm, world, r) if by_rows else rm) * rc * size
+            if kind == "muon" or r == 0:
+                today_bytes[r] += m * n * size - mine  # Muon: every rank gathers; a refresh: the first rank
             else:
-                today_bytes[r] += (m if left else n) * k * 4  # the whole basis, broadcast
-            if r == owner:
-                owner_bytes[r] += m * n * size - mine  # the other ranks' rows, to compute the matrix
-            else:
-                owner_bytes[r] += (_rows(m, world, r) if left else n) * k * 4  # its rows of a left or a right basis
-    largest = max((j.cost for j in jobs), default=0.0)
-    return {"kind": kind, "world": world, "matrices": len(jobs), "total_work": total,
-            "today_work": max(today_work), "owner_work": max(plan.loads), "owner_bound": total / world + largest,
-            "runs": 1, "largest_job": largest, "today_bytes": max(today_bytes), "owner_bytes": max(owner_bytes)}
+                today_bytes[r] += rm * rc * 4  # the whole basis, broadcast
+            owner_bytes[r] += m * n * size - mine if owner_of[i] == r else share + status
+    largest = max((cost(m, n) for _, (m, n) in shapes), default=0.0)
+    return {"kind": kind, "world": world, "matrices": len(shapes), "total_work": total,
+            "today_work": total, "owner_work": sum(max(p.loads) for p in plans),
+            "owner_bound": sum(sum(j.cost for j in p.jobs) / world + max(j.cost for j in p.jobs) for p in plans),
+            "runs": len(runs), "largest_job": largest, "today_bytes": max(today_bytes), "owner_bytes": max(owner_bytes)}
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:

@@ -57,7 +57,7 @@ that of full Muon times sqrt(r / k) (and then GaLore's ``scale``). ``block`` ste
 active ones.
 
 Under FSDP2 a parameter's rows are spread over ranks, and the iteration needs the whole matrix: the fast step sends
-each matrix's rows to one owner rank (``muon_owners``), the eager one gathers them on every rank (``muon_sharded``);
+each matrix's rows to one owner rank (``exchange``), the eager one gathers them on every rank (``muon_sharded``);
 docs/distributed.md. ``orthogonalize_many`` iterates same-shape matrices as one batched product chain.
 """
 

@@ -4,7 +4,8 @@ Muon's Newton-Schulz iteration and an SVD refresh need a whole matrix while FSDP
 rows. Done by every rank (Muon) or by the group's first rank (refreshes), the work is repeated W times or
 serialized on one rank; given to one owner rank each, it is done once and spread. This module makes the plan: a
 cost for each job, owners by longest-processing-time-first (Graham, "Bounds on multiprocessing timing anomalies",
-1969: no rank's load exceeds the mean load plus the largest job), and buckets of jobs in backward order, so that
+1969: no rank's load exceeds the mean load plus the largest job), at most ceil(N / W) + 1 jobs a rank (a small
+matrix's decomposition costs a call more than its multiply-adds), and buckets of jobs in backward order, so that
 a bucket's exchange can start while later ones are still being computed. The plan is a pure function of the job
 list, so every rank that lists the same parameters makes the same plan without communicating.
 """
@@ -63,9 +64,10 @@ class OwnerPlan:
 
 def plan_owners(jobs: list[Job], world: int, bucket_bytes: int = 64 << 20) -> OwnerPlan:
     """Owners by longest-processing-time-first: jobs by decreasing cost (ties: lower index first), each to the rank
-    with the least load so far (ties: in turn from rank (smallest job index mod world), so that plans of one or a
-    few jobs, as a layer-wise step makes, rotate over the ranks instead of all landing on rank 0). Buckets: the
-    jobs by decreasing index, cut where adding the next job would pass `bucket_bytes` (at least one job each)."""
+    with the least load so far among those holding fewer than ceil(N / W) + 1 jobs (ties: in turn from rank
+    (smallest job index mod world), so that plans of one or a few jobs, as a layer-wise step makes, rotate over
+    the ranks instead of all landing on rank 0). Buckets: the jobs by decreasing index, cut where adding the next
+    job would pass `bucket_bytes` (at least one job each)."""
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive number of ranks, got {world!r}")
     if bucket_bytes < 1:
@@ -82,9 +84,19 @@ def plan_owners(jobs: list[Job], world: int, bucket_bytes: int = 64 << 20) -> Ow
     first = min(indices, default=0) % world
     heap = [(0.0, (r - first) % world, r) for r in range(world)]  # (load, turn, rank): least loaded, then by turn
     heapq.heapify(heap)
+    cap = -(-len(jobs) // world) + 1  # jobs a rank: small jobs' fixed costs (a call, a launch) count too
+    counts = [0] * world
     for i in sorted(range(len(jobs)), key=lambda i: (-jobs[i].cost, jobs[i].index)):
-        load, turn, rank = heapq.heappop(heap)
+        full = []
+        while True:
+            load, turn, rank = heapq.heappop(heap)
+            if counts[rank] < cap:
+                break
+            full.append((load, turn, rank))
+        for item in full:
+            heapq.heappush(heap, item)
         owners[i] = rank
+        counts[rank] += 1
         loads[rank] = load + jobs[i].cost
         heapq.heappush(heap, (loads[rank], turn, rank))
     buckets: list[tuple[int, ...]] = []

@@ -5,7 +5,8 @@
   ``projectors.randomized_basis``) with the same random sketch as one process.
 
 Both gather G on the group's first rank, decompose it there and broadcast the basis (``whole_basis``): the basis of
-one process, bit for bit.
+one process, bit for bit. The eager reference's scheme; the fast routes decompose each matrix on an owner rank
+(``routes/refresh_batch.py``).
 
 A right basis (n x r) is kept whole by every rank; a left one (m x r) by rows, like the parameter.
 """
@@ -18,7 +19,7 @@ from torch import Tensor
 from slimopt.optim.algorithm import projectors as P
 from slimopt.optim.distributed.shardcomm import Rows, broadcast, gather_rows_to_root
 
-__all__ = ["svd_basis", "randomized_basis", "rows_of_basis"]
+__all__ = ["svd_basis", "randomized_basis", "rows_of_basis", "decompose_checked"]
 
 
 def rows_of_basis(q: Tensor, side: str | None, rows: Rows) -> Tensor:
@@ -50,14 +51,14 @@ def whole_basis(g: Tensor, r: int, side: str, rows: Rows, decompose) -> tuple[Te
 
     Returns (basis as this rank keeps it, or None; status "ok" | "nonfinite" | an error message)."""
     if not rows.distributed:
-        return _one_process(lambda: decompose(g), g)
+        return decompose_checked(lambda: decompose(g), g)
     full = gather_rows_to_root(g, rows)
     m, n = rows.total, g.shape[1]
     flag = torch.zeros(1, dtype=torch.int64, device=g.device)
     basis = torch.empty((m if side == "left" else n, min(r, m, n)), dtype=g.dtype, device=g.device)
     message = "ok"
     if full is not None:
-        b, message = _one_process(lambda: decompose(full), full)
+        b, message = decompose_checked(lambda: decompose(full), full)
         if b is None:
             flag.fill_(1 if message == "nonfinite" else 2)
         else:
@@ -70,8 +71,9 @@ def whole_basis(g: Tensor, r: int, side: str, rows: Rows, decompose) -> tuple[Te
     return rows_of_basis(basis, side, rows), "ok"
 
 
-def _one_process(decompose, g: Tensor) -> tuple[Tensor | None, str]:
-    """A whole gradient's basis (``projectors.svd_basis`` / ``randomized_basis``) with the statuses above."""
+def decompose_checked(decompose, g: Tensor) -> tuple[Tensor | None, str]:
+    """A whole gradient g's basis, `decompose()` (``projectors.svd_basis`` / ``randomized_basis``), or None with a
+    status: "ok", "nonfinite" (g or the basis), or the decomposition's error message."""
     if not bool(torch.isfinite(g).all()):
         return None, "nonfinite"
     try:

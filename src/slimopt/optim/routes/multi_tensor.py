@@ -40,7 +40,7 @@ from torch import Tensor
 from slimopt.optim.algorithm.codecs import Bf16Codec, Fp32Codec
 from slimopt.optim.algorithm.rules import decay_factor
 from slimopt.optim.routes import native, triton_step, triton_taco
-from slimopt.optim.routes.muon_batch import MuonQueue
+from slimopt.optim.routes.whole_queue import WholeQueue
 
 __all__ = ["adamw_declines", "adamw_applies", "residual_declines", "residual_applies", "adamw_kernel_declines",
            "adamw_kernel_applies", "residual_kernel_declines", "residual_kernel_applies", "residual_scratch_bytes",
@@ -165,7 +165,7 @@ class Batch:
         self._reduces: list[tuple[Any, Tensor, str, Callable[[Tensor], None]]] = []
         # sums over ranks started already (asynchronous): (their work, what runs once each is done), in that order
         self._started: list[tuple[Any, Callable[[], None]]] = []
-        self.muon = MuonQueue()  # Muon's iterations (muon_batch.py)
+        self.whole = WholeQueue()  # whole-matrix work: Muon's iterations, FSDP2 refreshes (whole_queue.py)
 
     def adamw(self, group: dict[str, Any], p: Tensor, grad: Tensor, state: dict[str, Tensor]) -> None:
         """Queue p for a fused AdamW step; its ``moment_step`` is already counted for this step."""
@@ -239,7 +239,7 @@ class Batch:
         """Step everything queued, then forget it: the reduces the parameters' steps queued start first, and run
         in the background while the launches and the multi-tensor kernels run."""
         started = self._start_reduces()
-        self.muon.flush()
+        self.whole.flush()
         for queued in self._launches.values():
             # the element-wise step's launches, or TACO's (triton_taco.py)
             kernels = triton_taco if isinstance(queued[0][0], triton_taco.Launch) else triton_step

@@ -1,63 +1,35 @@
-"""Muon's step queued: the iterations of many matrices run together at the end of ``step()`` (or when the queue is
-full), each matrix computed once.
+"""Muon's step queued: the iterations of many matrices run together (``whole_queue.py``), each matrix computed once.
 
 A weight's step (``queue_step``) updates its momentum on the rows it holds and stores it, as the eager step does,
-then queues the matrix to orthogonalize with what writes the weight once the result is there. Running the queue
-(``MuonQueue.flush``):
+then queues the matrix to orthogonalize with what writes the weight once the result is there. A run (``run``):
 
 - one process: the queued matrices of one shape go through one batched product chain
   (``muon.orthogonalize_many``: fewer kernels on a GPU, longer products on a CPU core), the result equal to each
   matrix's own iteration;
-- FSDP2 (rows over ranks): each matrix is orthogonalized once, by an owner rank (``muon_owners.exchange``: one
-  all-to-all brings its rows to the owner, one sends the result's rows back), instead of every rank
-  all-gathering and iterating every matrix (``muon_sharded``, which the eager reference step keeps).
+- FSDP2 (rows over ranks): each matrix is orthogonalized once, by an owner rank chosen on the iteration's cost
+  (``exchange.py``: one all-to-all brings its rows to the owner, one sends the result's rows back), instead of
+  every rank all-gathering and iterating every matrix (``muon_sharded``, which the eager reference step keeps).
 
-The queue holds at most ``QUEUE_BYTES`` of iterates a rank (whole matrices' bytes over the ranks, the same count on
-every rank, so every rank flushes at the same parameters): a larger matrix waits alone. ``peak_bytes`` is what
-the queue holds at its fullest, for the memory planner.
+``peak_bytes`` is what the queue holds and allocates at its fullest, for the memory planner.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from slimopt.optim.algorithm import muon
 from slimopt.optim.algorithm.rules import apply_update, comp_of, rounding_of
-from slimopt.optim.distributed import muon_owners
+from slimopt.optim.distributed.exchange import Part, exchange
+from slimopt.optim.distributed.owners import muon_cost
 from slimopt.optim.distributed.sharded import Target, moment_codecs
 from slimopt.optim.routes import reference
 from slimopt.optim.routes.subspace import count_moment_step
+from slimopt.optim.routes.whole_queue import Pending, WholeQueue, key_of, runs
 
-__all__ = ["QUEUE_BYTES", "Pending", "MuonQueue", "queue_step", "flush_due", "iteration_key", "runs", "peak_bytes",
-           "queued_matrices"]
-
-QUEUE_BYTES = 64 << 20  # iterates waiting per rank: small beside a model, a few layers' matrices of LLaMA-1B
-
-
-@dataclass
-class Pending:
-    """One queued matrix: its parameter's index and whole shape, this rank's rows of the matrix to orthogonalize
-    (in the iteration's dtype), their split, and what takes this rank's rows of the result."""
-
-    index: int
-    shape: tuple[int, int]
-    x: Tensor
-    rows: Any
-    finish: Callable[[Tensor], None]
-
-    @property
-    def whole_bytes(self) -> int:
-        return self.shape[0] * self.shape[1] * self.x.element_size()
-
-
-def flush_due(queued_bytes: int, new_bytes: int, world: int) -> bool:
-    """Whether a queue holding `queued_bytes` of whole matrices runs before one of `new_bytes` joins it: every
-    rank counts whole matrices, so every rank decides alike."""
-    return queued_bytes > 0 and queued_bytes + new_bytes > QUEUE_BYTES * world
+__all__ = ["queue_step", "run", "iteration_key", "peak_bytes", "queued_matrices"]
 
 
 def iteration_key(group: dict[str, Any], dtype: torch.dtype) -> tuple:
@@ -65,55 +37,21 @@ def iteration_key(group: dict[str, Any], dtype: torch.dtype) -> tuple:
     return (dtype, tuple(group["ns_coefficients"]), group["ns_steps"], float(group["ns_eps"]))
 
 
-def runs(matrices: list[tuple[tuple, int, tuple[int, int], int]], world: int) -> list[list[tuple]]:
-    """How a step's queued matrices (iteration key, parameter index, whole shape, element size), in the order
-    queued, are run: each list one flush of one key's queue (``MuonQueue`` decides alike)."""
-    out: list[list[tuple]] = []
-    open_runs: dict[tuple, list[tuple]] = {}
-    for item in matrices:
-        key, _, (m, n), size = item
-        run = open_runs.setdefault(key, [])
-        if flush_due(sum(a * b * s for _, _, (a, b), s in run), m * n * size, world):
-            out.append(run)
-            run = open_runs[key] = []
-        run.append(item)
-    return out + [r for r in open_runs.values() if r]
+def run(queue: list[Pending], setting: tuple) -> None:
+    """Orthogonalize the queued matrices (`setting`: their ``iteration_key``) and finish their steps: stacked by
+    shape in one process, each by its owner rank under FSDP2."""
+    dtype, coefficients, steps, eps = setting
+    parts = [q.part for q in queue]
+    if parts[0].rows.world > 1:
+        results = [o for o, _ in exchange(parts, [q.cost for q in queue], lambda _, us: [
+            (o, 0.0) for o in muon.orthogonalize_many(us, coefficients, steps, eps, dtype)])]
+    else:
+        results = muon.orthogonalize_many([p.x for p in parts], coefficients, steps, eps, dtype)
+    for q, o in zip(queue, results):
+        q.finish(o)
 
 
-class MuonQueue:
-    """The matrices waiting for their iteration, by process group, number of ranks and ``iteration_key``."""
-
-    def __init__(self) -> None:
-        self._queues: dict[tuple, list[Pending]] = {}
-
-    def add(self, key: tuple, pending: Pending) -> None:
-        queue = self._queues.setdefault(key, [])
-        if flush_due(sum(q.whole_bytes for q in queue), pending.whole_bytes, pending.rows.world):
-            self._run(key, queue)
-            queue.clear()
-        queue.append(pending)
-
-    def flush(self) -> None:
-        """Orthogonalize every queued matrix and write its weight."""
-        for key, queue in self._queues.items():
-            self._run(key, queue)
-        self._queues.clear()
-
-    @staticmethod
-    def _run(key: tuple, queue: list[Pending]) -> None:
-        if not queue:
-            return
-        _, world, (dtype, coefficients, steps, eps) = key
-        if world > 1:
-            results = muon_owners.exchange(queue, lambda us: muon.orthogonalize_many(us, coefficients, steps, eps,
-                                                                                     dtype), steps)
-        else:
-            results = muon.orthogonalize_many([q.x for q in queue], coefficients, steps, eps, dtype)
-        for q, o in zip(queue, results):
-            q.finish(o)
-
-
-def queue_step(opt, t: Target, group: dict[str, Any], state: dict[str, Tensor], step: int, queue: MuonQueue) -> None:
+def queue_step(opt, t: Target, group: dict[str, Any], state: dict[str, Tensor], step: int, queue: WholeQueue) -> None:
     """Muon's step of the 2-D weight window `t`: the momentum updated and stored now (``reference.moments``), the
     iteration queued, the weight written when its rows of the result come back."""
     g = t.grad if t.grad.dtype in (torch.float32, torch.float64) else t.grad.float()
@@ -131,8 +69,11 @@ def queue_step(opt, t: Target, group: dict[str, Any], state: dict[str, Tensor], 
     def finish(o: Tensor) -> None:
         apply_update(p, o.float(), coef, None, group, comp, stream)
 
-    pending = Pending(t.index, (t.shape[0], t.shape[1]), x, t.rows, finish)
-    queue.add((id(t.rows.group), t.rows.world, iteration_key(group, dtype)), pending)
+    m, n = t.shape
+    setting = iteration_key(group, dtype)
+    part = Part(t.index, (m, n), x, t.rows, (m, n))
+    queue.add(key_of("muon", t.rows, setting), Pending(part, muon_cost(m, n, group["ns_steps"]), finish),
+              lambda pending: run(pending, setting))
 
 
 def peak_bytes(matrices: list[tuple[tuple, int, tuple[int, int], int]], world: int = 1) -> int:
@@ -141,10 +82,10 @@ def peak_bytes(matrices: list[tuple[tuple, int, tuple[int, int], int]], world: i
     (the normalized iterate, the next one, the Gram matrix and its polynomial; k = min(m, n)), within ~10% above
     torch's MemTracker count of a small LLaMA's step (tests/test_muon.py). A rank's share over `world` ranks."""
     peak = 0
-    for run in runs(matrices, world):
-        waiting = sum(m * n * size for _, _, (m, n), size in run)
+    for matrices_of_run in runs(matrices, world):
+        waiting = sum(m * n * size for _, _, (m, n), size in matrices_of_run)
         stacks: dict[tuple[int, int], int] = {}
-        for _, _, (m, n), size in run:
+        for _, _, (m, n), size in matrices_of_run:
             stacks[(m, n)] = stacks.get((m, n), 0) + size * (3 * m * n + 2 * min(m, n) ** 2)
         peak = max(peak, -(-(waiting + max(stacks.values())) // world))
     return peak
@@ -164,5 +105,5 @@ def queued_matrices(opt, step: int) -> list[tuple[tuple, int, tuple[int, int], i
             device = torch.device("cuda") if p.device.type == "meta" else p.device
             dtype = muon.iteration_dtype(group["ns_dtype"], device)
             size = torch.empty((), dtype=dtype, device="meta").element_size()
-            out.append((iteration_key(group, dtype), opt._where[p][2], (p.shape[0], p.shape[1]), size))
+            out.append((("muon", iteration_key(group, dtype)), opt._where[p][2], (p.shape[0], p.shape[1]), size))
     return out

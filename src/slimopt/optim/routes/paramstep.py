@@ -31,7 +31,16 @@ from slimopt.optim.distributed.sharded import (
     space_of,
     target_of,
 )
-from slimopt.optim.routes import choice, compiled, kernel_plan, muon_batch, reference, taco_routes, windowed
+from slimopt.optim.routes import (
+    choice,
+    compiled,
+    kernel_plan,
+    muon_batch,
+    reference,
+    refresh_batch,
+    taco_routes,
+    windowed,
+)
 from slimopt.optim.routes.multi_tensor import Batch  # what a step queues: the optimizer's, run at its end
 from slimopt.optim.routes.subspace import count_moment_step, init_moments, refresh_if_due
 
@@ -194,7 +203,7 @@ def _elementwise(kind: str) -> Callable[..., None]:
 
 
 def _muon(opt, route, t, group, state, step, work) -> None:
-    muon_batch.queue_step(opt, t, group, state, step, opt._batch.muon)
+    muon_batch.queue_step(opt, t, group, state, step, opt._batch.whole)
 
 
 def _taco_c_kernel(opt, route, t, group, state, step, work) -> None:
@@ -227,16 +236,22 @@ def _frozen(opt, route, t, group, state, step, work) -> None:
     pass
 
 
-def _projected(opt, route, t, group, state, step, work) -> None:
+def _projected(opt, route, t, group, state, step, work, decomposed=None) -> None:
     """A subspace projector's step (``windowed.projected``): the refresh where due, then the step in windows of
-    slices, its element-wise parts in the kernels ``choice.subspace_rule`` and ``choice.lifted_write`` pick."""
+    slices, its element-wise parts in the kernels ``choice.subspace_rule`` and ``choice.lifted_write`` pick. A row
+    shard's decomposition is queued for an owner rank (``refresh_batch.py``), the step finished when its basis
+    (`decomposed`) is there."""
     if _replay(opt, route, t, group, state, step):  # between refreshes, where planned
         return
     projector, shape = group["projector"], t.shape
     ortho = projector in P.ORTHO_PROJECTORS
     side = P.side_for(shape, group["proj_side"]) if ortho else None
     r = P.subspace_rank(shape, projector, side, group["rank"], group["density"])
-    basis = refresh_if_due(opt, t, group, state, step, projector, side, r)
+    if decomposed is None and refresh_batch.due(t, group, state, step, projector):
+        refresh_batch.queue(t, group, step, side, r, opt._batch.whole, lambda d: _projected(
+            opt, route, t, group, state, step, work, d))
+        return
+    basis = refresh_if_due(opt, t, group, state, step, projector, side, r, decomposed)
     local = local_selection(basis, t.rows)[0] if projector == "rows" else basis
     # a subspace that spans the whole side leaves an exactly zero residual: computing it would leave rounding
     # noise, which sign() would blow up to a full step

@@ -49,17 +49,19 @@ def count_moment_step(state: dict[str, Tensor], codecs, shape: torch.Size, devic
 
 
 def refresh_if_due(opt, t: Target, group: dict[str, Any], state: dict[str, Tensor], step: int, projector: str,
-                   side: str | None, r: int) -> Tensor:
-    """The subspace choice of this step (state's ``proj`` or ``proj_index``), chosen anew first where it is due."""
+                   side: str | None, r: int, decomposed: tuple[Tensor | None, str] | None = None) -> Tensor:
+    """The subspace choice of this step (state's ``proj`` or ``proj_index``), chosen anew first where it is due;
+    decomposed: (this rank's part of the new basis or None, status), where an owner rank decomposed it
+    (``refresh_batch.py``)."""
     key = basis_key(projector)
     if key not in state or P.refresh_due(step, group["update_gap"]):
         g = t.grad if t.grad.dtype in (torch.float32, torch.float64) else t.grad.float()
-        _refresh(opt, t, group, state, g, step, projector, side, r, key)
+        _refresh(opt, t, group, state, g, step, projector, side, r, key, decomposed)
     return state[key]
 
 
 def _refresh(opt, t: Target, group: dict[str, Any], state: dict[str, Tensor], g: Tensor, step: int, projector: str,
-             side: str | None, r: int, key: str) -> None:
+             side: str | None, r: int, key: str, decomposed: tuple[Tensor | None, str] | None = None) -> None:
     """Choose the subspace anew, identically on every rank; keep / reset / rotate the moments."""
     rows = t.rows
     gen = P.generator(t.p.device, group["seed"], t.index, P.refresh_index(step, group["update_gap"]))
@@ -67,7 +69,9 @@ def _refresh(opt, t: Target, group: dict[str, Any], state: dict[str, Tensor], g:
     old = state.get(key)
     new = None
     if projector in ("svd", "randomized_svd"):
-        if projector == "svd":
+        if decomposed is not None:
+            new, status = decomposed
+        elif projector == "svd":
             new, status = svd_basis(g, r, side, rows)
         else:
             new, status = randomized_basis(g, r, side, gen, group["oversample"], group["power_iters"], rows)
