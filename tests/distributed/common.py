@@ -91,6 +91,7 @@ CASES: dict[str, tuple[str, dict]] = {
     "galore": ("galore", dict(rank=8, **GAP)),
     "galore_rsvd": ("galore_rsvd", dict(rank=8, on_refresh="project", **GAP)),
     "galore8bit": ("galore8bit", dict(rank=8, **GAP)),
+    "galore_staggered": ("galore", dict(rank=8, stagger_refresh=True, **GAP)),  # half the matrices at odd steps
     "taco": ("taco", {}),
     "mixed_a": ("adamw", dict(overrides=MIXED_A)),
     "mixed_b": ("taco", dict(overrides=MIXED_B)),

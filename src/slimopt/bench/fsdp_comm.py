@@ -149,7 +149,9 @@ def param_bytes(opt, p, group: dict[str, Any], world: int, step: int) -> tuple[i
             size = torch.empty((), dtype=muon.iteration_dtype(group["ns_dtype"], device)).element_size()
             per_step += size * world * max(1, -(-rows // world)) * cols
     refresh = 0
-    if layout in ("none", "block") or not r or not P.refresh_due(step, group["update_gap"]):
+    from slimopt.optim.routes.subspace import refresh_phase
+    if layout in ("none", "block") or not r or not P.refresh_due(step, group["update_gap"],
+                                                                 refresh_phase(opt, p, group)):
         return per_step, refresh
     m, n = p.shape
     chunk = -(-m // world)

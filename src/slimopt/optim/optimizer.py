@@ -81,6 +81,7 @@ class SlimOptimizer(torch.optim.Optimizer):
         self._blocks: dict[tuple, frozenset[int]] = {}
         self._geometry: dict[Tensor, tuple] = {}  # each parameter's rows and index (sharded.target_of)
         self._routes: dict[Tensor, paramstep.Route] = {}  # each parameter's route and what it keeps (paramstep.py)
+        self._phases: dict[tuple, dict[int, int]] = {}  # staggered refreshes' phases (subspace.refresh_phase)
         self._batch = paramstep.Batch()
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -18,7 +18,8 @@ Every keyword of ``DEFAULTS`` is a per-group setting:
   ``ns_steps``, ``ns_coefficients``, ``ns_eps``, ``ns_dtype``, ``adjust_lr_fn``, see ``slimopt.optim.algorithm.muon``).
 - ``projector``: ``none`` | ``svd`` | ``randomized_svd`` | ``random`` | ``columns`` | ``rows`` | ``block``;
   ``rank`` or ``density`` sets the subspace size (for ``block``: how many tensors of the group are active);
-  ``update_gap`` steps between refreshes; ``scale`` multiplies the state-full update (GaLore's alpha);
+  ``update_gap`` steps between refreshes (``stagger_refresh=True``: each matrix at its own phase of the gap,
+  phases balanced by the refresh's cost, so no step pays every decomposition); ``scale`` multiplies the state-full update (GaLore's alpha);
   ``proj_side`` ``std`` | ``reverse_std`` | ``left`` | ``right`` (galore-torch's proj_type);
   ``proj_dtype`` ``fp32`` | ``grad`` | ``auto`` (the matrix products of ``svd``, ``randomized_svd`` and
   ``random`` projections in fp32, or in a bf16 / fp16 gradient's own dtype as galore-torch does: several times
@@ -80,6 +81,7 @@ DEFAULTS: dict[str, Any] = dict(
     rank=None,
     density=None,
     update_gap=200,
+    stagger_refresh=False,
     scale=1.0,
     proj_side="std",
     proj_dtype="fp32",
@@ -148,6 +150,6 @@ def validate_group(group: dict[str, Any]) -> None:
     resolve_codecs(group["codec"], group["m_codec"], group["v_codec"], group["state_bits"])
     taco.validate(group)
     muon.validate(group)
-    for name in ("compile", "fused"):
+    for name in ("compile", "fused", "stagger_refresh"):
         if not isinstance(group[name], bool):
             raise ValueError(f"{name} must be True or False, got {group[name]!r}")

@@ -239,13 +239,15 @@ def active_blocks(num_blocks: int, density: float, refresh_index: int, order: st
     return sorted(chosen)
 
 
-def refresh_due(step: int, update_gap: int) -> bool:
-    """True at the steps where the subspace is chosen anew (1, 1 + gap, ...: galore-torch's iter % gap == 0)."""
-    return (step - 1) % update_gap == 0
+def refresh_due(step: int, update_gap: int, phase: int = 0) -> bool:
+    """True at the steps where the subspace is chosen anew: 1 + phase, 1 + phase + gap, ... (phase 0: galore-torch's
+    iter % gap == 0; a staggered refresh's phase: ``subspace.refresh_phase``)."""
+    return step - 1 >= phase and (step - 1 - phase) % update_gap == 0
 
 
-def refresh_index(step: int, update_gap: int) -> int:
-    return (step - 1) // update_gap
+def refresh_index(step: int, update_gap: int, phase: int = 0) -> int:
+    """Which refresh period `step` lies in (-1 before a staggered parameter's first phase)."""
+    return (step - 1 - phase) // update_gap
 
 
 

@@ -30,6 +30,8 @@ def unused_reason(key: str, group: Mapping[str, Any]) -> str | None:
         return f"it sets the dtype of svd, randomized_svd and random projections' products; the projector is {projector!r}"
     if key in ("oversample", "power_iters") and projector != "randomized_svd":
         return f"it tunes the randomized_svd projector; the projector is {projector!r}"
+    if key == "stagger_refresh" and projector in ("none", "block"):
+        return f"it staggers the refreshes of a subspace projector's matrices; the projector is {projector!r}"
     if key == "block_order" and projector != "block":
         return f"it orders the block projector's blocks; the projector is {projector!r}"
     if key == "free_scale" and (projector == "none" or group["free_rule"] == "none"):

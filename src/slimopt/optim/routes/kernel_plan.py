@@ -157,10 +157,10 @@ class ProjectedPlan(Plan):
         super().__init__(group, p, grad, refs)
         self.key, self.projector, self.side, self.mm, self.low_shape = key, projector, side, mm, low_shape
         self.rule, self.write, self.windows, self.reduce = rule, write, windows, reduce
-        self.update_gap = group["update_gap"]
+        self.update_gap, self.phase = group["update_gap"], 0  # phase: set by the route (subspace.refresh_phase)
 
     def holds(self, p, state, step) -> bool:
-        return super().holds(p, state, step) and not P.refresh_due(step, self.update_gap)
+        return super().holds(p, state, step) and not P.refresh_due(step, self.update_gap, self.phase)
 
     def run(self, p, grad, state, group, age, batch, stream=None) -> None:
         q = state[self.key]

@@ -42,7 +42,7 @@ from slimopt.optim.routes import (
     windowed,
 )
 from slimopt.optim.routes.multi_tensor import Batch  # what a step queues: the optimizer's, run at its end
-from slimopt.optim.routes.subspace import count_moment_step, init_moments, refresh_if_due
+from slimopt.optim.routes.subspace import count_moment_step, init_moments, refresh_if_due, refresh_phase
 
 __all__ = ["step", "group_key", "work_of", "explain", "Route", "ROUTE_SETTINGS", "Batch"]
 
@@ -247,8 +247,8 @@ def _projected(opt, route, t, group, state, step, work, decomposed=None) -> None
     ortho = projector in P.ORTHO_PROJECTORS
     side = P.side_for(shape, group["proj_side"]) if ortho else None
     r = P.subspace_rank(shape, projector, side, group["rank"], group["density"])
-    if decomposed is None and refresh_batch.due(t, group, state, step, projector):
-        refresh_batch.queue(t, group, step, side, r, opt._batch.whole, lambda d: _projected(
+    if decomposed is None and refresh_batch.due(opt, t, group, state, step, projector):
+        refresh_batch.queue(opt, t, group, step, side, r, opt._batch.whole, lambda d: _projected(
             opt, route, t, group, state, step, work, d))
         return
     basis = refresh_if_due(opt, t, group, state, step, projector, side, r, decomposed)
@@ -278,6 +278,7 @@ def _projected(opt, route, t, group, state, step, work, decomposed=None) -> None
     if whole_rule is None and route.plan is None:  # the steps to the next refresh replay the kernels' arguments
         route.plan = kernel_plan.build_projected(t.p, t.grad, state, group, projector, side,
                                                  "proj" if ortho else "proj_index", residual, codecs, reduce)
+        route.plan.phase = refresh_phase(opt, t.param, group)  # the plan replays until this parameter's refresh
 
 
 _RUNS: dict[str, Callable[..., None]] = {

@@ -19,9 +19,9 @@ from torch import Tensor
 
 from slimopt.optim.algorithm import projectors as P
 from slimopt.optim.distributed.exchange import Part, exchange
-from slimopt.optim.distributed.owners import randomized_svd_cost, svd_cost
 from slimopt.optim.distributed.sharded import Target
 from slimopt.optim.distributed.sharded_bases import decompose_checked
+from slimopt.optim.routes.subspace import refresh_cost, refresh_phase
 from slimopt.optim.routes.whole_queue import Pending, WholeQueue, key_of
 
 __all__ = ["DECOMPOSED", "due", "queue", "run", "queued_refreshes", "STATUS"]
@@ -30,26 +30,21 @@ DECOMPOSED = ("svd", "randomized_svd")
 STATUS = {0.0: "ok", 1.0: "nonfinite"}  # any other value: the decomposition failed on its owner
 
 
-def due(t: Target, group: dict[str, Any], state: dict[str, Tensor], step: int, projector: str) -> bool:
+def due(opt, t: Target, group: dict[str, Any], state: dict[str, Tensor], step: int, projector: str) -> bool:
     """Whether this step of `t` refreshes a decomposed basis by owner ranks: a row shard whose basis is due (or
     missing), on the fast routes (``fused=True``; the eager reference keeps the first rank's decomposition)."""
     return (t.split and group["fused"] and projector in DECOMPOSED
-            and ("proj" not in state or P.refresh_due(step, group["update_gap"])))
+            and ("proj" not in state or P.refresh_due(step, group["update_gap"], refresh_phase(opt, t.param, group))))
 
 
-def _cost(group: dict[str, Any], m: int, n: int, r: int) -> float:
-    if group["projector"] == "svd":
-        return svd_cost(m, n)
-    return randomized_svd_cost(m, n, min(r + group["oversample"], m, n), group["power_iters"])
-
-
-def queue(t: Target, group: dict[str, Any], step: int, side: str, r: int, whole: WholeQueue,
+def queue(opt, t: Target, group: dict[str, Any], step: int, side: str, r: int, whole: WholeQueue,
           finish: Callable[[tuple[Tensor | None, str]], None]) -> None:
     """Queue the refresh of `t` (its gradient rows); finish((this rank's part of the new basis or None, status))
     goes on with its step once the basis is there."""
     g = t.grad if t.grad.dtype in (torch.float32, torch.float64) else t.grad.float()
     m, n = t.shape
-    gen = P.generator(t.p.device, group["seed"], t.index, P.refresh_index(step, group["update_gap"]))
+    gen = P.generator(t.p.device, group["seed"], t.index,
+                      P.refresh_index(step, group["update_gap"], refresh_phase(opt, t.param, group)))
     if group["projector"] == "svd":
         def decompose(full: Tensor) -> Tensor:
             return P.svd_basis(full, r, side)
@@ -61,7 +56,7 @@ def queue(t: Target, group: dict[str, Any], step: int, side: str, r: int, whole:
         finish((share.contiguous(), "ok") if code == 0.0 else (None, STATUS.get(code, "failed on its owner rank")))
 
     part = Part(t.index, (m, n), g.contiguous(), t.rows, (m if side == "left" else n, min(r, m, n)), side == "left")
-    pending = Pending(part, _cost(group, m, n, r), done, decompose)
+    pending = Pending(part, refresh_cost(group, t.shape), done, decompose)
     whole.add(key_of("refresh", t.rows, g.dtype), pending, run)
 
 
@@ -94,9 +89,10 @@ def queued_refreshes(opt, step: int) -> list[tuple[tuple, int, tuple[int, int], 
             m, n = p.shape
             side = P.side_for(p.shape, group["proj_side"])
             r = P.subspace_rank(p.shape, group["projector"], side, group["rank"], group["density"])
-            if not r or ("proj" in opt.state.get(p, {}) and not P.refresh_due(step, group["update_gap"])):
+            phase = refresh_phase(opt, p, group)
+            if not r or ("proj" in opt.state.get(p, {}) and not P.refresh_due(step, group["update_gap"], phase)):
                 continue
             size = 8 if p.dtype == torch.float64 else 4
-            out.append((("refresh", size), opt._where[p][2], (m, n), size, _cost(group, m, n, r),
+            out.append((("refresh", size), opt._where[p][2], (m, n), size, refresh_cost(group, p.shape),
                         (m if side == "left" else n, min(r, m, n)), side == "left"))
     return out

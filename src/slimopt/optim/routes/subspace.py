@@ -7,6 +7,9 @@ rank of a sharded run makes the same one: a decomposition of a row-sharded gradi
 finder on its rows (``sharded_bases.py``), and a left basis is kept by rows like the parameter. At a refresh the
 moments are kept (GaLore), reset (FRUGAL) or rotated into the new basis (LDAdam, arXiv 2410.16103:
 ``on_refresh``). A failed or non-finite decomposition keeps the previous subspace (one warning).
+
+Every parameter of a group refreshes at the same steps, or, under ``stagger_refresh``, each at its own phase of
+the gap (``refresh_phase``: phases balanced by the refresh's cost), so that no step pays every decomposition.
 """
 
 from __future__ import annotations
@@ -21,9 +24,41 @@ from slimopt.optim.algorithm import taco
 from slimopt.optim.algorithm.rules import MOMENTS
 from slimopt.optim.distributed.shardcomm import Rows, all_reduce, chosen_per_rank, gather_var_rows
 from slimopt.optim.distributed.sharded import Target, local_selection, local_shape, moment_codecs, space_of
+from slimopt.optim.distributed.owners import Job, plan_owners, randomized_svd_cost, svd_cost
 from slimopt.optim.distributed.sharded_bases import randomized_basis, rows_of_basis, svd_basis
 
-__all__ = ["basis_key", "refresh_if_due", "init_moments", "count_moment_step"]
+__all__ = ["basis_key", "refresh_if_due", "init_moments", "count_moment_step", "refresh_phase", "refresh_cost"]
+
+
+def refresh_cost(group: dict[str, Any], shape) -> float:
+    """About the multiply-adds of one refresh of a `shape` weight under the group's projector (``owners.py``'s
+    models; a seeded basis or coordinate draw: m n)."""
+    m, n = shape[0], shape[1]
+    projector = group["projector"]
+    side = P.side_for(shape, group["proj_side"]) if projector in P.ORTHO_PROJECTORS else None
+    r = P.subspace_rank(shape, projector, side, group["rank"], group["density"])
+    if projector == "svd":
+        return svd_cost(m, n)
+    if projector == "randomized_svd":
+        return randomized_svd_cost(m, n, min(r + group["oversample"], m, n), group["power_iters"])
+    return float(m * n)
+
+
+def refresh_phase(opt, param: Tensor, group: dict[str, Any]) -> int:
+    """The step offset of `param`'s refreshes within each ``update_gap``: 0, or under ``stagger_refresh`` a phase
+    in [0, update_gap) given by longest-processing-time-first over the gap's steps on the refreshes' costs
+    (``owners.plan_owners``), made once per group from the parameters' whole shapes: alike on every rank."""
+    gap = group["update_gap"]
+    if not group["stagger_refresh"] or gap == 1:
+        return 0
+    key = (id(group), gap, group["projector"], len(group["params"]))
+    phases = opt._phases.get(key)
+    if phases is None:
+        jobs = [Job(opt._where[p][2], tuple(p.shape), 0, refresh_cost(group, p.shape)) for p in group["params"]
+                if opt._layout(p, group) == group["projector"]]
+        plan = plan_owners(jobs, gap)
+        phases = opt._phases[key] = {job.index: phase for job, phase in zip(plan.jobs, plan.owners)}
+    return phases.get(opt._where[param][2], 0)
 
 
 def basis_key(projector: str) -> str:
@@ -54,7 +89,7 @@ def refresh_if_due(opt, t: Target, group: dict[str, Any], state: dict[str, Tenso
     decomposed: (this rank's part of the new basis or None, status), where an owner rank decomposed it
     (``refresh_batch.py``)."""
     key = basis_key(projector)
-    if key not in state or P.refresh_due(step, group["update_gap"]):
+    if key not in state or P.refresh_due(step, group["update_gap"], refresh_phase(opt, t.param, group)):
         g = t.grad if t.grad.dtype in (torch.float32, torch.float64) else t.grad.float()
         _refresh(opt, t, group, state, g, step, projector, side, r, key, decomposed)
     return state[key]
@@ -64,7 +99,8 @@ def _refresh(opt, t: Target, group: dict[str, Any], state: dict[str, Tensor], g:
              side: str | None, r: int, key: str, decomposed: tuple[Tensor | None, str] | None = None) -> None:
     """Choose the subspace anew, identically on every rank; keep / reset / rotate the moments."""
     rows = t.rows
-    gen = P.generator(t.p.device, group["seed"], t.index, P.refresh_index(step, group["update_gap"]))
+    gen = P.generator(t.p.device, group["seed"], t.index,
+                      P.refresh_index(step, group["update_gap"], refresh_phase(opt, t.param, group)))
     m, n = t.shape
     old = state.get(key)
     new = None
