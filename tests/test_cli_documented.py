@@ -436,6 +436,8 @@ CASES = [
                  replace={"--max-steps": "2"}, add=("--methods", "adamw,galore"), slow=True),
     compare_case("compare-tune-seeds", "slimopt compare --methods adamw,galore,frugal --tune-lr --seeds 3",
                  replace={"--seeds": "2"}, slow=True),
+    compare_case("compare-stagger-seeds", "slimopt compare --methods galore,galore+stagger_refresh=True+lr=0.04 "
+                 "--seeds 3", replace={"--seeds": "2"}, slow=True),
     compare_case("compare-bf16-variants", "slimopt compare --dtype bf16 --vocab-size 512 --max-steps 512 --methods "
                  "adamw,adamw+param_rounding=stochastic,adamw+param_rounding=kahan --no-control",
                  replace={"--max-steps": "2", "--methods": "adamw,adamw+param_rounding=kahan"}, slow=True),
