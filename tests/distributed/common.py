@@ -1,4 +1,5 @@
-"""The model, methods, gradients and comparison rules shared by the FSDP2 worker and tests/test_fsdp.py.
+"""The model, methods, gradients and comparison rules shared by the FSDP2 workers and tests/test_fsdp.py, and
+what every worker does to start (``start_ranks``).
 
 The model has the shapes that exercise every sharded code path at 2 and 4 ranks: right projections (128 x 64),
 left ones (64 x 128, 64 x 68), quantization blocks aligned with every shard (64-wide rows) and not (68 x 64 at
@@ -197,3 +198,54 @@ def compare(ref_params: dict[str, torch.Tensor], model: nn.Module, opt, worlds, 
         diff = (full - ref_params[name]).abs().max().item() if full.numel() else 0.0
         if not diff <= tol:
             raise AssertionError(f"{what}: {name} differs by {diff:.3e} (allowed {tol:.1e}, {kind})")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what the workers share
+
+
+def small_llama(key_value_heads: int = 4):
+    """The workers' small LLaMA (hidden 64, MLP 176, 4 heads, vocabulary 128, 2 layers), seeded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_attention_heads=4,
+                      num_key_value_heads=key_value_heads, num_hidden_layers=2, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole (a DTensor gathered), cloned, by name."""
+    return {n: (p.full_tensor() if S.is_sharded(p) else p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def start_ranks(parser=None):
+    """A worker's start: its arguments (--out, and `parser`'s own), one torch thread, gloo, UserWarnings off, a 1-D
+    mesh over the ranks. Returns (args, mesh, world, rank); the caller destroys the process group."""
+    import argparse
+    import datetime
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    parser = parser or argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", category=UserWarning)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return args, init_device_mesh("cpu", (world,)), world, rank
+
+
+def write_report(out: str, name: str, report: dict, rank: int) -> None:
+    """Rank 0 writes `report` to out/name as JSON; every rank waits for it."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    if rank == 0:
+        with open(os.path.join(out, name), "w") as f:
+            json.dump(report, f, indent=1)
+    dist.barrier()

@@ -29,12 +29,10 @@ Any failed check raises, which ends the launch with a nonzero exit code.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -66,8 +64,7 @@ def fresh_sharded(mesh, perturb: bool = False):
     return shard(model, mesh)
 
 
-def full_params(model) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if S.is_sharded(p) else p.detach()).clone() for n, p in model.named_parameters()}
+full_params = C.full_params
 
 
 REPLICATED = ("step", "moment_step", "proj_index", "taco_rows", "taco_values", "taco_absmax")
@@ -260,15 +257,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--phase", choices=("save", "load", "layerwise"), required=True,
                     help="save or load run step 7 after theirs; layerwise runs only step 7")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    warnings.filterwarnings("ignore", category=UserWarning)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    args, mesh, world, rank = C.start_ranks(ap)
     try:
-        from torch.distributed.device_mesh import init_device_mesh
-        world, rank = dist.get_world_size(), dist.get_rank()
-        mesh = init_device_mesh("cpu", (world,))
         if args.phase != "layerwise":
             (phase_save if args.phase == "save" else phase_load)(args.out, mesh, world, rank)
         phase_layerwise(args.out, mesh, world, rank)

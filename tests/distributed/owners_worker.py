@@ -16,12 +16,8 @@ and the bases from one process. Rank 0 writes DIR/owners_<W>.json.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
 import sys
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -41,11 +37,7 @@ STEPS = 3
 
 
 def make_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_attention_heads=4,
-                      num_key_value_heads=2, num_hidden_layers=2, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
+    model = C.small_llama(key_value_heads=2)
     model.model.tiny = nn.Linear(64, 3, bias=False)  # 3 rows: at 4 ranks one rank holds none
     return model
 
@@ -61,10 +53,6 @@ def build(model, case: str, fused: bool = True):
 
 
 CASES = ("muon_fp32", "muon_bf16", "galore", "galore_rsvd")
-
-
-def full_params(model) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if S.is_sharded(p) else p.detach()).clone() for n, p in model.named_parameters()}
 
 
 class Counted:
@@ -134,15 +122,7 @@ def whole_group(opt) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    warnings.filterwarnings("ignore", category=UserWarning)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    from torch.distributed.device_mesh import init_device_mesh
-    world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (world,))
+    args, mesh, world, rank = C.start_ranks()
     report: dict = {}
     try:
         from torch.utils.flop_counter import FlopCounterMode
@@ -168,7 +148,7 @@ def main() -> None:
                 everyone = [None] * world
                 dist.all_gather_object(everyone, mine)
                 steps.append({"ranks": everyone, "one_process_flops": one_process, "one_process_counted": one_count})
-            want_p, got = full_params(ref), full_params(model)
+            want_p, got = C.full_params(ref), C.full_params(model)
             diff = max((got[n] - want_p[n]).abs().max().item() for n in want_p)
             equal = all(torch.equal(got[n], want_p[n]) for n in want_p)
             basis_diffs = [None] * world
@@ -176,10 +156,7 @@ def main() -> None:
             report[case] = {"steps": steps, "max_diff": diff, "bit_equal": equal, "basis_diff": max(basis_diffs),
                             "matrices": len(matrices), "largest_job_flops": 2 * max(costs),
                             "routes": sorted({opt.explain(p)[0] for p in model.parameters()})}
-        if rank == 0:
-            with open(os.path.join(args.out, f"owners_{world}.json"), "w") as f:
-                json.dump(report, f, indent=1)
-        dist.barrier()
+        C.write_report(args.out, f"owners_{world}.json", report, rank)
     finally:
         dist.destroy_process_group()
 
