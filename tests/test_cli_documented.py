@@ -480,6 +480,9 @@ CASES = [
                   "--data-dir ./glue_data --max-train-samples 0 --max-eval-samples 0 --max-length 512 --epochs 30 "
                   "--batch-size 16 --rank 4 --methods adamw,galore,lora",
                   replace={"--tasks": "rte", "--max-length": "16", "--epochs": "1"}, files=("glue_data",)),
+    # the model itself loads in tests/test_pretrained.py (slow; skipped without its package): here a tiny BERT
+    finetune_case("finetune-smollm2", "slimopt finetune --model smollm2-135m --tasks bbc --methods adamw,taco "
+                  "--max-steps 2", replace={"--max-steps": "1"}),
     finetune_case("finetune-lora-plus", "slimopt finetune --methods lora,lora+adamw8bit "
                   "--set lora+adamw8bit.lr=5e-4 --max-steps 50", replace={"--max-steps": "1"}),
     finetune_case("finetune-own-files", "slimopt finetune --tasks reviews --train-file train.csv "

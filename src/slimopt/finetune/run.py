@@ -40,6 +40,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from slimopt.pretrained import SMOLLM2, load_smollm2, load_smollm2_tokenizer
+
 __all__ = [
     "FinetuneConfig",
     "MethodPlan",
@@ -277,7 +279,7 @@ def _from_pretrained(name: str, load: Callable[[str, bool], Any]) -> Any:
                  "the local Hugging Face cache (the hub is unreachable)" if offline else "the Hugging Face hub")
         raise ValueError(
             f"cannot load model {name!r} from {where}: {err}. Without network access use --model "
-            f"{OFFLINE_MODEL} (the offline MiniLM-L6) or a local model folder"
+            f"{OFFLINE_MODEL} (the offline MiniLM-L6), {SMOLLM2} (the offline SmolLM2 decoder) or a local model folder"
         ) from err
 
 
@@ -289,6 +291,8 @@ def load_tokenizer(name: str) -> Any:
 
     if name == OFFLINE_MODEL:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(offline_model_path()))
+    elif name == SMOLLM2:
+        tokenizer = load_smollm2_tokenizer()
     else:
         tokenizer = _from_pretrained(
             name, lambda src, offline: transformers.AutoTokenizer.from_pretrained(src, local_files_only=offline))
@@ -300,7 +304,8 @@ def load_tokenizer(name: str) -> Any:
 def load_classifier(name: str, num_labels: int, id2label: dict[int, str] | None = None,
                     pad_token_id: int | None = None) -> Any:
     """A ``*ForSequenceClassification`` model with a new head of ``num_labels`` outputs: the offline MiniLM for
-    ``"minilm"``, else ``AutoModelForSequenceClassification`` from a local folder or the Hugging Face hub
+    ``"minilm"``, SmolLM2-135M for ``"smollm2-135m"`` (``slimopt.pretrained``), else
+    ``AutoModelForSequenceClassification`` from a local folder or the Hugging Face hub
     (offline: only its local cache; a checkpoint with another label count loads too)."""
     import transformers
 
@@ -308,6 +313,8 @@ def load_classifier(name: str, num_labels: int, id2label: dict[int, str] | None 
 
     if name == OFFLINE_MODEL:
         model = load_offline_classifier(num_labels, id2label=id2label)[0]
+    elif name == SMOLLM2:
+        model = load_smollm2(num_labels, id2label)
     else:
         kwargs: dict[str, Any] = {"num_labels": num_labels, "ignore_mismatched_sizes": True}
         if id2label is not None:

