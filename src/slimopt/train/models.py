@@ -135,9 +135,15 @@ def build_model(
     if int(seq_len) < 1:
         raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
 
+    from slimopt.pretrained import SMOLLM2, load_smollm2
+
     if name_or_path.lower() in LLAMA_SIZES:
         config = llama_config(name_or_path, vocab_size=vocab_size, seq_len=seq_len)
         model = _init_from_config(config, seed, device)
+    elif name_or_path == SMOLLM2:  # pretrained, offline (slimopt.pretrained): continued pretraining
+        model = load_smollm2()
+        if device is not None:
+            model = model.to(device)
     else:
         path = Path(name_or_path).expanduser()
         if path.is_dir() and (path / "config.json").is_file():

@@ -130,8 +130,12 @@ def load_tokenizer(
 
 
 def _load_named(name: str) -> transformers.PreTrainedTokenizerFast:
+    from slimopt.pretrained import SMOLLM2, load_smollm2_tokenizer
+
     path = Path(name).expanduser()
-    if path.is_file():
+    if name == SMOLLM2:  # the offline pretrained decoder's own tokenizer (slimopt.pretrained)
+        tok = load_smollm2_tokenizer()
+    elif path.is_file():
         if path.suffix != ".json":
             raise ValueError(f"tokenizer file {str(path)!r} must be a tokenizers JSON file (tokenizer.json)")
         tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
