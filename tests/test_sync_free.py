@@ -42,8 +42,8 @@ def test_a_refresh_synchronizes_only_in_a_decomposition_s_finite_checks(report):
         if method == "control":
             continue
         if method in DECOMPOSING:
-            # the two finite checks around a decomposition (sharded_bases._one_process), which keep the subspace
-            assert r["refresh"] and all("sharded_bases.py" in x and " _one_process" in x for x in r["refresh"]), \
+            # the two finite checks around a decomposition (sharded_bases.decompose_checked), which keep the subspace
+            assert r["refresh"] and all("sharded_bases.py" in x and " decompose_checked" in x for x in r["refresh"]), \
                 (method, r["refresh"])
         else:  # random bases, coordinates, blocks: drawn from the stream without looking at the gradient
             assert r["refresh"] == [], (method, r["refresh"])
