@@ -18,6 +18,7 @@ import torch
 
 from slimopt.optim.distributed import exchange
 from slimopt.optim.distributed.owners import muon_cost, randomized_svd_cost, svd_cost
+from slimopt.optim.distributed.shardcomm import chunk_rows as _rows
 from slimopt.optim.routes import whole_queue
 
 __all__ = ["matrices", "compare_schemes", "markdown_table"]
@@ -36,12 +37,6 @@ def matrices(size: str = "1b", vocab: int = 32000) -> list[tuple[int, tuple[int,
         model = LlamaForCausalLM(cfg)
     kinds = classify(model).values()
     return [(i, tuple(p.shape)) for i, (p, kind) in enumerate(kinds) if kind == "projectable"]
-
-
-def _rows(m: int, world: int, rank: int) -> int:
-    """Rows of an m-row matrix on `rank` under FSDP2 (``torch.chunk`` sizes)."""
-    c = -(-m // world)
-    return max(0, min(m, (rank + 1) * c) - rank * c)
 
 
 def compare_schemes(shapes: list[tuple[int, tuple[int, int]]], world: int, kind: str, rank: int = 512,

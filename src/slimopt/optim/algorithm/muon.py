@@ -132,7 +132,6 @@ def orthogonalize(u: Tensor, coefficients=NS_COEFFICIENTS, steps: int = 5, eps: 
     """
     if u.dim() != 2:
         raise ValueError(f"Muon orthogonalizes 2-D matrices, got shape {tuple(u.shape)}")
-    a, b, c = coefficients
     x = u.to(dtype)
     tall = x.size(0) > x.size(1)
     if tall:
@@ -140,11 +139,18 @@ def orthogonalize(u: Tensor, coefficients=NS_COEFFICIENTS, steps: int = 5, eps: 
     # scale so that every singular value is <= 1 (the Frobenius norm bounds the spectral one); a new tensor,
     # so u (or a bf16 u, which to() returns as it is) stays untouched
     x = x / x.norm().clamp(min=eps)
-    for _ in range(steps):
-        gram = x @ x.T  # (k, k)
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G^2
-        x = torch.addmm(x, poly, x, beta=a)  # a X + (b G + c G^2) X: singular values s -> a s + b s^3 + c s^5
+    for _ in range(steps):  # each iterate rebound here, so only the current one and the next are alive
+        x = _newton_schulz_step(x, coefficients)
     return x.T if tall else x
+
+
+def _newton_schulz_step(x: Tensor, coefficients) -> Tensor:
+    """One quintic iteration of a wide matrix (k, l) or of a stack of them (b, k, l)."""
+    a, b, c = coefficients
+    addmm = torch.addmm if x.dim() == 2 else torch.baddbmm  # one kernel a product for a whole stack
+    gram = x @ x.mT  # (k, k)
+    poly = addmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G^2
+    return addmm(x, poly, x, beta=a)  # a X + (b G + c G^2) X: singular values s -> a s + b s^3 + c s^5
 
 
 def orthogonalize_many(us: list[Tensor], coefficients=NS_COEFFICIENTS, steps: int = 5, eps: float = 1e-7,
@@ -159,7 +165,6 @@ def orthogonalize_many(us: list[Tensor], coefficients=NS_COEFFICIENTS, steps: in
         if u.dim() != 2:
             raise ValueError(f"Muon orthogonalizes 2-D matrices, got shape {tuple(u.shape)}")
         by_shape.setdefault(tuple(u.shape), []).append(i)
-    a, b, c = coefficients
     for shape, idx in by_shape.items():
         if len(idx) == 1:
             out[idx[0]] = orthogonalize(us[idx[0]], coefficients, steps, eps, dtype)
@@ -172,9 +177,7 @@ def orthogonalize_many(us: list[Tensor], coefficients=NS_COEFFICIENTS, steps: in
         norms = torch.stack([m.norm() for m in x]).clamp(min=eps)
         x = x / norms.view(-1, 1, 1)
         for _ in range(steps):
-            gram = torch.bmm(x, x.transpose(1, 2))  # (k, s, s)
-            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-            x = torch.baddbmm(x, poly, x, beta=a)
+            x = _newton_schulz_step(x, coefficients)
         for j, i in enumerate(idx):
             out[i] = x[j].T if tall else x[j]
     return out  # type: ignore[return-value]

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from slimopt.optim.distributed.owners import Job, OwnerPlan, plan_owners
 from slimopt.optim.distributed.shardcomm import Rows, chunk_bounds
+from slimopt.optim.distributed.shardcomm import chunk_rows as _rows
 
 __all__ = ["Part", "plan", "exchange", "sent_bytes"]
 
@@ -49,11 +50,6 @@ def plan(items: Sequence[tuple[int, tuple[int, int], int, float]], world: int) -
     """The owner plan of matrices (parameter index, whole shape, element size, cost) computed together, made once
     per such list (every rank makes the same one)."""
     return _plan(tuple(Job(i, (m, n), m * n * size, cost) for i, (m, n), size, cost in items), world)
-
-
-def _rows(total: int, world: int, rank: int) -> int:
-    start, stop = chunk_bounds(total, world, rank)
-    return stop - start
 
 
 def _back(part: Part, world: int, rank: int, status: bool) -> int:

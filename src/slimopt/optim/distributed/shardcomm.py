@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["Rows", "is_sharded", "chunk_bounds", "rows_of", "all_reduce", "gather_rows", "gather_rows_to_root",
-           "broadcast", "chosen_per_rank", "gather_var_rows"]
+           "broadcast", "chosen_per_rank", "gather_var_rows", "chunk_rows"]
 
 
 def is_sharded(t: Any) -> bool:
@@ -74,6 +74,12 @@ def chunk_bounds(total: int, world: int, rank: int) -> tuple[int, int]:
     c = -(-total // world) if total else 0
     start = min(rank * c, total)
     return start, min(start + c, total)
+
+
+def chunk_rows(total: int, world: int, rank: int) -> int:
+    """How many of `total` rows `rank` holds under ``chunk_bounds``."""
+    start, stop = chunk_bounds(total, world, rank)
+    return stop - start
 
 
 def rows_of(p: Tensor) -> Rows:

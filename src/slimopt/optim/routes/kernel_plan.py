@@ -153,11 +153,11 @@ class ProjectedPlan(Plan):
     replays = True
 
     def __init__(self, group, p, grad, refs, key: str, projector: str, side: str, mm, low_shape, rule, write,
-                 windows: list, reduce=None) -> None:
+                 windows: list, reduce=None, phase: int = 0) -> None:
         super().__init__(group, p, grad, refs)
         self.key, self.projector, self.side, self.mm, self.low_shape = key, projector, side, mm, low_shape
         self.rule, self.write, self.windows, self.reduce = rule, write, windows, reduce
-        self.update_gap, self.phase = group["update_gap"], 0  # phase: set by the route (subspace.refresh_phase)
+        self.update_gap, self.phase = group["update_gap"], phase  # phase: subspace.refresh_phase
 
     def holds(self, p, state, step) -> bool:
         return super().holds(p, state, step) and not P.refresh_due(step, self.update_gap, self.phase)
@@ -200,8 +200,8 @@ class ProjectedLaunchPlan(ProjectedPlan):
     general path's fallback for that step (and the settings' failure sends later steps to the general path)."""
 
     def __init__(self, group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, codecs: list,
-                 comp: Tensor | None, held: int, reduce=None) -> None:
-        super().__init__(group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, [], reduce)
+                 comp: Tensor | None, held: int, reduce=None, phase: int = 0) -> None:
+        super().__init__(group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, [], reduce, phase)
         self.codecs, self.comp, self.held = codecs, comp, held
 
     def holds(self, p, state, step) -> bool:
@@ -248,12 +248,13 @@ def build_taco(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[st
 
 def build_projected(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], projector: str,
                     side: str | None, key: str, residual: bool, codecs: list[tuple[str, Any]],
-                    reduce=None) -> Plan:
+                    reduce=None, phase: int = 0) -> Plan:
     """The plan of p's projected step with these subspace moment codecs, which the general path has just taken
     (``paramstep``'s projected route); a plain ``Plan`` where it is not one that is planned: an orthonormal
     projection without a residual, in one window, whose rule and write one kernel each runs (the C kernel on a
     CPU, Triton on CUDA), moments read in place and not drawn at random, and a nearest or Kahan write. reduce:
-    what sums a row shard's left projection over the ranks (``windowed.projected``'s)."""
+    what sums a row shard's left projection over the ranks (``windowed.projected``'s); phase: the parameter's
+    refresh phase (``subspace.refresh_phase``), the plan replaying until its refresh."""
     unplanned = Plan(group, p, grad, [])
     rounding = rounding_of(group, p)
     if (projector not in P.ORTHO_PROJECTORS or residual or group["rule"] not in ("adamw", "lion", "sgdm")
@@ -276,7 +277,7 @@ def build_projected(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: di
         rule = triton_step.prepare(low, low, state, group, codecs, 1, direction=True)
         write = triton_step.prepare(p, full, {}, write_group, [], 0, comp=comp)
         return ProjectedLaunchPlan(group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, codecs,
-                                   comp, held, reduce)
+                                   comp, held, reduce, phase)
     if (rule_kernel != "c_kernel" or write_kernel != "c_kernel"
             or len(windowed.direction_spans(low_shape, codecs, group, p.dtype, held)) != 1):
         return unplanned
@@ -286,7 +287,8 @@ def build_projected(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: di
     rule, _, _ = native.prepare(low.view(-1), low.view(-1), state, windows, 0, _no_stream, group, direction=True)
     write, _, _ = native.prepare(p.view(-1), full.view(-1), {}, [], 0, _no_stream, write_group,
                                  comp=comp.view(-1) if comp is not None else None)
-    return ProjectedPlan(group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, windows, reduce)
+    return ProjectedPlan(group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, windows, reduce,
+                         phase)
 
 
 def build_launch(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],

@@ -277,8 +277,8 @@ def _projected(opt, route, t, group, state, step, work, decomposed=None) -> None
                        float(group["scale"]), whole_rule, reduce)
     if whole_rule is None and route.plan is None:  # the steps to the next refresh replay the kernels' arguments
         route.plan = kernel_plan.build_projected(t.p, t.grad, state, group, projector, side,
-                                                 "proj" if ortho else "proj_index", residual, codecs, reduce)
-        route.plan.phase = refresh_phase(opt, t.param, group)  # the plan replays until this parameter's refresh
+                                                 "proj" if ortho else "proj_index", residual, codecs, reduce,
+                                                 refresh_phase(opt, t.param, group))
 
 
 _RUNS: dict[str, Callable[..., None]] = {

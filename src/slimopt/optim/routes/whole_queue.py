@@ -45,15 +45,16 @@ def runs(matrices: list[tuple[tuple, int, tuple[int, int], int]], world: int) ->
     """How a step's queued matrices (key, parameter index, whole shape, element size), in the order queued, are
     run: each list one run of one key's queue (``WholeQueue`` cuts alike)."""
     out: list[list[tuple]] = []
-    open_runs: dict[tuple, list[tuple]] = {}
+    open_runs: dict[tuple, tuple[list[tuple], int]] = {}  # key -> (its matrices, their whole bytes)
     for item in matrices:
         key, _, (m, n), size = item
-        run = open_runs.setdefault(key, [])
-        if flush_due(sum(a * b * s for _, _, (a, b), s in run), m * n * size, world):
+        run, queued = open_runs.get(key, ([], 0))
+        if flush_due(queued, m * n * size, world):
             out.append(run)
-            run = open_runs[key] = []
+            run, queued = [], 0
         run.append(item)
-    return out + [r for r in open_runs.values() if r]
+        open_runs[key] = (run, queued + m * n * size)
+    return out + [run for run, _ in open_runs.values()]
 
 
 class WholeQueue:
@@ -61,25 +62,23 @@ class WholeQueue:
     each key with the function that runs a list of its ``Pending``s."""
 
     def __init__(self) -> None:
-        self._queues: dict[tuple, tuple[Callable[[list[Pending]], None], list[Pending]]] = {}
+        # key -> [what runs its matrices, the matrices waiting, their whole bytes]
+        self._queues: dict[tuple, list] = {}
 
     def add(self, key: tuple, pending: Pending, run: Callable[[list[Pending]], None]) -> None:
-        _, queue = self._queues.setdefault(key, (run, []))
-        if flush_due(sum(q.whole_bytes for q in queue), pending.whole_bytes, pending.part.rows.world):
-            run(list(queue))
-            queue.clear()
-        queue.append(pending)
+        entry = self._queues.setdefault(key, [run, [], 0])
+        if flush_due(entry[2], pending.whole_bytes, pending.part.rows.world):
+            waiting, entry[1], entry[2] = entry[1], [], 0
+            run(waiting)
+        entry[1].append(pending)
+        entry[2] += pending.whole_bytes
 
     def flush(self) -> None:
         """Run every queued matrix (a run's finishing steps may queue more: they run too)."""
         while self._queues:
-            key = next(iter(self._queues))
-            run, queue = self._queues.pop(key)
+            run, queue, _ = self._queues.pop(next(iter(self._queues)))
             if queue:
                 run(queue)
-
-    def __bool__(self) -> bool:
-        return any(queue for _, queue in self._queues.values())
 
 
 def key_of(kind: str, rows: Any, *setting: Any) -> tuple:
