@@ -277,7 +277,7 @@ def _muon_scratch(p: torch.Tensor, group: dict, codecs) -> int:
                               codecs[0][1].scratch_kind)
 
 
-def _queued_muon(opt) -> dict[int, int]:
+def _queued_muon(opt, base: list[tuple]) -> dict[int, int]:
     """Muon's queued step (``routes.muon_batch``) iterates several matrices at once in an ordinary step (one at a
     time in a layer-wise one): {id of each queued weight: its queue's peak scratch}, the waiting iterates and the
     largest same-shape stack (``muon_batch.peak_bytes``)."""
@@ -288,7 +288,10 @@ def _queued_muon(opt) -> dict[int, int]:
     out: dict[int, int] = {}
     for key in {m[0] for m in matrices}:
         mine = [m for m in matrices if m[0] == key]
-        peak = muon_batch.peak_bytes(mine)
+        # same-shape matrices iterate as one stack on a GPU (a meta model is planned as one), one by one on a CPU
+        stacked = params[mine[0][1]].device.type in ("cuda", "meta")
+        own = {opt._where[p][2]: scratch for p, *_, scratch in base}
+        peak = muon_batch.peak_bytes(mine, stacked=stacked, own=own)
         out.update({id(params[i]): peak for _, i, _, _ in mine})
     return out
 
@@ -410,7 +413,7 @@ def _slim_state(model: nn.Module, method: str, step: int | None, hparams: dict[s
     opt = make_optimizer(model, method, **hparams)  # what `slimopt train` and `slimopt bench` build
     names = {id(p): n for n, p in model.named_parameters()}
     base = [(p, group, *_slim_param(opt, p, group)) for group in opt.param_groups for p in group["params"]]
-    batched = _queued_muon(opt)
+    batched = _queued_muon(opt, base)
 
     def states(active) -> list[ParamState]:
         """active(p, group) -> bool: whether a block-layout parameter holds its moments."""

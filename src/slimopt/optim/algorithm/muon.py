@@ -64,7 +64,7 @@ docs/distributed.md. ``orthogonalize_many`` iterates same-shape matrices as one 
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import Tensor
@@ -154,17 +154,24 @@ def _newton_schulz_step(x: Tensor, coefficients) -> Tensor:
 
 
 def orthogonalize_many(us: list[Tensor], coefficients=NS_COEFFICIENTS, steps: int = 5, eps: float = 1e-7,
-                       dtype: torch.dtype = torch.bfloat16) -> list[Tensor]:
-    """``orthogonalize`` of each 2-D matrix in `us`, the matrices of one shape stacked into one batched product
-    chain (bmm / baddbmm: one kernel a product for the stack, not one a matrix). Each result equals its own
-    ``orthogonalize`` (bit for bit on the CPU and shapes tests/test_muon.py checks; a matrix alone in its shape
-    takes ``orthogonalize`` itself). Returns the results in `us`' order, each in `dtype`."""
+                       dtype: torch.dtype = torch.bfloat16, stack: bool | None = None) -> Iterable[Tensor]:
+    """``orthogonalize`` of each 2-D matrix in `us`, with `stack` the matrices of one shape stacked into one
+    batched product chain (bmm / baddbmm: one kernel a product for the stack, not one a matrix). stack None: on
+    CUDA, where it saves launches; a CPU core runs it no faster (docs/distributed.md), and a batched product need
+    not round as the per-matrix one on every processor, so a CPU keeps one process's and torch.optim.Muon's bits.
+    A stacked result equals its own ``orthogonalize`` to rounding (bit for bit on the CPU tests/test_muon.py ran
+    on). Returns the results in `us`' order, each in `dtype`; unstacked, one at a time as they are taken (so a
+    caller that writes each result before taking the next holds one at a time)."""
     out: list[Tensor | None] = [None] * len(us)
     by_shape: dict[tuple[int, ...], list[int]] = {}
     for i, u in enumerate(us):
         if u.dim() != 2:
             raise ValueError(f"Muon orthogonalizes 2-D matrices, got shape {tuple(u.shape)}")
         by_shape.setdefault(tuple(u.shape), []).append(i)
+    if stack is None:
+        stack = bool(us) and us[0].is_cuda
+    if not stack:
+        return (orthogonalize(u, coefficients, steps, eps, dtype) for u in us)
     for shape, idx in by_shape.items():
         if len(idx) == 1:
             out[idx[0]] = orthogonalize(us[idx[0]], coefficients, steps, eps, dtype)

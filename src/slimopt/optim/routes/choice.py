@@ -19,7 +19,7 @@ DEBUG when a parameter's route is chosen):
 - ``c_kernel``: the one-pass C kernel in windows (CPU, ``native.py``);
 - ``eager_windows``: the element-wise step as tensor operations in windows (``windowed.py``), the reference of
   every element-wise route;
-- ``muon``: Muon's iteration queued, same-shape matrices stacked, each matrix of an FSDP2 parameter iterated by
+- ``muon``: Muon's iteration queued, same-shape matrices stacked on a GPU, each matrix of an FSDP2 parameter iterated by
   one owner rank (``muon_batch.py``);
 - ``taco_c_kernel``, ``taco_triton``: TACO's step at one component a column in one pass (``taco.py``);
 - ``taco_sharded``: the same on a row shard, the column max-loc over ranks (``sharded_taco.py``);

@@ -3,9 +3,8 @@
 A weight's step (``queue_step``) updates its momentum on the rows it holds and stores it, as the eager step does,
 then queues the matrix to orthogonalize with what writes the weight once the result is there. A run (``run``):
 
-- one process: the queued matrices of one shape go through one batched product chain
-  (``muon.orthogonalize_many``: fewer kernels on a GPU, longer products on a CPU core), the result equal to each
-  matrix's own iteration;
+- one process: on a GPU the queued matrices of one shape go through one batched product chain
+  (``muon.orthogonalize_many``: fewer kernels), on a CPU one at a time, each written before the next is iterated;
 - FSDP2 (rows over ranks): each matrix is orthogonalized once, by an owner rank chosen on the iteration's cost
   (``exchange.py``: one all-to-all brings its rows to the owner, one sends the result's rows back), instead of
   every rank all-gathering and iterating every matrix (``muon_sharded``, which the eager reference step keeps).
@@ -38,8 +37,8 @@ def iteration_key(group: dict[str, Any], dtype: torch.dtype) -> tuple:
 
 
 def run(queue: list[Pending], setting: tuple) -> None:
-    """Orthogonalize the queued matrices (`setting`: their ``iteration_key``) and finish their steps: stacked by
-    shape in one process, each by its owner rank under FSDP2."""
+    """Orthogonalize the queued matrices (`setting`: their ``iteration_key``) and finish their steps: by shape in
+    one process (stacked on a GPU), each by its owner rank under FSDP2."""
     dtype, coefficients, steps, eps = setting
     parts = [q.part for q in queue]
     if parts[0].rows.world > 1:
@@ -76,17 +75,21 @@ def queue_step(opt, t: Target, group: dict[str, Any], state: dict[str, Tensor], 
               lambda pending: run(pending, setting))
 
 
-def peak_bytes(matrices: list[tuple[tuple, int, tuple[int, int], int]], world: int = 1) -> int:
+def peak_bytes(matrices: list[tuple[tuple, int, tuple[int, int], int]], world: int = 1,
+               stacked: bool = True, own: dict[int, int] | None = None) -> int:
     """About the most bytes a rank's queued iterations allocate at once, for a step's matrices as ``runs`` takes them:
-    the iterates waiting in a run, and its largest stack of one shape iterating, ``size (3 m n + 2 k^2)`` a matrix
-    (the normalized iterate, the next one, the Gram matrix and its polynomial; k = min(m, n)), within ~10% above
-    torch's MemTracker count of a small LLaMA's step (tests/test_muon.py). A rank's share over `world` ranks."""
+    the iterates waiting in a run, and its largest stack of one shape iterating (`stacked`: CUDA), ``size (3 m n +
+    2 k^2)`` a matrix (the normalized iterate, the next one, the Gram matrix and its polynomial; k = min(m, n));
+    unstacked (a CPU), the largest of that and of a matrix's own step (`own`: parameter index -> its step's
+    scratch, ``muon.scratch_bytes``: a momentum stored while the others wait). Within ~10% above torch's MemTracker
+    count of a small LLaMA's step (tests/test_muon.py). A rank's share over `world` ranks."""
     peak = 0
     for matrices_of_run in runs(matrices, world):
         waiting = sum(m * n * size for _, _, (m, n), size in matrices_of_run)
         stacks: dict[tuple[int, int], int] = {}
-        for _, _, (m, n), size in matrices_of_run:
-            stacks[(m, n)] = stacks.get((m, n), 0) + size * (3 * m * n + 2 * min(m, n) ** 2)
+        for _, i, (m, n), size in matrices_of_run:
+            one = size * (3 * m * n + 2 * min(m, n) ** 2)
+            stacks[(m, n)] = stacks.get((m, n), 0) + one if stacked else max(one, (own or {}).get(i, 0))
         peak = max(peak, -(-(waiting + max(stacks.values())) // world))
     return peak
 
