@@ -11,15 +11,22 @@ dependencies and only its folder is read:
 
 The weights are the 4-bit file's values, not the original bf16 checkpoint's: a fine-tuning start point close to
 it (every weight within its block's quantization step), the same for every method compared.
+
+De-quantizing takes about 25 s and the tokenizer 10 s; the first load writes both, converted, into slimopt's cache
+(``$SLIMOPT_CACHE`` or ~/.cache/slimopt, ``smollm2-135m/<size>-<mtime>`` of the file, 0.5 GB of fp32 safetensors,
+renamed into place whole), from which later loads take a few seconds: a comparison loads the model once a run.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["SMOLLM2", "INSTALL", "smollm2_file", "load_smollm2_tokenizer", "load_smollm2"]
+__all__ = ["SMOLLM2", "INSTALL", "smollm2_file", "converted_dir", "load_smollm2_tokenizer", "load_smollm2"]
 
 SMOLLM2 = "smollm2-135m"
 """The ``--model`` name of SmolLM2-135M (``slimopt finetune``)."""
@@ -41,12 +48,64 @@ def smollm2_file() -> tuple[Path, str]:
     return folder, _GGUF
 
 
+def converted_dir(cache_dir: str | Path | None = None) -> Path:
+    """Where the de-quantized model and its tokenizer are cached, keyed by the GGUF file's size and time (a new
+    package version converts anew)."""
+    from slimopt.train.tokenizer import cache_root
+
+    folder, name = smollm2_file()
+    stat = (folder / name).stat()
+    return cache_root(cache_dir) / SMOLLM2 / f"{stat.st_size}-{int(stat.st_mtime)}"
+
+
+def _from_gguf(kind: Any, **kwargs: Any) -> Any:
+    import torch
+
+    folder, name = smollm2_file()
+    model = kind.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32, **kwargs)
+    # the file's 4-bit blocks are de-quantized into plain fp32 weights as they load; transformers still marks the
+    # model as quantized (GGUF), which its Trainer refuses to train and save_pretrained would record: clear it
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    return model
+
+
+def _converted() -> Path | None:
+    """The cached conversion, written on first use; None when the cache cannot be written (then every load
+    de-quantizes the file)."""
+    import transformers
+
+    target = converted_dir()
+    if (target / "config.json").is_file():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=target.parent))
+    except OSError:
+        return None
+    try:
+        folder, name = smollm2_file()
+        _from_gguf(transformers.AutoModelForCausalLM).save_pretrained(str(tmp))
+        transformers.AutoTokenizer.from_pretrained(str(folder), gguf_file=name).save_pretrained(str(tmp))
+        os.replace(tmp, target)  # whole or not at all: an interrupted conversion leaves only a .partial folder
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():  # another process may have renamed its copy into place
+            return None
+    return target
+
+
 def load_smollm2_tokenizer() -> Any:
     """SmolLM2's tokenizer (byte-level BPE, 49,152 tokens), from the GGUF file; its end-of-text token pads."""
     import transformers
 
-    folder, name = smollm2_file()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
+    cached = _converted()
+    if cached is not None:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(cached))
+    else:
+        folder, name = smollm2_file()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -59,18 +118,14 @@ def load_smollm2(num_labels: int | None = None, id2label: Mapping[int, str] | No
     import torch
     import transformers
 
-    folder, name = smollm2_file()
-    if num_labels is None:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32)
-    else:
-        kwargs: dict[str, Any] = {"num_labels": num_labels}
+    kind = transformers.AutoModelForCausalLM if num_labels is None else \
+        transformers.AutoModelForSequenceClassification
+    kwargs: dict[str, Any] = {}
+    if num_labels is not None:
+        kwargs["num_labels"] = num_labels
         if id2label is not None:
             kwargs.update(id2label=dict(id2label), label2id={v: k for k, v in id2label.items()})
-        model = transformers.AutoModelForSequenceClassification.from_pretrained(
-            str(folder), gguf_file=name, dtype=torch.float32, **kwargs)
-    # the file's 4-bit blocks are de-quantized into plain fp32 weights as they load; transformers still marks the
-    # model as quantized (GGUF), which its Trainer refuses to train and save_pretrained would record: clear it
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None:
-        quantizer.remove_quantization_config(model)
-    return model
+    cached = _converted()
+    if cached is None:
+        return _from_gguf(kind, **kwargs)
+    return kind.from_pretrained(str(cached), dtype=torch.float32, **kwargs)

@@ -336,7 +336,8 @@ def train(config: TrainConfig, callback: Callable[[int, dict], None] | None = No
 
     callback(step, record) is called on every rank after each optimizer step (and after that step's checkpoint);
     raising from it stops the run as a crash would.
-    Returns a dict: method, model, params, steps, tokens, val_loss, val_ppl, state_bytes, state_bytes_per_param,
+    Returns a dict: method, model, params, steps, tokens, val_loss, val_ppl, start_val_loss and start_val_ppl (a
+    loaded model's held-out loss before training; None for a size built from scratch), state_bytes, state_bytes_per_param,
     peak_mem_bytes, peak_mem_kind, tokens_per_s, train_time_s, wall_time_s, cpu_time_s, lr, history (train and
     eval curves).
     """
@@ -504,6 +505,11 @@ def _train(c: TrainConfig, d: _Dist, callback, t_start: float, cpu_start: float)
     window_t, window_tokens = time.perf_counter(), 0
     loss_val = float("nan")
     done = start_step
+    # a loaded model (not a size built from scratch) starts somewhere worth knowing: continued pretraining is
+    # judged by its held-out perplexity before and after
+    from slimopt.train.models import LLAMA_SIZES
+    start_eval = run_eval(0) if start_step == 0 and c.model.lower() not in LLAMA_SIZES else None
+    window_t = time.perf_counter()
     try:
         for step in range(start_step, total_steps):
             t0 = time.perf_counter()
@@ -584,6 +590,8 @@ def _train(c: TrainConfig, d: _Dist, callback, t_start: float, cpu_start: float)
             "method": c.method, "model": c.model, "data": c.data, "params": n_params,
             "trainable_params": n_trainable, "steps": done, "tokens": tokens_seen, "lr": peak_lr,
             "val_loss": last_eval["val_loss"], "val_ppl": last_eval["val_ppl"], "val_tokens": last_eval["val_tokens"],
+            "start_val_loss": start_eval["val_loss"] if start_eval else None,
+            "start_val_ppl": start_eval["val_ppl"] if start_eval else None,
             "final_train_loss": loss_val,
             "state_bytes": state_bytes, "state_bytes_per_param": state_bytes / max(1, n_trainable),
             "peak_mem_bytes": peak, "peak_mem_kind": probe.kind,
