@@ -6,8 +6,13 @@ attention and MLP as in the papers), or `lora+METHOD` (a slimopt method on the L
 names (the Hugging Face hub, or local files with --data-dir), the offline built-in tasks bbc, kjv-testament and
 kjv-book, or a task of your own from local csv / tsv / jsonl files. Runs through transformers.Trainer.
 
-With no arguments: the offline MiniLM-L6 on BBC News with AdamW, GaLore, FRUGAL and LoRA at rank 8, a few
-minutes on a 2-core CPU. Writes results.md, results.csv and config.json into --out.
+Every comparison has a control row (head: AdamW on the new classification head alone, the body frozen): a method
+that does not beat it has not shown that it trains the body. --tune-lr picks each method's learning rate by
+validation loss, --seeds N repeats every run. Beside the scores: weights plus optimizer state, and the peak of a
+training iteration measured tensor by tensor beside the memory planner's figure.
+
+With no arguments: the offline MiniLM-L6 on BBC News with the control, AdamW, GaLore, FRUGAL and LoRA at rank 8,
+a few minutes on a 2-core CPU. Writes results.md, results.csv, runs.csv and config.json into --out.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ EXAMPLES = """examples:
       --max-eval-samples 0 --max-length 512 --epochs 30 --batch-size 16 --rank 4 --methods adamw,galore,lora
   slimopt finetune --tasks reviews --train-file train.csv --validation-file dev.csv --text-columns text \\
       --num-labels 3
+  slimopt finetune --model smollm2-135m --methods adamw,taco,lora --tune-lr --lr-grid 1/4,1,4 --seeds 3
 """
 
 
@@ -86,8 +92,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--eval-batch-size", type=_int, default=d.eval_batch_size, help="(default: %(default)s)")
     g.add_argument("--grad-accum", type=_int, default=d.grad_accum, help="(default: %(default)s)")
     g.add_argument("--lr", type=float, default=None,
-                   help="one learning rate for every method (default: per method family, see "
-                        "slimopt.finetune.run.FINETUNE_LR)")
+                   help="one learning rate for every method but the control (default: per method family, see "
+                        "slimopt.finetune.run.FINETUNE_LR; --set head.lr=LR for the control)")
     g.add_argument("--rank", type=_int, default=d.rank,
                    help="LoRA rank and GaLore / FRUGAL subspace rank (default: %(default)s)")
     g.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 4 x rank)")
@@ -102,12 +108,31 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--set", action="append", metavar="METHOD.KEY=VALUE", dest="set_opts",
                    help="a setting for one method, repeatable: --set galore.scale=4 --set lora.lr=5e-4 "
                         "--set frugal.state_full=head")
+    h = p.add_argument_group("honest comparisons")
+    h.add_argument("--no-control", action="store_true",
+                   help="leave out the control row (head: AdamW on the classification head alone, the pretrained "
+                        "body frozen), the score a method must beat to show it trains the body")
+    h.add_argument("--tune-lr", action="store_true",
+                   help="run each method (the control too) at every multiple in --lr-grid of its lr on the first "
+                        "seed and keep the one with the lowest validation loss (runs.csv lists every run)")
+    h.add_argument("--lr-grid", default=None, metavar="MULTIPLIERS",
+                   help="comma-separated multipliers for --tune-lr, fractions allowed (default: 1/4,1/2,1,2,4)")
+    h.add_argument("--lr-extensions", type=int, default=d.lr_extensions, metavar="N",
+                   help="while a method's best lr sits on the edge of what was tried, try twice the largest (or "
+                        "half the smallest) multiplier, at most N times (default: %(default)s)")
+    h.add_argument("--seeds", type=_int, default=d.seeds, metavar="N",
+                   help="run every method with seeds SEED..SEED+N-1 (the head's initialisation and the batch "
+                        "order); the table shows the mean and range (default: %(default)s)")
     return p
 
 
 def config_from_args(args):
+    from slimopt.cli.compare import parse_lr_grid
     from slimopt.finetune.run import FinetuneConfig
 
+    if args.lr_grid is not None and not args.tune_lr:
+        raise ValueError("--lr-grid sets up --tune-lr, which was not given")
+    extra = {"lr_grid": parse_lr_grid(args.lr_grid)} if args.lr_grid is not None else {}
     return FinetuneConfig(
         tasks=args.tasks, methods=args.methods, model=args.model, data_dir=args.data_dir,
         train_file=args.train_file, validation_file=args.validation_file,
@@ -116,7 +141,9 @@ def config_from_args(args):
         max_eval_samples=args.max_eval_samples, epochs=args.epochs, max_steps=args.max_steps,
         batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, grad_accum=args.grad_accum, lr=args.lr,
         rank=args.rank, lora_alpha=args.lora_alpha, warmup=args.warmup, weight_decay=args.weight_decay,
-        clip=args.clip, bf16=args.bf16, seed=args.seed, method_opts=parse_method_opts(args.set_opts), out=args.out,
+        clip=args.clip, bf16=args.bf16, seed=args.seed, seeds=args.seeds, control=not args.no_control,
+        tune_lr=args.tune_lr, lr_extensions=args.lr_extensions, method_opts=parse_method_opts(args.set_opts),
+        out=args.out, **extra,
     )
 
 

@@ -19,28 +19,30 @@ Fine-tuning settings differ from the pretraining defaults of ``slimopt.optim.rec
 ``FINETUNE_LR`` a learning rate per method family; ``FinetuneConfig.lr`` and ``method_opts`` override them.
 
 Memory is measured, not estimated: weights are the bytes of every parameter (frozen ones included), optimizer
-state is ``slimopt.state_nbytes`` of the optimizer after training (codes, scales, projection bases, counters).
-Gradients and activations are not counted, as in GaLore's Table 4.
+state is ``slimopt.state_nbytes`` of the optimizer after training (codes, scales, projection bases, counters), as in
+GaLore's Table 4; beside them the peak of a whole training iteration, counted tensor by tensor and planned by
+``slimopt memory``'s planner (``finetune/memory.py``).
+
+Every comparison has a control row (``head``: the classification head alone trains), and can tune each method's
+learning rate and repeat every run over seeds (``finetune/protocol.py``).
 """
 
 from __future__ import annotations
 
 import copy
-import csv
-import json
 import math
-import os
-import platform
 import re
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from slimopt.finetune.protocol import HEAD, run_method, seed_list
+from slimopt.finetune.report import mib, read_results, write_results
 from slimopt.pretrained import SMOLLM2, load_smollm2, load_smollm2_tokenizer
+from slimopt.train.compare import DEFAULT_LR_GRID
 
 __all__ = [
     "FinetuneConfig",
@@ -79,6 +81,7 @@ FINETUNE_LR: dict[str, float] = {
     "taco": 3e-4,  # TACO's steps are normalised to AdamW's learning-rate scale
     "signsgd": 1e-5,  # every step moves every weight by lr: keep it small
     "lora": 3e-3,  # adapters start from zero (B = 0)
+    "head": 3e-3,  # the control: a new linear head on frozen features, like LoRA's adapters a start from scratch
 }
 """Default fine-tuning learning rate by method family (the method name up to its first "_" or digit suffix)."""
 
@@ -107,10 +110,11 @@ class MethodPlan:
     name: str  # as the user wrote it
     optimizer: str  # a slimopt method
     lora: bool
+    head_only: bool = False  # the control: every weight but the classification head frozen
 
     @property
     def family(self) -> str:
-        return "lora" if self.lora else _family(self.optimizer)
+        return "lora" if self.lora else "head" if self.head_only else _family(self.optimizer)
 
 
 def _family(method: str) -> str:
@@ -121,19 +125,22 @@ def _family(method: str) -> str:
 
 
 def parse_method(name: str) -> MethodPlan:
-    """``"galore"`` -> full-model GaLore; ``"lora"`` -> LoRA + AdamW; ``"lora+adamw8bit"`` -> LoRA + 8-bit AdamW.
+    """``"galore"`` -> full-model GaLore; ``"lora"`` -> LoRA + AdamW; ``"lora+adamw8bit"`` -> LoRA + 8-bit AdamW;
+    ``"head"`` -> the control, AdamW on the classification head alone.
 
     Raises ValueError for anything else, listing what is allowed.
     """
     from slimopt.optim.recipes import METHODS
 
     text = name.strip()
+    if text == HEAD:
+        return MethodPlan(HEAD, "adamw", False, head_only=True)
     lora = text == "lora" or text.startswith("lora+")
     optimizer = "adamw" if text == "lora" else text[len("lora+"):] if lora else text
     if optimizer not in METHODS:
         raise ValueError(
-            f"unknown method {name!r}; use a slimopt method ({', '.join(METHODS)}), 'lora', or 'lora+METHOD' "
-            "(LoRA adapters optimized by a slimopt method)"
+            f"unknown method {name!r}; use a slimopt method ({', '.join(METHODS)}), 'lora', 'lora+METHOD' "
+            f"(LoRA adapters optimized by a slimopt method) or '{HEAD}' (the control: the head alone trains)"
         )
     return MethodPlan(text, optimizer, lora)
 
@@ -168,15 +175,25 @@ class FinetuneConfig:
     clip: float = 1.0
     bf16: bool = False
     seed: int = 0
+    seeds: int = 1  # every run repeated with seeds seed .. seed + seeds - 1
+    control: bool = True  # add the control row (HEAD) unless methods lists it
+    tune_lr: bool = False  # each method's lr picked from lr_grid x its default by validation loss
+    lr_grid: tuple[float, ...] = DEFAULT_LR_GRID
+    lr_extensions: int = 3  # at most this many factor-2 steps past the grid's edge
     method_opts: dict[str, dict[str, Any]] = field(default_factory=dict)  # {method name: {setting: value}}
     out: str = "slimopt-finetune"
+
+    @property
+    def entries(self) -> list[str]:
+        """The methods in table order: the control first (unless listed already or switched off)."""
+        return ([HEAD] if self.control and HEAD not in self.methods else []) + list(self.methods)
 
     def validate(self) -> None:
         if not self.tasks:
             raise ValueError("tasks: give at least one task")
         if not self.methods:
             raise ValueError("methods: give at least one method")
-        for name in ("max_length", "batch_size", "eval_batch_size", "grad_accum", "rank"):
+        for name in ("max_length", "batch_size", "eval_batch_size", "grad_accum", "rank", "seeds"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -194,7 +211,12 @@ class FinetuneConfig:
             raise ValueError(f"warmup must be a fraction in [0, 1) or a whole number of steps, got {self.warmup!r}")
         if self.weight_decay < 0 or self.clip < 0:
             raise ValueError("weight_decay and clip must be >= 0")
-        plans = [parse_method(m) for m in self.methods]
+        if not self.lr_grid or not all(isinstance(g, (int, float)) and g > 0 and math.isfinite(g)
+                                       for g in self.lr_grid):
+            raise ValueError(f"lr_grid must hold positive multipliers of each method's lr, got {self.lr_grid!r}")
+        if not isinstance(self.lr_extensions, int) or self.lr_extensions < 0:
+            raise ValueError(f"lr_extensions must be an integer >= 0, got {self.lr_extensions!r}")
+        plans = [parse_method(m) for m in self.entries]
         names = [p.name for p in plans]
         if len(set(names)) != len(names):
             raise ValueError(f"methods: {names} lists a method twice")
@@ -211,7 +233,8 @@ def method_settings(plan: MethodPlan, cfg: FinetuneConfig) -> dict[str, Any]:
     if not plan.lora:
         defaults = FINETUNE_DEFAULTS.get(plan.optimizer, {})
         settings.update({k: (cfg.rank if v == "@rank" else v) for k, v in defaults.items()})
-    settings["lr"] = cfg.lr if cfg.lr is not None else FINETUNE_LR.get(plan.family, FINETUNE_LR["adamw"])
+    settings["lr"] = cfg.lr if cfg.lr is not None and not plan.head_only else \
+        FINETUNE_LR.get(plan.family, FINETUNE_LR["adamw"])
     opts = dict(cfg.method_opts.get(plan.name, {}))
     if "rank" in opts and "density" not in opts and settings.get("density") is not None:
         settings.pop("density")
@@ -341,7 +364,7 @@ def prepare(cfg: FinetuneConfig, log: Callable[[str], None] = print) -> tuple[li
     from slimopt.finetune.data import load_task
 
     cfg.validate()
-    plans = [parse_method(m) for m in cfg.methods]
+    plans = [parse_method(m) for m in cfg.entries]
     for plan in plans:  # unknown or ill-typed settings fail now, not after the first task trained
         _check_settings(plan, cfg)
     resolved = [(t, *resolve_task(t, cfg)) for t in cfg.tasks]
@@ -389,19 +412,58 @@ def _param_bytes(model) -> tuple[int, int, int]:
     return nbytes, trainable, total
 
 
-def finetune_one(plan: MethodPlan, prepared: _Prepared, cfg: FinetuneConfig) -> dict[str, Any]:
-    """Train a copy of the task's model with one method; evaluate; measure memory and step time."""
+def _lr_source(plan: MethodPlan, cfg: FinetuneConfig) -> str:
+    if "lr" in cfg.method_opts.get(plan.name, {}):
+        return "--set"
+    if cfg.lr is not None and not plan.head_only:
+        return "--lr"
+    return "default"
+
+
+def head_modules(model) -> list[tuple[str, Any]]:
+    """The classification head: the model's top-level modules outside its body (``base_model_prefix``), e.g.
+    ``score`` (LLaMA), ``classifier`` (BERT, RoBERTa). Raises ValueError when there is none."""
+    prefix = getattr(model, "base_model_prefix", "")
+    head = [(n, m) for n, m in model.named_children() if n != prefix and any(True for _ in m.parameters())]
+    if not prefix or not head:
+        raise ValueError(f"{type(model).__name__} has no classification head outside its body {prefix!r}")
+    return head
+
+
+def _new_head(model, seed: int) -> None:
+    """Initialise the classification head anew from `seed`, as the model's own initialisation does."""
+    import transformers
+
+    transformers.set_seed(seed)
+    for _, module in head_modules(model):
+        module.apply(model._init_weights)
+
+
+def finetune_one(plan: MethodPlan, prepared: _Prepared, cfg: FinetuneConfig, lr: float | None = None,
+                 seed: int | None = None) -> dict[str, Any]:
+    """Train a copy of the task's model with one method (at `lr`, default the method's; with `seed`, default
+    cfg.seed: the head's initialisation and the batch order); evaluate; measure memory and step time."""
     import torch
     import transformers
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     import slimopt
     from slimopt.finetune.hf import make_optimizer
+    from slimopt.finetune.memory import measure_peak, planned_peak
 
     data = prepared.data
     settings = method_settings(plan, cfg)
-    transformers.set_seed(cfg.seed)
+    if lr is not None:
+        settings["lr"] = lr
+    seed = cfg.seed if seed is None else seed
+    transformers.set_seed(seed)
     model = copy.deepcopy(prepared.template)
+    if seed != cfg.seed:
+        _new_head(model, seed)
+    if plan.head_only:
+        model.requires_grad_(False)
+        for _, module in head_modules(model):
+            module.requires_grad_(True)
     if plan.lora:
         from slimopt.baselines import apply_lora
 
@@ -422,7 +484,7 @@ def finetune_one(plan: MethodPlan, prepared: _Prepared, cfg: FinetuneConfig) -> 
             per_device_train_batch_size=cfg.batch_size, per_device_eval_batch_size=cfg.eval_batch_size,
             gradient_accumulation_steps=cfg.grad_accum, learning_rate=settings["lr"],
             weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup, lr_scheduler_type="linear",
-            max_grad_norm=cfg.clip, bf16=cfg.bf16, seed=cfg.seed, data_seed=cfg.seed,
+            max_grad_norm=cfg.clip, bf16=cfg.bf16, seed=seed, data_seed=seed,
             save_strategy="no", eval_strategy="no", report_to="none", logging_strategy="no", disable_tqdm=True,
             use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
         )
@@ -436,14 +498,21 @@ def finetune_one(plan: MethodPlan, prepared: _Prepared, cfg: FinetuneConfig) -> 
         started = time.perf_counter()
         train_out = trainer.train()
         train_s = time.perf_counter() - started
-        metrics = {}
+        metrics, eval_loss = {}, float("nan")
         for split, ds in data.eval_datasets().items():
             result = trainer.evaluate(eval_dataset=ds, metric_key_prefix="eval")
             prefix = "" if split == data.spec.validation_split else f"{split}/"
             metrics.update({f"{prefix}{m}": float(result[f"eval_{m}"]) for m in data.metric_names})
+            if split == data.spec.validation_split:
+                eval_loss = float(result["eval_loss"])
 
     weight_bytes, trainable, total = _param_bytes(model)
     state_bytes = slimopt.state_nbytes(optimizer)
+    # one more iteration, counted tensor by tensor, on the first training batch (the weights are scored already)
+    batch = data.data_collator([data.train[i] for i in range(min(cfg.batch_size, len(data.train)))])
+    batch_shape = tuple(batch["input_ids"].shape)
+    peak = measure_peak(model, optimizer, batch)
+    planned = planned_peak(model, plan.optimizer, settings, *batch_shape)
     loss = float(train_out.training_loss)
     primary = data.metric_names[0]
     return {
@@ -451,10 +520,13 @@ def finetune_one(plan: MethodPlan, prepared: _Prepared, cfg: FinetuneConfig) -> 
         "method": plan.name,
         "optimizer": plan.optimizer,
         "lora": plan.lora,
-        "status": "ok" if math.isfinite(loss) else "diverged",
+        "role": "control" if plan.head_only else "method",
+        "seed": seed,
+        "status": "ok" if math.isfinite(loss) and math.isfinite(eval_loss) else "diverged",
         "metric": primary,
         "score": metrics[primary],
         "metrics": metrics,
+        "eval_loss": eval_loss,
         "train_loss": loss,
         "steps": int(trainer.state.global_step),
         "s_per_step": statistics.median(times) if times else float("nan"),
@@ -462,6 +534,9 @@ def finetune_one(plan: MethodPlan, prepared: _Prepared, cfg: FinetuneConfig) -> 
         "weight_bytes": weight_bytes,
         "state_bytes": state_bytes,
         "memory_bytes": weight_bytes + state_bytes,
+        "peak_bytes": peak,
+        "planned_peak_bytes": planned,
+        "peak_batch": list(batch_shape),
         "trainable_params": trainable,
         "total_params": total,
         "lr": settings["lr"],
@@ -470,156 +545,36 @@ def finetune_one(plan: MethodPlan, prepared: _Prepared, cfg: FinetuneConfig) -> 
 
 
 def run_finetune(cfg: FinetuneConfig, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Check all input, then train every method on every task; write results after each run. Returns the rows
-    (a run that raised has status "failed: ...")."""
+    """Check all input, then train every method on every task (the control first; tuning and seeds as cfg says);
+    write results after each method. Returns one row per task and method, the mean over its seeds (a method whose
+    runs all raised has status "failed: ...")."""
     plans, prepared = prepare(cfg, log)
     out = Path(cfg.out)
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
     n = len(plans) * len(prepared)
+    seeds = seed_list(cfg.seed, cfg.seeds)
     for task in prepared:
         for plan in plans:
             log(f"[{len(rows) + 1}/{n}] {plan.name} on {task.name} ...")
-            try:
-                row = finetune_one(plan, task, cfg)
-            except (RuntimeError, ValueError) as err:  # one failing method must not lose the others' results
-                row = {"task": task.name, "method": plan.name, "status": f"failed: {err}"}
+
+            def one(lr: float, seed: int, plan=plan, task=task) -> dict[str, Any]:
+                return finetune_one(plan, task, cfg, lr=lr, seed=seed)
+
+            settings = method_settings(plan, cfg)
+            grid = cfg.lr_grid if cfg.tune_lr else None
+            row = run_method(one, task.name, plan.name, settings["lr"], _lr_source(plan, cfg), seeds, grid,
+                             cfg.lr_extensions, log)
             rows.append(row)
             if row["status"] == "ok":
-                log(f"    {row['metric']} {100 * row['score']:.1f}, loss {row['train_loss']:.3f}, "
-                    f"{row['steps']} steps at {row['s_per_step']:.2f} s, weights + state "
-                    f"{_mib(row['memory_bytes']):.1f} MiB")
+                spread = (f" [{100 * row['score_min']:.1f}-{100 * row['score_max']:.1f}] over {row['seeds_ok']} "
+                          "seeds" if row["seeds"] > 1 else "")
+                log(f"    {row['metric']} {100 * row['score']:.1f}{spread}, loss {row['train_loss']:.3f}, "
+                    f"{row['steps']} steps at {row['s_per_step']:.2f} s, lr {row['lr']:.3g}, weights + state "
+                    f"{mib(row['memory_bytes']):.1f} MiB, peak {mib(row['peak_bytes']):.1f} MiB (planned "
+                    f"{mib(row['planned_peak_bytes']):.1f})")
             else:
                 log(f"    {row['status']}")
             write_results(rows, cfg, out, time.perf_counter() - started)
     log(f"wrote {out / 'results.md'} and {out / 'results.csv'}")
-    return rows
-
-
-# --------------------------------------------------------------------------------------------------------------
-# results
-
-CSV_COLUMNS = ["task", "method", "optimizer", "lora", "status", "metric", "score", "metrics", "train_loss", "steps",
-               "s_per_step", "train_s", "weight_bytes", "state_bytes", "memory_bytes", "trainable_params",
-               "total_params", "lr", "settings"]
-
-
-def _mib(nbytes: float) -> float:
-    return nbytes / 2**20
-
-
-def _versions() -> str:
-    import torch
-    import transformers
-
-    import slimopt
-
-    parts = [f"slimopt {slimopt.__version__}", f"torch {torch.__version__}", f"transformers {transformers.__version__}"]
-    try:
-        import peft
-
-        parts.append(f"peft {peft.__version__}")
-    except ImportError:
-        pass
-    return ", ".join(parts) + f", Python {platform.python_version()}"
-
-
-def _machine() -> str:
-    import torch
-
-    cpu = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{cpu}, {os.cpu_count()} CPU cores, {gpu}, {torch.get_num_threads()} torch threads"
-
-
-def _label(row: dict[str, Any], cfg: FinetuneConfig) -> str:
-    if row.get("lora"):
-        base = f"LoRA r={cfg.rank}"
-        return base if row["optimizer"] == "adamw" else f"{base} + {row['optimizer']}"
-    if row.get("optimizer") == "adamw":
-        return "Full FT (AdamW)"
-    settings = row.get("settings") or {}
-    label = f"{row['method']} r={settings['rank']}" if settings.get("rank") else row["method"]
-    return f"{label}, state_full={settings['state_full']}" if settings.get("state_full") else label
-
-
-def _markdown(rows: list[dict[str, Any]], cfg: FinetuneConfig, elapsed: float | None) -> str:
-    tasks = list(dict.fromkeys(r["task"] for r in rows))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    by = {(r["method"], r["task"]): r for r in rows}
-    now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    budget = f"{cfg.max_steps} steps" if cfg.max_steps else f"{cfg.epochs:g} epoch(s)"
-    lines = [
-        f"# slimopt finetune: {cfg.model} on {', '.join(tasks)}",
-        "",
-        f"- Date: {now}. Machine: {_machine()}. Versions: {_versions()}.",
-        f"- Train examples per task <= {cfg.max_train_samples or 'all'}, validation <= "
-        f"{cfg.max_eval_samples or 'all'} (stratified subsample, seed {cfg.seed}), max length {cfg.max_length} "
-        f"tokens; batch {cfg.batch_size} x accumulation {cfg.grad_accum}, {budget}, linear schedule with warmup "
-        f"{cfg.warmup:g}, clip {cfg.clip:g}, weight decay {cfg.weight_decay:g}, {'bf16 autocast' if cfg.bf16 else 'fp32'}.",
-        "- Scores are the task's first metric x 100 on the validation split. Memory: bytes of all weights (frozen "
-        "included) + optimizer state (slimopt.state_nbytes after training); gradients and activations not counted.",
-    ]
-    if elapsed is not None:
-        lines.append(f"- Wall time of the command: {elapsed:.0f} s.")
-    header = "| Method | Weights + state MiB | " + " | ".join(
-        f"{t} ({_task_metric(rows, t)})" for t in tasks) + (" | Avg |" if len(tasks) > 1 else " |")
-    lines += ["", header, "|---|---:|" + "---:|" * (len(tasks) + (len(tasks) > 1))]
-    for m in methods:
-        runs = [by.get((m, t)) for t in tasks]
-        ok = [r for r in runs if r and r["status"] == "ok"]
-        label = _label(ok[0], cfg) if ok else m
-        memory = f"{_mib(max(r['memory_bytes'] for r in ok)):.1f}" if ok else ""
-        cells = [f"{100 * r['score']:.1f}" if r and r["status"] == "ok" else (r["status"].split(":")[0] if r else "")
-                 for r in runs]
-        avg = [f"{100 * sum(r['score'] for r in ok) / len(ok):.1f}" if len(ok) == len(tasks) else ""]
-        lines.append(f"| {label} | {memory} | " + " | ".join(cells + (avg if len(tasks) > 1 else [])) + " |")
-    lines += ["", "Per run:", "",
-              "| task | method | metrics | train loss | trainable params | weights MiB | state MiB | state B/trainable "
-              "param | s/step | steps | lr | settings |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        if r["status"].startswith("failed"):
-            lines.append(f"| {r['task']} | {r['method']} | {r['status']} | | | | | | | | | |")
-            continue
-        metrics = ", ".join(f"{k} {100 * v:.1f}" for k, v in r["metrics"].items())
-        per_param = r["state_bytes"] / r["trainable_params"] if r["trainable_params"] else float("nan")
-        settings = ", ".join(f"{k}={v}" for k, v in r["settings"].items()) or "-"
-        lines.append(
-            f"| {r['task']} | {r['method']} | {metrics} | {r['train_loss']:.3f} | {r['trainable_params']:,} | "
-            f"{_mib(r['weight_bytes']):.1f} | {_mib(r['state_bytes']):.2f} | {per_param:.2f} | "
-            f"{r['s_per_step']:.3f} | {r['steps']} | {r['lr']:g} | {settings} |")
-    lines.append("")
-    return "\n".join(lines)
-
-
-def _task_metric(rows: list[dict[str, Any]], task: str) -> str:
-    return next((r["metric"] for r in rows if r["task"] == task and r.get("metric")), "")
-
-
-def write_results(rows: list[dict[str, Any]], cfg: FinetuneConfig, out: Path | str,
-                  elapsed: float | None = None) -> None:
-    """results.md (the method x task table, then one line per run) and results.csv (one row per run)."""
-    from slimopt.train.results import write_csv_and_markdown
-    out = write_csv_and_markdown(out, CSV_COLUMNS, rows, _markdown(rows, cfg, elapsed))
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
-
-
-def read_results(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The rows of a results.csv with numbers, booleans and the metrics / settings dicts parsed."""
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    for r in rows:
-        for k, v in list(r.items()):
-            if k in ("metrics", "settings"):
-                r[k] = json.loads(v) if v else {}
-            elif k == "lora":
-                r[k] = v == "True"
-            elif k not in ("task", "method", "optimizer", "status", "metric"):
-                r[k] = float(v) if v not in ("", None) else None
     return rows

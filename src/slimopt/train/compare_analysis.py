@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-__all__ = ["CONTROL", "MIN_CONTROL_MARGIN", "aggregate_seeds", "inside_noise", "ranking_text", "noise_pairs",
+__all__ = ["CONTROL", "MIN_CONTROL_MARGIN", "mean_std", "aggregate_seeds", "inside_noise", "ranking_text", "noise_pairs",
            "control_margin", "control_verdicts", "budget_warning", "choose_lr", "full_rank_weights",
            "baseline_full_rank_weights"]
 
@@ -31,7 +31,8 @@ def _finite(v) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
 
 
-def _mean_std(values: list[float]) -> tuple[float, float | None]:
+def mean_std(values: list[float]) -> tuple[float, float | None]:
+    """(mean, sample standard deviation; None for one value)."""
     n = len(values)
     mean = sum(values) / n
     if n < 2:
@@ -65,8 +66,8 @@ def aggregate_seeds(runs: list[dict]) -> dict:
     row["status"] = "ok"
     losses = [r["val_loss"] for r in ok]
     ppls = [r["val_ppl"] for r in ok]
-    row["val_loss"], row["val_loss_std"] = _mean_std(losses)
-    row["val_ppl"], row["val_ppl_std"] = _mean_std(ppls)
+    row["val_loss"], row["val_loss_std"] = mean_std(losses)
+    row["val_ppl"], row["val_ppl_std"] = mean_std(ppls)
     row["val_ppl_min"], row["val_ppl_max"] = min(ppls), max(ppls)
     for k in _MEAN_COLUMNS:
         vals = [r[k] for r in ok if _finite(r.get(k))]
