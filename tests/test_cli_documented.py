@@ -328,6 +328,7 @@ def check_finetune(argv, rc, out, err, cwd):
     rows = read_results(folder / "results.csv")
     tasks = _flag(argv, "--tasks", "bbc").split(",")
     methods = _flag(argv, "--methods", "adamw,galore,frugal,lora").split(",")
+    methods = (["head"] if "--no-control" not in argv and "head" not in methods else []) + methods
     assert [(r["task"], r["method"]) for r in rows] == [(t, m) for t in tasks for m in methods]
     assert all(r["status"] == "ok" for r in rows), [(r["task"], r["method"], r["status"]) for r in rows]
     assert (folder / "results.md").is_file() and (folder / "config.json").is_file()
@@ -483,6 +484,9 @@ CASES = [
     # the model itself loads in tests/test_pretrained.py (slow; skipped without its package): here a tiny BERT
     finetune_case("finetune-smollm2", "slimopt finetune --model smollm2-135m --tasks bbc --methods adamw,taco "
                   "--max-steps 2", replace={"--max-steps": "1"}),
+    finetune_case("finetune-honest", "slimopt finetune --model smollm2-135m --methods adamw,taco,lora --tune-lr "
+                  "--lr-grid 1/4,1,4 --seeds 3", replace={"--lr-grid": "1,2", "--seeds": "2"},
+                  add=("--lr-extensions", "0")),
     finetune_case("finetune-lora-plus", "slimopt finetune --methods lora,lora+adamw8bit "
                   "--set lora+adamw8bit.lr=5e-4 --max-steps 50", replace={"--max-steps": "1"}),
     finetune_case("finetune-own-files", "slimopt finetune --tasks reviews --train-file train.csv "

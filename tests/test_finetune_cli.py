@@ -69,7 +69,8 @@ def test_table_for_methods_by_tasks(tmp_path, tiny_model_dir, glue_dir, capsys):
     out = tmp_path / "out"
     rc, stdout, err = _run(["--model", str(tiny_model_dir), "--tasks", "sst2,mrpc", "--data-dir", str(glue_dir),
                             "--methods", "adamw,galore,lora", "--max-steps", "2", "--batch-size", "8",
-                            "--max-length", "16", "--set", "galore.update_gap=1", "--out", str(out)], capsys)
+                            "--max-length", "16", "--set", "galore.update_gap=1", "--no-control", "--out", str(out)],
+                           capsys)
     assert rc == 0, err
     rows = read_results(out / "results.csv")
     assert [(r["task"], r["method"]) for r in rows] == [
@@ -97,12 +98,17 @@ def test_table_for_methods_by_tasks(tmp_path, tiny_model_dir, glue_dir, capsys):
     assert lora["lr"] == 3e-3 and full["lr"] == 3e-4
 
     md = (out / "results.md").read_text()
-    assert "| Method | Weights + state MiB | sst2 (accuracy) | mrpc (f1) | Avg |" in md
-    mib = (full["memory_bytes"]) / 2**20
-    scores = [100 * r["score"] for r in rows if r["method"] == "adamw"]
+    assert ("| Method | Weights + state MiB | Peak MiB | Planned peak MiB | sst2 (accuracy) | mrpc (f1) | Avg | "
+            "Above control |") in md
+    adamw = [r for r in rows if r["method"] == "adamw"]
+    mib, peak, planned = (max(r[k] for r in adamw) / 2**20 for k in ("memory_bytes", "peak_bytes",
+                                                                      "planned_peak_bytes"))
+    scores = [100 * r["score"] for r in adamw]
     line = next(x for x in md.splitlines() if x.startswith("| Full FT (AdamW) |"))
-    assert line == (f"| Full FT (AdamW) | {mib:.1f} | {scores[0]:.1f} | {scores[1]:.1f} | "
-                    f"{sum(scores) / 2:.1f} |")
+    assert line == (f"| Full FT (AdamW) | {mib:.1f} | {peak:.1f} | {planned:.1f} | {scores[0]:.1f} | "
+                    f"{scores[1]:.1f} | {sum(scores) / 2:.1f} |  |")
+    # the peak of an iteration holds the weights, the state and the gradients at least
+    assert all(r["peak_bytes"] > r["memory_bytes"] + 4 * r["trainable_params"] for r in rows)
     assert any(x.startswith("| galore r=8 |") for x in md.splitlines())
     assert any(x.startswith("| LoRA r=8 |") for x in md.splitlines())
     assert json.loads((out / "config.json").read_text())["methods"] == ["adamw", "galore", "lora"]
@@ -122,10 +128,42 @@ def test_offline_minilm_builtin_task(tmp_path, capsys):
                             "--batch-size", "4", "--max-train-samples", "8", "--max-eval-samples", "8",
                             "--max-length", "16", "--out", str(out)], capsys)
     assert rc == 0, err
-    (row,) = read_results(out / "results.csv")
+    control, row = read_results(out / "results.csv")
+    assert (control["method"], control["role"], row["role"]) == ("head", "control", "method")
+    assert control["trainable_params"] == 384 * 2 + 2  # the new head alone: hidden 384 -> 2 labels
+    assert control["state_bytes"] == 8 * control["trainable_params"] + 8 * 2
     assert row["status"] == "ok" and row["total_params"] > 22_000_000  # MiniLM-L6: 22.7M
     assert 0.0 <= row["score"] <= 1.0 and set(row["metrics"]) == {"accuracy", "f1"}
     assert "| frugal r=8 |" in (out / "results.md").read_text()
+
+
+def test_control_tuned_rates_and_seeds(tmp_path, tiny_model_dir, glue_dir, capsys):
+    out = tmp_path / "out"
+    rc, stdout, err = _run(["--model", str(tiny_model_dir), "--tasks", "sst2", "--data-dir", str(glue_dir),
+                            "--methods", "adamw,lora", "--max-steps", "2", "--batch-size", "8", "--max-length", "16",
+                            "--seeds", "2", "--tune-lr", "--lr-grid", "1/2,1", "--lr-extensions", "1",
+                            "--out", str(out)], capsys)
+    assert rc == 0, err
+    rows = read_results(out / "results.csv")
+    assert [(r["method"], r["role"]) for r in rows] == [("head", "control"), ("adamw", "method"), ("lora", "method")]
+    runs = read_results(out / "runs.csv")
+    for r in rows:
+        assert (r["seeds"], r["seeds_ok"]) == (2, 2) and r["lr_source"].startswith("tuned: x")
+        seeds = [x for x in runs if x["method"] == r["method"] and x["kind"] == "seed"]
+        tuned = [x for x in runs if x["method"] == r["method"] and x["kind"] == "tune"]
+        assert [x["seed"] for x in seeds] == [0, 1] and all(x["lr"] == r["lr"] for x in seeds)
+        assert [x["chosen"] for x in seeds] == [True, False]  # the chosen grid run is seed 0's run
+        assert len(tuned) in (1, 2)  # the other grid point, and one extension when the best sat on an edge
+        assert r["score_min"] <= r["score"] <= r["score_max"]
+        assert r["score"] == pytest.approx(sum(x["score"] for x in seeds) / 2)
+        assert r["eval_loss"] <= min(x["eval_loss"] for x in tuned) or r["eval_loss"] == pytest.approx(
+            sum(x["eval_loss"] for x in seeds) / 2)
+    head, adamw = rows[0], rows[1]
+    assert head["trainable_params"] == 32 * 2 + 2 and head["peak_bytes"] < adamw["peak_bytes"]
+    assert adamw["clears_control"] == (adamw["score"] > head["score"])
+    md = (out / "results.md").read_text()
+    assert "| Control: head only (AdamW) |" in md and "seeds 0-1" in md
+    assert ("clears the control" in md) or ("does **not** clear the control" in md)
 
 
 # ---------------------------------------------------------------------------------------------- settings
@@ -169,6 +207,9 @@ def _write_sst2(root, rows):
     (["--set", "galore.rank=0", "--methods", "galore"], "rank must be a positive integer"),
     (["--set", "taco.lr=1e-3", "--methods", "adamw"], "not among the methods"),
     (["--model", "/no/such/model"], "does not exist"),
+    (["--lr-grid", "1,2"], "--lr-grid sets up --tune-lr"),
+    (["--tune-lr", "--lr-grid", "1,x"], "'x' is not a number"),
+    (["--seeds", "0"], "positive"),
     (["--tasks", "mytask", "--data-dir", "."], "give num_labels"),
 ])
 def test_bad_arguments_fail_before_training(tmp_path, capsys, args, message):

@@ -51,3 +51,44 @@ def test_smollm2_loads_as_a_trainable_classifier_and_language_model():
     text = tok("In the beginning God created the heaven and the earth.", return_tensors="pt")
     loss = lm(**text, labels=text["input_ids"]).loss
     assert lm.training and float(loss) < 6.0  # pretrained: far below a uniform guess over 49,152 tokens (10.8)
+
+
+def test_the_conversion_is_cached_whole_and_reused(tmp_path, monkeypatch):
+    """The de-quantized model and tokenizer are written once, renamed into place whole; a failed conversion
+    leaves nothing behind and the loaders fall back to the file."""
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from slimopt.finetune.data import offline_model_path
+
+    folder = tmp_path / "package"
+    folder.mkdir()
+    (folder / "model.gguf").write_bytes(b"stands for the 4-bit file")
+    monkeypatch.setattr(pretrained, "smollm2_file", lambda: (folder, "model.gguf"))
+    monkeypatch.setenv("SLIMOPT_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                          num_attention_heads=2, intermediate_size=32))
+    calls = []
+
+    def convert(kind, **kwargs):
+        calls.append(kind)
+        if len(calls) == 1:
+            raise OSError("disk full")
+        return source
+
+    monkeypatch.setattr(pretrained, "_from_gguf", convert)
+    monkeypatch.setattr(pretrained, "_tokenizer_from_gguf",
+                        lambda: transformers.AutoTokenizer.from_pretrained(str(offline_model_path())))
+    assert pretrained._converted() is None  # failed: no cache, and no half-written folder
+    assert [p.name for p in (tmp_path / "cache" / pretrained.SMOLLM2).iterdir()] == []
+    target = pretrained._converted()
+    assert target == pretrained.converted_dir() and (target / "config.json").is_file()
+    lm = pretrained.load_smollm2()
+    classifier = pretrained.load_smollm2(3, {0: "a", 1: "b", 2: "c"})
+    assert len(calls) == 2  # converted once; every later load reads the cache
+    assert all(torch.equal(lm.state_dict()[k], v) for k, v in source.state_dict().items())
+    assert torch.equal(classifier.model.layers[0].mlp.up_proj.weight, source.model.layers[0].mlp.up_proj.weight)
+    assert classifier.score.out_features == 3 and classifier.config.id2label[2] == "c"
+    assert len(pretrained.load_smollm2_tokenizer()) == len(
+        transformers.AutoTokenizer.from_pretrained(str(offline_model_path())))

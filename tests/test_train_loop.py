@@ -126,6 +126,20 @@ def test_state_bytes_match_the_method(data):
     assert rho0["state_bytes"] < adamw["state_bytes"]
 
 
+def test_a_loaded_model_is_scored_before_training(data, tmp_path):
+    """Continued pretraining is judged before and after: a loaded model's held-out loss at step 0 is in the
+    summary (a size built from scratch has none), and training from it goes on from there."""
+    corpus, cache = data
+    trained = train(fast_config(corpus, cache, method="adamw", max_steps=6, save_model=True,
+                                out=str(tmp_path / "first")))
+    assert trained["start_val_ppl"] is None
+    folder = next(p.parent for p in (tmp_path / "first").rglob("config.json"))
+    again = train(fast_config(corpus, cache, method="adamw", max_steps=2, model=str(folder)))
+    assert again["start_val_loss"] == pytest.approx(trained["val_loss"], rel=1e-5)  # the same held-out blocks
+    assert again["start_val_ppl"] == pytest.approx(math.exp(again["start_val_loss"]))
+    assert again["history"]["eval"][0] == (0, pytest.approx(again["start_val_loss"]))
+
+
 # ------------------------------------------------------------------------------------------------ CLI
 
 def test_cli_train_end_to_end(data, tmp_path, capsys):

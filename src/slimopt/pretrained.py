@@ -71,6 +71,13 @@ def _from_gguf(kind: Any, **kwargs: Any) -> Any:
     return model
 
 
+def _tokenizer_from_gguf() -> Any:
+    import transformers
+
+    folder, name = smollm2_file()
+    return transformers.AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
+
+
 def _converted() -> Path | None:
     """The cached conversion, written on first use; None when the cache cannot be written (then every load
     de-quantizes the file)."""
@@ -85,9 +92,8 @@ def _converted() -> Path | None:
     except OSError:
         return None
     try:
-        folder, name = smollm2_file()
         _from_gguf(transformers.AutoModelForCausalLM).save_pretrained(str(tmp))
-        transformers.AutoTokenizer.from_pretrained(str(folder), gguf_file=name).save_pretrained(str(tmp))
+        _tokenizer_from_gguf().save_pretrained(str(tmp))
         os.replace(tmp, target)  # whole or not at all: an interrupted conversion leaves only a .partial folder
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -97,15 +103,13 @@ def _converted() -> Path | None:
 
 
 def load_smollm2_tokenizer() -> Any:
-    """SmolLM2's tokenizer (byte-level BPE, 49,152 tokens), from the GGUF file; its end-of-text token pads."""
+    """SmolLM2's tokenizer (byte-level BPE, 49,152 tokens), from the GGUF file (converted once, then cached); its
+    end-of-text token pads."""
     import transformers
 
     cached = _converted()
-    if cached is not None:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(cached))
-    else:
-        folder, name = smollm2_file()
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(cached)) if cached is not None else \
+        _tokenizer_from_gguf()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
