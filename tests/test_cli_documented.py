@@ -424,12 +424,16 @@ CASES = [
                "--save-every 1000 --out runs/frugal-60m", files=("c4/*.json.gz", "t5-base"),
                replace={"--model": "tiny", "--data": "hf:json:./c4/*.json.gz", "--batch-size": "8",
                         "--tokens": "512", "--save-every": "1"}),
+    # continued pretraining of the offline SmolLM2 (tests/test_pretrained.py loads it): here the tiny LLaMA
+    train_case("train-model", "slimopt train --model smollm2-135m", replace={"--model": "tiny"}),
     train_case("train-fsdp", "slimopt train --fsdp"),
     train_case("train-fsdp-model", "slimopt train --fsdp --model 1b --method galore", replace={"--model": "tiny"}),
     train_case("train-fsdp-save", "slimopt train --fsdp --model 1b --method galore --opt proj_side=right "
                "--save-every 500 --out runs/galore-fsdp", replace={"--model": "tiny", "--save-every": "1"}),
     # --- compare: methods in this process (test_compare.py runs them each in its own), 2 steps
     compare_case("compare", "slimopt compare", slow=True),
+    compare_case("compare-model", "slimopt compare --model smollm2-135m", replace={"--model": "tiny"},
+                 add=("--methods", "adamw")),
     compare_case("compare-bbc", "slimopt compare --data bbc", add=("--methods", "adamw,galore"), slow=True),
     compare_case("compare-methods-tokens", "slimopt compare --methods adamw,galore,frugal,torch-adamw,galore-torch "
                  "--tokens 4e6", replace={"--tokens": "512"}, slow=True),
