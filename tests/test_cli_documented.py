@@ -315,9 +315,13 @@ def check_compare(argv, rc, out, err, cwd):
         per_seed = (folder / "results_per_seed.csv").read_text().splitlines()
         assert len(per_seed) - 1 == len(rows) * int(_flag(argv, "--seeds"))
     for i, a in enumerate(argv):
-        if a == "--set":  # METHOD.KEY=VALUE shows in that method's settings
+        if a == "--set":  # METHOD.KEY=VALUE shows in that method's settings; an lr is the centre of its grid
             m, setting = argv[i + 1].split(".", 1)
-            assert setting in next(r for r in rows if r["method"] == m)["settings"]
+            row = next(r for r in rows if r["method"] == m)
+            if setting.startswith("lr="):
+                assert row["lr_source"] == "--set" or "of --set " in row["lr_source"], row["lr_source"]
+            else:
+                assert setting in row["settings"]
 
 
 def check_finetune(argv, rc, out, err, cwd):
@@ -434,6 +438,16 @@ CASES = [
     compare_case("compare", "slimopt compare", slow=True),
     compare_case("compare-model", "slimopt compare --model smollm2-135m", replace={"--model": "tiny"},
                  add=("--methods", "adamw")),
+    # docs/reproduction.md: SmolLM2 continued on KJV (here the tiny LLaMA, 2 steps, a one-point grid)
+    compare_case("compare-smollm2-table", "slimopt compare --model smollm2-135m --data kjv --methods "
+                 "adamw,adamw8bit,galore,frugal,taco,ternary_adamw,lora --seq-len 64 --batch-size 8 --max-steps 24 "
+                 "--eval-tokens 4096 --tune-lr --lr-grid 1/4,1,4 --control-lr-grid 1/4,1,4 --lr-extensions 1 "
+                 "--tune-fraction 0.34 --set adamw.lr=1e-4 --set adamw8bit.lr=1e-4 --set ternary_adamw.lr=2e-4 "
+                 "--set galore.lr=1e-3 --set frugal.lr=1e-4 --set taco.lr=1e-4 --set lora.lr=1e-3 "
+                 "--set frozen.lr=1e-4 --plan-model smollm2-135m",
+                 replace={"--model": "tiny", "--seq-len": "32", "--max-steps": "2", "--eval-tokens": "512",
+                          "--lr-grid": "1", "--control-lr-grid": "1", "--tune-fraction": "0.5",
+                          "--lr-extensions": "0"}, slow=True),
     compare_case("compare-bbc", "slimopt compare --data bbc", add=("--methods", "adamw,galore"), slow=True),
     compare_case("compare-methods-tokens", "slimopt compare --methods adamw,galore,frugal,torch-adamw,galore-torch "
                  "--tokens 4e6", replace={"--tokens": "512"}, slow=True),
@@ -491,6 +505,12 @@ CASES = [
     finetune_case("finetune-honest", "slimopt finetune --model smollm2-135m --methods adamw,taco,lora --tune-lr "
                   "--lr-grid 1/4,1,4 --seeds 3", replace={"--lr-grid": "1,2", "--seeds": "2"},
                   add=("--lr-extensions", "0")),
+    # docs/finetune.md and docs/reproduction.md: SmolLM2 on BBC (here the tiny BERT, one step, one seed)
+    finetune_case("finetune-smollm2-table", "slimopt finetune --model smollm2-135m --tasks bbc --methods "
+                  "adamw,adamw8bit,galore,frugal,taco,ternary_adamw,lora --seeds 3 --max-steps 16 --batch-size 8 "
+                  "--max-length 64 --max-train-samples 320 --max-eval-samples 200 --threads 2",
+                  replace={"--seeds": "1", "--max-steps": "1", "--batch-size": "4", "--max-length": "16",
+                           "--max-train-samples": "8", "--max-eval-samples": "8", "--threads": "1"}),
     finetune_case("finetune-lora-plus", "slimopt finetune --methods lora,lora+adamw8bit "
                   "--set lora+adamw8bit.lr=5e-4 --max-steps 50", replace={"--max-steps": "1"}),
     finetune_case("finetune-own-files", "slimopt finetune --tasks reviews --train-file train.csv "
