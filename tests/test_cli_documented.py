@@ -369,6 +369,9 @@ CASES = [
     # --- memory: a model config only, nothing allocated; the documented sizes are kept
     Case("memory-bare", "slimopt memory", check=check_memory_needs_model),  # named in prose; --model is required
     Case("memory-model-only", "slimopt memory --model 7b", check=check_memory),
+    # docs/reproduction.md: SmolLM2's planned peaks at the KJV table's batch (its architecture, no file needed)
+    Case("memory-smollm2-fp32", "slimopt memory --model smollm2-135m --batch 8 --seq 64 --dtype fp32",
+         check=check_memory),
     Case("memory-no-seq", "slimopt memory --model 7b --method adamw", check=check_memory),
     Case("memory-no-seq-budget", "slimopt memory --model 7b --method adamw --gpu-memory 24GiB", check=check_memory),
     Case("memory-all-budget", "slimopt memory --model 7b --method all --gpu-memory 24GiB --batch 1 --seq 256",
