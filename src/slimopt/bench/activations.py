@@ -89,12 +89,13 @@ def llama_layer_bytes(h: int, hq: int, hkv: int, i: int, a: int, e: int) -> int:
 
 
 def activation_bytes(config, batch: int, seq: int, elem_size: int, checkpointing: bool = False,
-                     has_lm_head: bool = True) -> ActivationEstimate:
+                     has_lm_head: bool = True, body_trains: bool = True) -> ActivationEstimate:
     """Activation bytes of one forward pass of `batch` sequences of `seq` tokens.
 
     config: a transformers config; elem_size: bytes per activation element (2 for bf16/fp16 models, 4 for fp32);
     checkpointing: one activation checkpoint per decoder layer; has_lm_head: the model computes vocabulary logits
-    and a loss over them (causal / masked LM), else only the hidden states.
+    and a loss over them (causal / masked LM), else only the hidden states; body_trains False: no weight of the
+    body trains (a classifier whose head alone does), so only the head's input, the last hidden states, is kept.
     """
     for name, v in (("batch", batch), ("seq", seq)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -107,6 +108,8 @@ def activation_bytes(config, batch: int, seq: int, elem_size: int, checkpointing
     h, L, a, i, d, kv, V = (dims[k] for k in ("h", "L", "a", "i", "d", "kv", "V"))
     e = elem_size
     tokens = batch * seq
+    if not body_trains:
+        return ActivationEstimate(tokens * h * e, 0, tokens * h * e, 0, True, "frozen body: the head's input only")
     V = V if has_lm_head else 0
     mode = "checkpointed layers" if checkpointing else "no checkpointing"
     model_type = _get(config, "model_type", "")

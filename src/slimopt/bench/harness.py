@@ -335,10 +335,11 @@ def check_planner(model: str, methods: list[str], batch: int, seq: int, device: 
     """For each method: two real training iterations (forward, backward, step) on random tokens; the second one's
     peak memory against the planner's peak for the same model, batch and state.
 
-    CUDA: ``max_memory_allocated`` over the second iteration. CPU: torch's MemTracker, which counts every tensor
-    (exact, but slow: tiny models only). A method that cannot run here, or that the planner has no formula for,
-    gets a status saying why.
+    CUDA: ``max_memory_allocated`` over the second iteration. CPU: every tensor storage counted
+    (``iteration_peak.measure_peak``: exact, but slow: small models only). A method that cannot run here, or that
+    the planner has no formula for, gets a status saying why.
     """
+    from slimopt.bench.iteration_peak import measure_peak
     from slimopt.bench.planner import DTYPES, plan
     from slimopt.peers import available_peers
     from slimopt.train.loop import make_optimizer
@@ -364,26 +365,10 @@ def check_planner(model: str, methods: list[str], batch: int, seq: int, device: 
         gen = torch.Generator(device=dev).manual_seed(seed)
         ids = torch.randint(0, net.config.vocab_size, (batch, seq), generator=gen, device=dev)
 
-        def iteration():
-            loss = net(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        iteration()  # creates the state
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-            iteration()
-            torch.cuda.synchronize(dev)
-            measured, how = torch.cuda.max_memory_allocated(dev), "cuda max_memory_allocated"
-        else:
-            from torch.distributed._tools.mem_tracker import MemTracker
-            tracker = MemTracker()
-            tracker.track_external(net, opt)
-            with tracker:
-                iteration()
-            measured, how = tracker.get_tracker_snapshot("peak")[dev]["Total"], "MemTracker (CPU)"
+        batch_in = {"input_ids": ids, "labels": ids}
+        measure_peak(net, opt, batch_in)  # creates the state
+        measured = measure_peak(net, opt, batch_in)
+        how = "cuda max_memory_allocated" if dev.type == "cuda" else "every tensor counted (CPU)"
         out.append({**row, "status": "ok", "measured_peak_bytes": int(measured), "planned_peak_bytes": planned.peak,
                     "ratio": planned.peak / measured, "measured_by": how, "planned_parts": planned.peak_parts})
         del opt, net, ids

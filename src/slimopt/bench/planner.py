@@ -242,13 +242,13 @@ def _has_lm_head(model: nn.Module) -> bool:
     return callable(get) and get() is not None
 
 
-def _body_frozen(model: nn.Module) -> bool:
-    """Whether no weight of the model's body (``base_model_prefix``: the embeddings and decoder layers of a
-    transformers model) trains, so that its forward pass saves nothing for a backward pass: a classifier whose
-    head alone trains (``slimopt finetune``'s control)."""
+def _body_trains(model: nn.Module) -> bool:
+    """Whether a weight of the model's body (``base_model_prefix``: the embeddings and decoder layers of a
+    transformers model) trains; when none does, its forward pass saves nothing for a backward pass (a classifier
+    whose head alone trains: ``slimopt finetune``'s control)."""
     prefix = getattr(model, "base_model_prefix", "")
     body = getattr(model, prefix, None) if prefix else None
-    return isinstance(body, nn.Module) and not any(p.requires_grad for p in body.parameters())
+    return not isinstance(body, nn.Module) or any(p.requires_grad for p in body.parameters())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -603,10 +603,7 @@ def _assemble(prep: Prepared, batch: int, seq: int, layerwise: bool, checkpointi
         if prep.config is None:
             raise ValueError("activations need the model's config: pass config= or leave batch/seq at 0")
         elem = 4 if prep.dtype == "fp32" else 2
-        act = activation_bytes(prep.config, batch, seq, elem, checkpointing, _has_lm_head(net))
-        if _body_frozen(net):  # only the head's input (the last hidden states) is kept for its weight's gradient
-            head_input = batch * seq * int(prep.config.hidden_size) * elem
-            act = ActivationEstimate(head_input, 0, head_input, 0, act.exact, "frozen body: the head's input only")
+        act = activation_bytes(prep.config, batch, seq, elem, checkpointing, _has_lm_head(net), _body_trains(net))
     else:
         act = ActivationEstimate(saved=0, loss_grad=0, head=0, recompute=0, exact=True,
                                  formula="no activations (batch or seq not given)")

@@ -147,7 +147,7 @@ def _markdown(rows: list[dict[str, Any]], cfg: Any, elapsed: float | None) -> st
         "- Scores: the task's first metric x 100 on the validation split. Weights + state: bytes of all weights "
         "(frozen included) and the optimizer state (slimopt.state_nbytes after training), as in GaLore's Table 4. "
         "Peak: one training iteration (forward, backward, step) on a training batch, every tensor storage counted "
-        "(finetune/memory.py; max_memory_allocated on a GPU), beside the planner's figure for the same model, "
+        "(bench/iteration_peak.py; max_memory_allocated on a GPU), beside the planner's figure for the same model, "
         "method, batch and length (`slimopt memory`); column planned / peak.",
         *_control_lines(rows),
     ]

@@ -21,7 +21,7 @@ Fine-tuning settings differ from the pretraining defaults of ``slimopt.optim.rec
 Memory is measured, not estimated: weights are the bytes of every parameter (frozen ones included), optimizer
 state is ``slimopt.state_nbytes`` of the optimizer after training (codes, scales, projection bases, counters), as in
 GaLore's Table 4; beside them the peak of a whole training iteration, counted tensor by tensor and planned by
-``slimopt memory``'s planner (``finetune/memory.py``).
+``slimopt memory``'s planner (``bench/iteration_peak.py``).
 
 Every comparison has a control row (``head``: the classification head alone trains), and can tune each method's
 learning rate and repeat every run over seeds (``finetune/protocol.py``).
@@ -424,7 +424,7 @@ def head_modules(model) -> list[tuple[str, Any]]:
     """The classification head: the model's top-level modules outside its body (``base_model_prefix``), e.g.
     ``score`` (LLaMA), ``classifier`` (BERT, RoBERTa). Raises ValueError when there is none."""
     prefix = getattr(model, "base_model_prefix", "")
-    head = [(n, m) for n, m in model.named_children() if n != prefix and any(True for _ in m.parameters())]
+    head = [(n, m) for n, m in model.named_children() if n != prefix and next(m.parameters(), None) is not None]
     if not prefix or not head:
         raise ValueError(f"{type(model).__name__} has no classification head outside its body {prefix!r}")
     return head
@@ -449,7 +449,7 @@ def finetune_one(plan: MethodPlan, prepared: _Prepared, cfg: FinetuneConfig, lr:
 
     import slimopt
     from slimopt.finetune.hf import make_optimizer
-    from slimopt.finetune.memory import measure_peak, planned_peak
+    from slimopt.bench.iteration_peak import measure_peak, planned_peak
 
     data = prepared.data
     settings = method_settings(plan, cfg)

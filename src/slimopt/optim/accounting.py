@@ -19,6 +19,11 @@ def tensor_nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def state_tensors(opt: torch.optim.Optimizer) -> list[Tensor]:
+    """Every tensor in ``opt.state`` (the optimizer state holds plain tensors or DTensors, one dict a parameter)."""
+    return [v for st in opt.state.values() for v in st.values() if isinstance(v, Tensor)]
+
+
 def state_nbytes(opt: torch.optim.Optimizer, total: bool = False, group: Any = None) -> int:
     """Exact bytes of every tensor in ``opt.state`` (codes, scales, padding, bases, step counters).
 
@@ -28,11 +33,7 @@ def state_nbytes(opt: torch.optim.Optimizer, total: bool = False, group: Any = N
     all-reduce, so every rank must call it; replicated state then counts once per rank that holds it, which is
     the memory the whole job spends on it.
     """
-    count = 0
-    for st in opt.state.values():
-        for v in st.values():
-            if isinstance(v, Tensor):
-                count += tensor_nbytes(v)
+    count = sum(tensor_nbytes(v) for v in state_tensors(opt))
     if not total or not (dist.is_available() and dist.is_initialized()):
         return count
     device = torch.device("cpu")

@@ -65,11 +65,11 @@ DEFAULT_METHODS = ("adamw", "adamw8bit", "galore", "frugal", "frugal_rho0", "bad
 DEFAULT_SETTING_LR = {"adamw": 4e-3, "adamw8bit": 2e-3, "galore": 4e-2, "frugal": 2e-3, "frugal_rho0": 4e-3,
                       "badam": 8e-3, "ternary_adamw": 8e-3, "taco": 6e-4}
 
-CSV_COLUMNS = ("method", "kind", "status", "val_loss", "val_ppl", "start_val_ppl", "state_mib", "state_bytes_per_param",
-               "peak_mem_mib", "tokens_per_s", "wall_time_s", "cpu_time_s", "lr", "settings", "steps", "tokens",
-               "trainable_params", "params", "role", "seeds", "seeds_ok", "val_loss_std", "val_ppl_std",
-               "val_ppl_min", "val_ppl_max", "lr_source", "lr_multiplier", "clears_control", "plan_model",
-               "plan_state_gib", "plan_peak_gib", "plan_fits", "notes")
+CSV_COLUMNS = ("method", "kind", "status", "val_loss", "val_ppl", "start_val_ppl", "state_mib",
+               "state_bytes_per_param", "peak_mem_mib", "tokens_per_s", "wall_time_s", "cpu_time_s", "lr", "settings",
+               "steps", "tokens", "trainable_params", "params", "role", "seeds", "seeds_ok", "val_loss_std",
+               "val_ppl_std", "val_ppl_min", "val_ppl_max", "lr_source", "lr_multiplier", "clears_control",
+               "plan_model", "plan_state_gib", "plan_peak_gib", "plan_fits", "notes")
 # One row per run (method x seed): results_per_seed.csv.
 SEED_CSV_COLUMNS = ("method", "role", "seed", "kind", "status", "val_loss", "val_ppl", "start_val_ppl", "state_mib",
                     "state_bytes_per_param", "peak_mem_mib", "tokens_per_s", "wall_time_s", "cpu_time_s", "lr",
@@ -704,7 +704,8 @@ def _row(res: dict, method: str) -> dict:
     return {
         "method": method, "kind": method_kind(split_method(method)[0]), "status": "ok" if ok else "diverged",
         "val_loss": res["val_loss"], "val_ppl": res["val_ppl"], "val_tokens": res["val_tokens"],
-        "start_val_ppl": res.get("start_val_ppl"), "state_mib": res["state_bytes"] / 2**20, "state_bytes_per_param": res["state_bytes_per_param"],
+        "start_val_ppl": res.get("start_val_ppl"), "state_mib": res["state_bytes"] / 2**20,
+        "state_bytes_per_param": res["state_bytes_per_param"],
         "peak_mem_mib": res["peak_mem_bytes"] / 2**20, "peak_mem_kind": res["peak_mem_kind"],
         "tokens_per_s": res["tokens_per_s"], "wall_time_s": res["wall_time_s"], "cpu_time_s": res["cpu_time_s"],
         "lr": res["lr"],

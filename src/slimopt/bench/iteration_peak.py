@@ -1,7 +1,8 @@
-"""The peak memory of one fine-tuning iteration, measured and planned, for ``slimopt finetune``'s table.
+"""The peak memory of one training iteration, measured and planned: ``slimopt finetune``'s table and
+``slimopt bench --check-planner``.
 
-Measured: every tensor storage alive during one forward, backward and optimizer step of the trained model on a
-training batch (state already allocated, as in every step after the first), counted by a dispatch mode that sees
+Measured: every tensor storage alive during one forward, backward and optimizer step of a model on a batch
+(state already allocated, as in every step after the first), counted by a dispatch mode that sees
 each operator's outputs and the moment each storage is freed: exact on a CPU, where the process's resident size
 would add the allocator's slack. (torch's MemTracker counts the same, to 0.03% on a small LLaMA, but cannot track a
 model with frozen weights: it hooks every parameter's gradient.) On CUDA, ``max_memory_allocated`` over the same
@@ -19,6 +20,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
+
+from slimopt.optim.accounting import state_tensors
 
 __all__ = ["measure_peak", "planned_peak"]
 
@@ -56,20 +59,9 @@ class _LiveBytes(TorchDispatchMode):
         return out
 
 
-def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The tensors of an optimizer's state, also those held inside state objects (codecs, bases)."""
-    out = []
-    for value in tree_leaves(list(optimizer.state.values())):
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif hasattr(value, "__dict__"):
-            out += [v for v in tree_leaves(list(vars(value).values())) if isinstance(v, torch.Tensor)]
-    return out
-
-
 def measure_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Mapping[str, torch.Tensor]) -> int:
-    """Peak bytes of every tensor during one training iteration of `model` on `batch` (a collated batch with
-    labels) with `optimizer`. The model's weights move by one step: measure after evaluating."""
+    """Peak bytes of every tensor during one training iteration of `model` on `batch` (model inputs with labels)
+    with `optimizer`. The model's weights move by one step: measure after evaluating."""
     device = next(model.parameters()).device
     batch = {k: v.to(device) for k, v in batch.items()}
     optimizer.zero_grad(set_to_none=True)
@@ -86,7 +78,7 @@ def measure_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
         iteration()
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device))
-    existing = [*model.parameters(), *model.buffers(), *_state_tensors(optimizer), *batch.values()]
+    existing = [*model.parameters(), *model.buffers(), *state_tensors(optimizer), *batch.values()]
     with _LiveBytes(existing) as live:
         iteration()
     return int(live.peak)
