@@ -7,11 +7,19 @@ import importlib.util
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a torchrun launch."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def tiny_llama(seed: int = 0, vocab: int = 64, hidden: int = 32, layers: int = 2, dtype=torch.float32):

@@ -4,12 +4,12 @@ run on the same global batch, and the ranks stay identical (same blocks, same su
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from helpers import free_port
 from pretrain_helpers import VOCAB, fast_config, write_corpus
 from safetensors.torch import load_file
 
@@ -23,16 +23,11 @@ def data(tmp_path_factory):
     return write_corpus(folder), folder / "cache"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _torchrun(args: list[str], out) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), "-m", "slimopt", "train", *args, "--out", str(out)]
+           "--master_port", str(free_port()), "-m", "slimopt", "train", *args, "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 

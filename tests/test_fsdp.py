@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import warnings
 
 import pytest
 import torch
+from helpers import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "distributed", "fsdp_worker.py")
@@ -34,15 +34,10 @@ from slimopt.optim.distributed import distcheckpoint  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _torchrun(nproc: int, phase: str | None, out: str, worker: str = WORKER) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(_free_port()), worker, *(["--phase", phase] if phase else []),
+           "127.0.0.1", "--master_port", str(free_port()), worker, *(["--phase", phase] if phase else []),
            "--out", out]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from helpers import free_port
 from pretrain_helpers import fast_config, write_corpus
 from safetensors.torch import load_file
 
@@ -21,18 +21,13 @@ from slimopt.train.loop import train
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed", "train_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.slow
 def test_fsdp_training_resumes_exactly_and_equals_one_process(tmp_path):
     corpus, cache = write_corpus(tmp_path), tmp_path / "cache"
     method, opt = "frugal", {"update_gap": 2, "density": 0.5}  # blocks switch between the checkpoint and resume
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), WORKER, "--corpus", str(corpus), "--cache", str(cache), "--out",
+           "--master_port", str(free_port()), WORKER, "--corpus", str(corpus), "--cache", str(cache), "--out",
            str(tmp_path / "fsdp"), "--method", method, *[a for k, v in opt.items() for a in ("--opt", f"{k}={v}")]]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -42,12 +42,14 @@ from torch.distributed.checkpoint.state_dict import (
 from slimopt.optim.distributed import portable
 from slimopt.optim.distributed import sharded as S
 
-__all__ = ["save", "load", "load_template"]
+__all__ = ["save", "load", "load_template", "saved_state_template", "fill_empty_state",
+           "read_metadata"]
 
 
-def _fill_empty_state(optimizer: torch.optim.Optimizer) -> None:
-    # A parameter without state gets step = 0 (the same as no state for SlimOptimizer), so that torch's
-    # state_dict helpers find the optimizer initialised and skip their zero-gradient step.
+def fill_empty_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter without state ``step = 0`` (the same as no state for SlimOptimizer), so that a
+    state-dict helper finds the optimizer initialised and skips its zero-gradient step (which would take GaLore's
+    first subspace from a zero gradient)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             if not optimizer.state[p]:
@@ -57,7 +59,7 @@ def _fill_empty_state(optimizer: torch.optim.Optimizer) -> None:
 def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
          extra: dict[str, Any] | None = None) -> None:
     """Write model, optimizer (portable form) and `extra` to the DCP folder `path` (every rank calls it)."""
-    _fill_empty_state(optimizer)
+    fill_empty_state(optimizer)
     with portable.portable_state(optimizer):
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     if extra:
@@ -70,7 +72,7 @@ def _damaged(path: str | os.PathLike, what: str) -> ValueError:
                       f"a copy of it if you keep one, or start over (slimopt train: --overwrite)")
 
 
-def _read_metadata(path: str | os.PathLike):
+def read_metadata(path: str | os.PathLike):
     """The DCP metadata of the folder `path`, once every file it names is there with all its bytes (a ValueError
     naming the folder otherwise: DCP itself would fail mid-load, with a traceback per rank)."""
     folder = Path(path)
@@ -98,25 +100,34 @@ def _read_metadata(path: str | os.PathLike):
 
 def load_template(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer state dict to load `path` into: every saved optimizer tensor, as this process lays it out."""
-    metadata = _read_metadata(path).state_dict_metadata
-    _fill_empty_state(optimizer)
+    metadata = read_metadata(path).state_dict_metadata
+    fill_empty_state(optimizer)
     with portable.portable_state(optimizer):
         osd = get_optimizer_state_dict(model, optimizer)
     fqns = [f for g in osd["param_groups"] for f in g["params"]]
+    return {**osd, "state": saved_state_template(optimizer, fqns, metadata, "optim.state.")}
+
+
+def saved_state_template(optimizer: torch.optim.Optimizer, fqns: list[str], metadata: dict[str, Any],
+                         prefix: str) -> dict[str, dict[str, torch.Tensor]]:
+    """fqn -> {key: an empty tensor} for every optimizer entry a DCP checkpoint holds under ``prefix + fqn + "."``
+    (its ``state_dict_metadata``), laid out as this process needs it. `fqns` name the optimizer's parameters in
+    order. The checkpoint, not the live state, is the template: a block method holds moments only for the blocks
+    active when it was saved."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     owner = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     state = {}
     for fqn, p in zip(fqns, params):
-        prefix = f"optim.state.{fqn}."
+        head = f"{prefix}{fqn}."
         entries = {}
         for name, meta in metadata.items():
-            if not name.startswith(prefix) or "." in name[len(prefix):] or not hasattr(meta, "size"):
+            if not name.startswith(head) or "." in name[len(head):] or not hasattr(meta, "size"):
                 continue
-            key = name[len(prefix):]
+            key = name[len(head):]
             entries[key] = _empty_like_saved(optimizer, p, owner[id(p)], key, meta)
         if entries:
             state[fqn] = entries
-    return {**osd, "state": state}
+    return state
 
 
 def _empty_like_saved(optimizer, p, group, key: str, meta) -> torch.Tensor:
