@@ -13,6 +13,8 @@
 # llama7b.md and llama7b.json (LLaMA-7B under a 16 GB cap: benchmarks/llama7b_16gb.py), fsdp_step.json (FSDP2 at
 # one rank against the whole model: benchmarks/fsdp_step.py), env.txt, log.txt. Copy
 # them into docs/benchmarks.md with the date and device they name.
+# Then, as a second device call (its wheels fill what one call carries): torchtitan's Trainer with slimopt's
+# methods on LLaMA-3 1B, benchmarks/torchtitan_gpu.sh (carry [".whl-torchtitan"], from fetch_wheels.sh --torchtitan).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-bench}"
