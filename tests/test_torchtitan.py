@@ -56,6 +56,10 @@ def test_the_job_configs_select_slimopt_and_take_command_line_settings(tmp_path)
     assert kinds.pop("tok_embeddings.weight") == "embedding" and kinds.pop("lm_head.weight") == "head"
     assert {n for n, k in kinds.items() if k == "other"} == {n for n in kinds if "norm" in n}
     assert sum(k == "projectable" for k in kinds.values()) == 6 * 5  # wqkv, wo, w1, w2, w3 in 6 blocks
+    # two model parts (pipeline stages): an optimizer each, one flat state dict that resumes exactly
+    parts = report["parts"]
+    assert parts["optimizers"] == 2 and parts["diff"] == 0.0
+    assert parts["names"] == ["layers", "lm_head", "norm", "tok_embeddings"]
     # benchmarks/torchtitan_gpu.sh's options parse, and torchtitan reads slimopt's offline assets
     gpu = report["gpu_script"]
     assert gpu["runs"]["torch-adamw"]["optimizer"] == "OptimizersContainer.Config"

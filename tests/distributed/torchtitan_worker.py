@@ -278,7 +278,45 @@ def phase_config(out: str) -> dict:
                         "update_gap": config.optimizer.update_gap,
                         "checkpoint": type(config.checkpoint).__qualname__, "flavor": config.model_spec.flavor}
     kinds = {n: kind for n, (_, kind) in classify(_build(llama3_debugmodel_slimopt()), None).items()}
-    return {"parsed": parsed, "kinds": kinds, "gpu_script": gpu_script_inputs(out)}
+    return {"parsed": parsed, "kinds": kinds, "gpu_script": gpu_script_inputs(out), "parts": two_model_parts()}
+
+
+def two_model_parts() -> dict:
+    """Pipeline stages give the container several model parts: one SlimOptimizer each, and one flat state dict
+    whose keys do not collide, which loads back into a fresh container (in one process, plain tensors). Each part
+    is the model with the other stage's modules removed, as torchtitan's pipeline split leaves them (names stay
+    the whole model's)."""
+    def parts():
+        first, second = _materialise(_build(job_config())), _materialise(_build(job_config()))
+        del first.layers["1"]
+        first.norm = first.lm_head = None
+        del second.layers["0"]
+        second.tok_embeddings = None
+        return [first, second]
+
+    def step(model_parts, optimizers, seed):
+        gen = torch.Generator().manual_seed(seed)
+        for part in model_parts:
+            for p in part.parameters():
+                p.grad = torch.randn(p.shape, generator=gen)
+        optimizers.step()
+
+    first = parts()
+    optimizers = SlimOptimizersContainer.Config(method="frugal", update_gap=1).build(model_parts=first)
+    for s in range(2):
+        step(first, optimizers, s)
+    flat = optimizers.state_dict()
+    again = parts()
+    for a, b in zip(first, again):
+        b.load_state_dict(a.state_dict())
+    loaded = SlimOptimizersContainer.Config(method="frugal", update_gap=1).build(model_parts=again)
+    loaded.load_state_dict({k: v.clone() if torch.is_tensor(v) else v for k, v in flat.items()})
+    step(first, optimizers, 2)
+    step(again, loaded, 2)
+    diff = max((a - b).abs().max().item() for x, y in zip(first, again)
+               for a, b in zip(x.parameters(), y.parameters()))
+    return {"optimizers": len(optimizers.optimizers), "state_keys": sum(k.startswith("state.") for k in flat),
+            "names": sorted({k.split(".")[1] for k in flat if k.startswith("state.")}), "diff": diff}
 
 
 def gpu_script_inputs(out: str) -> dict:
