@@ -226,3 +226,7 @@ def test_the_report_says_where_the_learning_rates_come_from():
     assert "a tuned 3-seed run of this setting picked" in default and "paper learning rate" not in default
     other = _markdown([], CompareConfig(base=replace(cfg.base, vocab_size=2048)), None, {})
     assert "each method at its paper learning rate" in other
+    assert "(tokenizer: byte-level BPE, vocab 2048)" in other
+    # a pretrained model reads its own tokenizer, whatever --vocab-size says
+    pretrained = _markdown([], CompareConfig(base=replace(cfg.base, model="smollm2-135m")), None, {})
+    assert "(tokenizer: smollm2-135m)" in pretrained

@@ -45,7 +45,7 @@ from slimopt.train.compare_analysis import (CONTROL, MIN_CONTROL_MARGIN, aggrega
                                             on_grid_edge, ranking_text)
 from slimopt.options import split_variant
 from slimopt.train.compare_plan import PlanSetting, plan_methods
-from slimopt.train.loop import TrainConfig, known_methods, method_kind, resolve_lr, train
+from slimopt.train.loop import TrainConfig, known_methods, method_kind, resolve_lr, tokenizer_name, train
 from slimopt.train.results import write_csv, write_csv_and_markdown, write_json
 
 __all__ = ["DEFAULT_METHODS", "DEFAULT_LR_GRID", "DEFAULT_TUNE_FRACTION", "CONTROL", "CompareConfig",
@@ -839,11 +839,12 @@ def _markdown(rows: list[dict], cfg: CompareConfig, elapsed: float | None, sweep
     seed_text = (f"seeds {seeds[0]}-{seeds[-1]} (initialisation and batch order), each number the mean over the "
                  f"seeds; spread: min-max and sample standard deviation of the seeds' perplexities"
                  if multi else f"seed {seeds[0]}")
+    tokenizer = tokenizer_name(b) or f"byte-level BPE, vocab {b.vocab_size}"
     lines = [
         f"# slimopt compare: {_title(cfg)}",
         "",
         f"- Date: {now}. Machine: {_machine()}.",
-        f"- Model {b.model}, data {b.data} (tokenizer: {b.tokenizer or f'byte-level BPE, vocab {b.vocab_size}'}), "
+        f"- Model {b.model}, data {b.data} (tokenizer: {tokenizer}), "
         f"seq_len {b.seq_len}, batch {b.batch_size} x grad-accum {b.grad_accum}, {steps} steps, dtype {b.dtype}, "
         f"warmup {b.warmup}, cosine to {b.min_lr_ratio} x peak, clip {b.clip}, weight decay {b.weight_decay}; "
         f"{seed_text}; {lr_text}.",

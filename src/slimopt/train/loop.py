@@ -272,14 +272,18 @@ def _model_dtype(name: str) -> tuple[torch.dtype, torch.dtype | None]:
             "bf16": (torch.bfloat16, None)}[name]
 
 
-def _prepare_data(c: TrainConfig, total_steps: int):
-    """(tokenizer, PackedData): the tokenizer (trained on the training documents only when none is named) and the
-    packed train/held-out blocks, both cached on disk by slimopt.train.data."""
+def tokenizer_name(c: TrainConfig) -> str | None:
+    """The tokenizer a run reads: the one named, a pretrained model's own (its ids are what the model knows), or
+    None: a byte-level BPE of c.vocab_size trained on the training documents."""
     from slimopt.pretrained import SMOLLM2
+    return c.tokenizer if c.tokenizer is not None or c.model != SMOLLM2 else SMOLLM2
+
+
+def _prepare_data(c: TrainConfig, total_steps: int):
+    """(tokenizer, PackedData): the tokenizer (``tokenizer_name``) and the packed train/held-out blocks, both
+    cached on disk by slimopt.train.data."""
     from slimopt.train import data
-    # a pretrained model reads its own tokenizer's ids: no BPE is trained for it
-    name = c.tokenizer if c.tokenizer is not None or c.model != SMOLLM2 else SMOLLM2
-    tok = data.tokenizer_for_source(c.data, name, c.vocab_size, text_field=c.text_field,
+    tok = data.tokenizer_for_source(c.data, tokenizer_name(c), c.vocab_size, text_field=c.text_field,
                                     txt_split=c.txt_split, cache_dir=c.cache_dir)
     cap = c.max_train_tokens
     if cap is None and not data.resolve_source(c.data, c.text_field, c.txt_split).finite:
