@@ -394,6 +394,9 @@ CASES = [
     # the line a comparison's results.md gives for its planned columns
     Case("memory-compare-plan", "slimopt memory --model 7b --method adamw --dtype bf16 --batch 1 --seq 256 "
          "--layerwise --gpu-memory 24GiB", check=check_memory),
+    # ... and for a row run with --set (docs/results/compare-smollm2-kjv-galore)
+    Case("memory-compare-plan-set", "slimopt memory --model 7b --method galore --dtype bf16 --batch 1 --seq 256 "
+         "--layerwise --gpu-memory 24GiB --set galore.update_gap=8", check=check_memory),
     Case("memory-1b-all", "slimopt memory --model 1b --method all --batch 8 --seq 512", check=check_memory),
     Case("memory-7b-16gb", "slimopt memory --model 7b --method frugal_head,frugal_rho0,taco,signsgd,galore8bit,"
          "galore-torch-8bit --layerwise --checkpointing --batch 1 --seq 1024 --gpu-memory 16GB", check=check_memory),
@@ -451,6 +454,13 @@ CASES = [
                  replace={"--model": "tiny", "--seq-len": "32", "--max-steps": "2", "--eval-tokens": "512",
                           "--lr-grid": "1", "--control-lr-grid": "1", "--tune-fraction": "0.5",
                           "--lr-extensions": "0"}, slow=True),
+    # docs/reproduction.md: that table's seeds 1 and 2 (here the tiny LLaMA, 2 steps, one seed)
+    compare_case("compare-smollm2-seeds", "slimopt compare --model smollm2-135m --data kjv --methods "
+                 "adamw,frugal,taco,ternary_adamw --seq-len 64 --batch-size 8 --max-steps 24 --eval-tokens 4096 "
+                 "--seed 1 --seeds 2 --set adamw.lr=1e-4 --set frugal.lr=4e-4 --set taco.lr=1e-4 "
+                 "--set ternary_adamw.lr=2e-4 --set frozen.lr=8e-4 --plan-model smollm2-135m",
+                 replace={"--model": "tiny", "--seq-len": "32", "--max-steps": "2", "--eval-tokens": "512",
+                          "--seeds": "1"}, slow=True),
     compare_case("compare-bbc", "slimopt compare --data bbc", add=("--methods", "adamw,galore"), slow=True),
     compare_case("compare-methods-tokens", "slimopt compare --methods adamw,galore,frugal,torch-adamw,galore-torch "
                  "--tokens 4e6", replace={"--tokens": "512"}, slow=True),
