@@ -42,6 +42,9 @@ from torchtitan.distributed import utils as dist_utils  # noqa: E402
 from torchtitan.models.common.attention import FlexAttention  # noqa: E402
 from torchtitan.models.llama3 import parallelize_llama  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
+
 import slimopt  # noqa: E402
 from slimopt.integrations.torchtitan import SlimCheckpointManager, SlimOptimizersContainer  # noqa: E402
 from slimopt.integrations.torchtitan.config_registry import llama3_debugmodel_slimopt  # noqa: E402
@@ -147,8 +150,8 @@ def titan_step(model, optimizers, schedulers, step: int) -> list[float]:
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
-    return {canonical_fqn(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in model.named_parameters()}
+    """common.full_params by torchtitan's names (wrappers such as activation checkpointing's left out)."""
+    return {canonical_fqn(n): t for n, t in C.full_params(model).items()}
 
 
 def max_diff(a: dict, b: dict) -> float:
