@@ -115,7 +115,10 @@ def test_every_method_at_its_defaults_equals_one_process(world, tmp_path):
         report = json.load(f)
     assert sorted(report) == sorted(slimopt.methods())
     for method, r in report.items():
-        assert r["max_diff"] <= 1e-6, (method, r)
+        assert r["max_diff"] <= 1e-6 and r["col_diff"] <= 1e-6, (method, r)
+    # the column sums of ternary_adamw's factored v are summed over the ranks after its step, while the next
+    # forward and backward run: one all-reduce left running a step
+    assert report["ternary_adamw"]["left_running"] == (1 if world > 1 else 0)
     assert "c_kernel" in report["adamw8bit"]["routes"] and "multi_tensor_adamw" in report["adamw"]["routes"]
     assert ("taco_sharded" if world > 1 else "taco_c_kernel") in report["taco"]["routes"]
     assert "projected" in report["galore"]["routes"] and "multi_tensor_free" in report["frugal"]["routes"]

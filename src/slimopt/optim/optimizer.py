@@ -83,6 +83,7 @@ class SlimOptimizer(torch.optim.Optimizer):
         self._routes: dict[Tensor, paramstep.Route] = {}  # each parameter's route and what it keeps (paramstep.py)
         self._phases: dict[tuple, dict[int, int]] = {}  # staggered refreshes' phases (subspace.refresh_phase)
         self._batch = paramstep.Batch()
+        self._later: list = []  # all-reduces the last step left running (``settle``)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy or an unpickled optimizer (torch.optim.Optimizer keeps its defaults, state and groups) derives its
@@ -130,6 +131,7 @@ class SlimOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.settle()
         try:
             for group in self.param_groups:
                 settings = paramstep.group_key(group)
@@ -138,18 +140,30 @@ class SlimOptimizer(torch.optim.Optimizer):
                         paramstep.step(self, p, group, settings)
             self._batch.run()  # what the routes queued for multi-tensor kernels and Triton launches
         finally:
-            self._batch = paramstep.Batch()  # nothing queued survives a failed step
+            self._end_batch()
         return loss
 
     @torch.no_grad()
     def step_param(self, p: Tensor) -> None:
         """Update one parameter from its .grad (for optimizer-in-backward use); a None grad is skipped."""
         if p.grad is not None:
+            self.settle()
             try:
                 paramstep.step(self, p, self.param_groups[self._where[p][0]])
                 self._batch.run()
             finally:
-                self._batch = paramstep.Batch()
+                self._end_batch()
+
+    def _end_batch(self) -> None:
+        self._later += self._batch.later  # started: finished by the next step or state read
+        self._batch = paramstep.Batch()  # nothing queued survives a failed step
+
+    def settle(self) -> None:
+        """Finish what the last step left running: under FSDP2, a factored second moment's column sums, summed over
+        the ranks while the next forward and backward run (only the next step reads their means). ``step``,
+        ``state_dict`` and ``load_state_dict`` settle first; call it before reading ``opt.state`` yourself."""
+        later, self._later = self._later, []
+        paramstep.Batch.finish_reduces(later)
 
     def explain(self, p: Tensor) -> tuple[str, dict[str, str]] | None:
         """(the route p's last step took, {each faster route of its work: why it declined}); None before it."""
@@ -199,11 +213,13 @@ class SlimOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's state_dict; for DTensor (FSDP2) parameters, or inside ``portable.portable_state(self)``, the
         world-size-free form that ``torch.distributed.checkpoint`` saves and reshards (``portable.py``)."""
+        self.settle()
         state_dict = super().state_dict()
         return portable.to_portable(self, state_dict) if portable.wanted(self) else state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As torch.optim.Optimizer.load_state_dict, but every state tensor keeps its saved dtype
         (``statedict.load`` says what loads and what is refused)."""
+        self.settle()  # a sum still running would write over the loaded state
         self._routes.clear()  # new groups and state tensors: every parameter chooses its route anew
         statedict.load(self, state_dict, super().load_state_dict)

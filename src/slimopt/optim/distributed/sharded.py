@@ -230,8 +230,9 @@ class ShardFactoredRows(FactoredRows):
         self.batch = batch
 
     def close(self):
-        if self.batch is not None:  # summed with the step's other column sums, in one all-reduce at its end
-            self.batch.reduce(self.group_rows, self.col_sum, "sum", self._write)
+        if self.batch is not None:  # summed with the step's other column sums in one all-reduce, started at the end
+            # of the step and finished by the next (only the next step reads the column means)
+            self.batch.reduce(self.group_rows, self.col_sum, "sum", self._write, after_step=True)
             return
         self._write(all_reduce(self.col_sum, self.group_rows))
 

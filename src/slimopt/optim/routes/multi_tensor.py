@@ -161,8 +161,11 @@ class Batch:
         # triton_step.Launch.key -> [(launch, the tensor's eager step, for a kernel that fails)]
         self._launches: dict[tuple, list[tuple[Any, Callable[[], None]]]] = defaultdict(list)
         self._order: list[Any] = []  # every launch in the order queued: the parameters' order, on every rank
-        # all-reduces over a row shard's ranks: (rows, tensor, op, what to do with the result), in the order queued
-        self._reduces: list[tuple[Any, Tensor, str, Callable[[Tensor], None]]] = []
+        # all-reduces over a row shard's ranks: (rows, tensor, op, what to do with the result, whether it may finish
+        # after the step), in the order queued
+        self._reduces: list[tuple[Any, Tensor, str, Callable[[Tensor], None], bool]] = []
+        # the all-reduces started by run() that finish after the step (``after_step``): the optimizer's to finish
+        self.later: list = []
         # sums over ranks started already (asynchronous): (their work, what runs once each is done), in that order
         self._started: list[tuple[Any, Callable[[], None]]] = []
         self.whole = WholeQueue()  # whole-matrix work: Muon's iterations, FSDP2 refreshes (whole_queue.py)
@@ -187,11 +190,15 @@ class Batch:
         self._launches[launch.key].append((launch, eager))
         self._order.append(launch)
 
-    def reduce(self, rows: Any, tensor: Tensor, op: str, finish: Callable[[Tensor], None]) -> None:
+    def reduce(self, rows: Any, tensor: Tensor, op: str, finish: Callable[[Tensor], None],
+               after_step: bool = False) -> None:
         """Queue an all-reduce of `tensor` over the ranks of `rows` (``shardcomm.Rows``; op "sum" or "max"), and
         `finish(result)` after it: the step's all-reduces of one group, op, dtype and device go as one (TACO's keys
-        of every sharded weight: one collective a step, not one a weight)."""
-        self._reduces.append((rows, tensor, op, finish))
+        of every sharded weight: one collective a step, not one a weight). after_step: `finish` writes only what
+        the next step reads first (a factored second moment's column means), so the all-reduce may run on during
+        the next forward and backward: run() leaves it started in ``later``, for the optimizer to finish
+        (``SlimOptimizer.settle``)."""
+        self._reduces.append((rows, tensor, op, finish, after_step))
 
     def reduce_async(self, rows: Any, tensor: Tensor, then: Callable[[], None]) -> None:
         """Start the sum of `tensor` over the ranks of `rows` now, in place and in the background, and run `then()`
@@ -214,25 +221,27 @@ class Batch:
         import torch.distributed as dist
         buckets: dict[tuple, list] = {}
         for item in self._reduces:  # every rank queues the same reduces in the same order: same buckets
-            rows, tensor, op, _ = item
-            buckets.setdefault((id(rows.group), op, tensor.dtype, tensor.device), []).append(item)
+            rows, tensor, op, _, later = item
+            buckets.setdefault((id(rows.group), op, tensor.dtype, tensor.device, later), []).append(item)
         self._reduces = []
-        started = []
-        for (_, op, _, _), items in buckets.items():
-            flat = torch.cat([t.reshape(-1) for _, t, _, _ in items])
+        started, later = [], []
+        for (_, op, _, _, after_step), items in buckets.items():
+            flat = torch.cat([t.reshape(-1) for _, t, _, _, _ in items])
             work = None
             if items[0][0].distributed:
                 work = dist.all_reduce(flat, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
                                        group=items[0][0].group, async_op=True)
-            started.append((work, flat, items))
+            (later if after_step else started).append((work, flat, items))
+        self.later += later
         return started
 
     @staticmethod
-    def _finish_reduces(started: list) -> None:
+    def finish_reduces(started: list) -> None:
+        """Wait for started all-reduces ([(work, flat result, items)]) and run each item's finish, in order."""
         for work, flat, items in started:
             if work is not None:
                 work.wait()
-            for (_, t, _, finish), part in zip(items, flat.split([t.numel() for _, t, _, _ in items])):
+            for (_, t, _, finish, _), part in zip(items, flat.split([item[1].numel() for item in items])):
                 finish(part.view(t.shape))
 
     def run(self) -> None:
@@ -250,7 +259,7 @@ class Batch:
                         eager()
         for x in self._order:  # a row shard's factored column sums, summed over the ranks with the other reduces
             if isinstance(x, triton_step.Launch) and x.pending is not None:
-                self.reduce(x.factored[2], x.pending, "sum", triton_step.column_means(x))
+                self.reduce(x.factored[2], x.pending, "sum", triton_step.column_means(x), after_step=True)
         for (gid, _), (params, grads, exp_avgs, exp_avg_sqs, steps) in self._adamw.items():
             group = self._groups[gid]
             beta1, beta2 = group["betas"]
@@ -273,8 +282,8 @@ class Batch:
                 d = (g.sign() if sign else g).float()
                 p.add_(d, alpha=-lr * float(group["free_scale"]))
         self._finish_started()
-        self._finish_reduces(started)
-        self._finish_reduces(self._start_reduces())  # what the launches left: a row shard's factored sums
+        self.finish_reduces(started)
+        self._start_reduces()  # what the launches left: a row shard's factored sums, to finish after the step
         self._adamw.clear()
         self._resid.clear()
         self._launches.clear()
