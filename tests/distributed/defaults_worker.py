@@ -7,9 +7,9 @@ vocabulary 128: 2,048-element shards of the embedding at 4 ranks, 2,816 of the M
 the blocks one process stores; injected gradients (``common.gradient``), the same in every process. Each method
 steps STEPS times sharded and in one process (on every rank: the model is small), with ``update_gap=2`` where it
 has a projector or blocks (refreshes and block turns at steps 1 and 3) and GaLore at rank 16 (its default 128 is
-the whole side here); the fp32 weights must agree within ``TOLERANCE``, and so must a factored second moment's column means once the
-step's running all-reduce is settled. Rank 0 writes DIR/defaults_<W>.json:
-each method's largest difference, and every route its parameters took (``SlimOptimizer.explain``).
+the whole side here); the fp32 weights must agree within ``TOLERANCE``, and so must a factored second moment's
+column means once the step's running all-reduce is settled. Rank 0 writes DIR/defaults_<W>.json: each method's
+largest difference, and every route its parameters took (``SlimOptimizer.explain``).
 """
 
 from __future__ import annotations
