@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slimopt.optim.distributed.owners import Job, OwnerPlan, plan_owners
-from slimopt.optim.distributed.shardcomm import Rows, chunk_bounds, finish
+from slimopt.optim.distributed.shardcomm import Rows, chunk_bounds
 from slimopt.optim.distributed.shardcomm import chunk_rows as _rows
 
 __all__ = ["Part", "plan", "exchange", "sent_bytes"]
@@ -114,7 +114,7 @@ def _all_to_all(parts: list[Tensor], in_splits: list[int], out_splits: list[int]
     """One ``all_to_all_single``: parts concatenated, in_splits[d] elements to rank d, out_splits[s] from rank s."""
     send = torch.cat(parts) if parts else like.new_empty(0)
     recv = like.new_empty(sum(out_splits))
-    finish(dist.all_to_all_single(recv, send, out_splits, in_splits, group=group, async_op=True), recv.device)
+    dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
     return recv
 
 

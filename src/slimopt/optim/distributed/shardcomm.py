@@ -9,9 +9,7 @@ no-ops in one process.
 
 from __future__ import annotations
 
-import os
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,28 +115,10 @@ def rows_of(p: Tensor) -> Rows:
 # collectives (every one goes through these, so their volume is easy to follow)
 
 
-SPIN_S = 0.05  # how long ``finish`` polls a CPU collective before it blocks
-
-
-def finish(work: Any, device: torch.device) -> None:
-    """Wait for a collective started with ``async_op=True`` (None: nothing to wait for). A CPU (gloo) one is polled
-    first, yielding the core between polls, for up to SPIN_S: where the ranks fill the machine's cores, a rank
-    that blocks at once gives its core away and is woken late, while gloo's own thread waits for a core to finish
-    the exchange; the yields let that thread run here at once. wait() then raises what the collective raised."""
-    if work is None:
-        return
-    if device.type == "cpu":
-        end = time.monotonic() + SPIN_S
-        while not work.is_completed() and time.monotonic() < end:
-            os.sched_yield()
-    work.wait()
-
-
 def all_reduce(t: Tensor, rows: Rows, op=None) -> Tensor:
     """Sum (or `op`) of t over the shard group, in place; a no-op in one process."""
     if rows.distributed:
-        finish(dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=rows.group, async_op=True),
-               t.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=rows.group)
     return t
 
 

@@ -39,7 +39,6 @@ from torch import Tensor
 
 from slimopt.optim.algorithm.codecs import Bf16Codec, Fp32Codec
 from slimopt.optim.algorithm.rules import decay_factor
-from slimopt.optim.distributed import shardcomm
 from slimopt.optim.routes import native, triton_step, triton_taco
 from slimopt.optim.routes.whole_queue import WholeQueue
 
@@ -167,8 +166,8 @@ class Batch:
         self._reduces: list[tuple[Any, Tensor, str, Callable[[Tensor], None], bool]] = []
         # the all-reduces started by run() that finish after the step (``after_step``): the optimizer's to finish
         self.later: list = []
-        # sums over ranks started already (asynchronous): (their work, device, what runs once each is done), in order
-        self._started: list[tuple[Any, torch.device, Callable[[], None]]] = []
+        # sums over ranks started already (asynchronous): (their work, what runs once each is done), in that order
+        self._started: list[tuple[Any, Callable[[], None]]] = []
         self.whole = WholeQueue()  # whole-matrix work: Muon's iterations, FSDP2 refreshes (whole_queue.py)
 
     def adamw(self, group: dict[str, Any], p: Tensor, grad: Tensor, state: dict[str, Tensor]) -> None:
@@ -207,11 +206,12 @@ class Batch:
         partial products: their round trips overlap the other parameters' steps)."""
         import torch.distributed as dist
         work = dist.all_reduce(tensor, group=rows.group, async_op=True) if rows.distributed else None
-        self._started.append((work, tensor.device, then))
+        self._started.append((work, then))
 
     def _finish_started(self) -> None:
-        for work, device, then in self._started:
-            shardcomm.finish(work, device)
+        for work, then in self._started:
+            if work is not None:
+                work.wait()
             then()
         self._started.clear()
 
@@ -239,7 +239,8 @@ class Batch:
     def finish_reduces(started: list) -> None:
         """Wait for started all-reduces ([(work, flat result, items)]) and run each item's finish, in order."""
         for work, flat, items in started:
-            shardcomm.finish(work, flat.device)
+            if work is not None:
+                work.wait()
             for (_, t, _, finish, _), part in zip(items, flat.split([item[1].numel() for item in items])):
                 finish(part.view(t.shape))
 
