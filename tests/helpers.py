@@ -22,6 +22,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def run_torchrun(nproc: int | None, *args: str, timeout: int = 900) -> str:
+    """Run `args` (a script and its options, or ``-m module ...``) under ``torch.distributed.run`` with nproc ranks
+    (None: one plain process), one thread a process; fail the test with the errors and the output's tail unless it
+    exits 0. Returns its stdout and stderr."""
+    import pytest
+    head = [sys.executable]
+    if nproc is not None:
+        head += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+                 "--master_port", str(free_port())]
+    res = subprocess.run([*head, *args], capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    text = res.stdout + res.stderr
+    if res.returncode != 0:
+        errors = [line for line in text.splitlines() if "Error" in line or "assert" in line.lower()]
+        pytest.fail(f"{' '.join(args[:3])} at {nproc or 1} ranks failed ({res.returncode}):\n"
+                    + "\n".join(errors[-20:]) + "\n--- tail ---\n" + text[-4000:])
+    return text
+
+
 def tiny_llama(seed: int = 0, vocab: int = 64, hidden: int = 32, layers: int = 2, dtype=torch.float32):
     """A LLaMA-shaped model small enough to step in milliseconds (non-square Linear weights included)."""
     torch.manual_seed(seed)

@@ -3,13 +3,9 @@ run on the same global batch, and the ranks stay identical (same blocks, same su
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from helpers import free_port
+from helpers import run_torchrun
 from pretrain_helpers import VOCAB, fast_config, write_corpus
 from safetensors.torch import load_file
 
@@ -25,11 +21,7 @@ def data(tmp_path_factory):
 
 
 def _torchrun(args: list[str], out) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "slimopt", "train", *args, "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_torchrun(2, "-m", "slimopt", "train", *args, "--out", str(out), timeout=600)
 
 
 @pytest.mark.parametrize("method,opt", [

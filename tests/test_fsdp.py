@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import warnings
 
 import pytest
 import torch
-from helpers import free_port
+from helpers import run_torchrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "distributed", "fsdp_worker.py")
@@ -36,17 +35,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 def _torchrun(nproc: int, phase: str | None, out: str, worker: str = WORKER) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), worker, *(["--phase", phase] if phase else []),
-           "--out", out]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    text = res.stdout + res.stderr
-    if res.returncode != 0:
-        errors = [line for line in text.splitlines() if "Error" in line or "assert" in line.lower()]
-        pytest.fail(f"torchrun --nproc_per_node {nproc} {phase} failed ({res.returncode}):\n"
-                    + "\n".join(errors[-20:]) + "\n--- tail ---\n" + text[-4000:])
-    return text
+    return run_torchrun(nproc, worker, *(["--phase", phase] if phase else []), "--out", out)
 
 
 @pytest.fixture(scope="module")

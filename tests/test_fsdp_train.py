@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import free_port
+from helpers import run_torchrun
 from pretrain_helpers import fast_config, write_corpus
 from safetensors.torch import load_file
 
@@ -26,12 +24,9 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed",
 def test_fsdp_training_resumes_exactly_and_equals_one_process(tmp_path):
     corpus, cache = write_corpus(tmp_path), tmp_path / "cache"
     method, opt = "frugal", {"update_gap": 2, "density": 0.5}  # blocks switch between the checkpoint and resume
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), WORKER, "--corpus", str(corpus), "--cache", str(cache), "--out",
-           str(tmp_path / "fsdp"), "--method", method, *[a for k, v in opt.items() for a in ("--opt", f"{k}={v}")]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0 and "resume: ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = run_torchrun(2, WORKER, "--corpus", str(corpus), "--cache", str(cache), "--out", str(tmp_path / "fsdp"),
+                        "--method", method, *[a for k, v in opt.items() for a in ("--opt", f"{k}={v}")])
+    assert "resume: ok" in text, text[-3000:]
     summary = json.loads((tmp_path / "fsdp" / "summary.json").read_text())
     assert summary["full"]["world_size"] == 2 and summary["full"]["steps"] == 6
     assert summary["full"]["state_bytes"] > 0

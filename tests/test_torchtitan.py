@@ -9,11 +9,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from helpers import free_port
+from helpers import run_torchrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "distributed", "torchtitan_worker.py")
@@ -27,17 +25,7 @@ pytestmark = [
 
 
 def _launch(nproc: int | None, phase: str, out: str, *extra: str) -> dict:
-    head = [sys.executable]
-    if nproc is not None:
-        head += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-                 "--master_port", str(free_port())]
-    res = subprocess.run([*head, WORKER, "--phase", phase, "--out", out, *extra], capture_output=True, text=True,
-                         timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if res.returncode != 0:
-        text = res.stdout + res.stderr
-        errors = [line for line in text.splitlines() if "Error" in line or "assert" in line.lower()]
-        pytest.fail(f"{phase} at {nproc} ranks failed ({res.returncode}):\n" + "\n".join(errors[-20:])
-                    + "\n--- tail ---\n" + text[-4000:])
+    run_torchrun(nproc, WORKER, "--phase", phase, "--out", out, *extra)
     with open(os.path.join(out, f"report_{phase}_{nproc or 1}.json")) as f:
         return json.load(f)
 
