@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from slimopt import machine
 from slimopt.finetune.protocol import HEAD, control_verdicts
 
 __all__ = ["CSV_COLUMNS", "RUN_COLUMNS", "write_results", "read_results"]
@@ -52,19 +53,6 @@ def _versions() -> str:
     except ImportError:
         pass
     return ", ".join(parts) + f", Python {platform.python_version()}"
-
-
-def _machine() -> str:
-    import torch
-
-    cpu = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{cpu}, {os.cpu_count()} CPU cores, {gpu}, {torch.get_num_threads()} torch threads"
 
 
 def _label(row: dict[str, Any], rank: int) -> str:
@@ -138,7 +126,7 @@ def _markdown(rows: list[dict[str, Any]], cfg: Any, elapsed: float | None) -> st
     lines = [
         f"# slimopt finetune: {cfg.model} on {', '.join(tasks)}",
         "",
-        f"- Date: {now}. Machine: {_machine()}. Versions: {_versions()}.",
+        f"- Date: {now}. Machine: {machine.describe()}. Versions: {_versions()}.",
         f"- Train examples per task <= {cfg.max_train_samples or 'all'}, validation <= "
         f"{cfg.max_eval_samples or 'all'} (stratified subsample, seed {cfg.seed}), max length {cfg.max_length} "
         f"tokens; batch {cfg.batch_size} x accumulation {cfg.grad_accum}, {budget}, linear schedule with warmup "

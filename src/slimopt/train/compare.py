@@ -30,7 +30,6 @@ import csv
 import math
 import multiprocessing
 import os
-import platform
 import sys
 import time
 import traceback
@@ -43,6 +42,7 @@ from slimopt.train.compare_analysis import (CONTROL, MIN_CONTROL_MARGIN, aggrega
                                             budget_warning, choose_lr, control_margin, control_verdicts,
                                             extension_multiplier, full_rank_weights, inside_noise, noise_pairs,
                                             on_grid_edge, ranking_text)
+from slimopt import machine
 from slimopt.options import split_variant
 from slimopt.train.compare_plan import PlanSetting, plan_methods
 from slimopt.train.loop import TrainConfig, known_methods, method_kind, resolve_lr, tokenizer_name, train
@@ -730,22 +730,6 @@ def _fmt(v, spec: str) -> str:
     return format(v, spec)
 
 
-def _machine() -> str:
-    import torch
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    dev = f"{torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU"
-    return (f"{cpu}, {os.cpu_count()} CPU cores, {dev}; Python {platform.python_version()}, torch {torch.__version__}, "
-            f"{platform.system()} {platform.release()}")
-
-
 def write_results(rows: list[dict], cfg: CompareConfig, out: Path, elapsed: float | None = None,
                   sweeps: dict | None = None) -> None:
     """results.csv (one row per method), results_per_seed.csv (one per run), results.md, loss_curves.png and
@@ -843,7 +827,7 @@ def _markdown(rows: list[dict], cfg: CompareConfig, elapsed: float | None, sweep
     lines = [
         f"# slimopt compare: {_title(cfg)}",
         "",
-        f"- Date: {now}. Machine: {_machine()}.",
+        f"- Date: {now}. Machine: {machine.describe()}.",
         f"- Model {b.model}, data {b.data} (tokenizer: {tokenizer}), "
         f"seq_len {b.seq_len}, batch {b.batch_size} x grad-accum {b.grad_accum}, {steps} steps, dtype {b.dtype}, "
         f"warmup {b.warmup}, cosine to {b.min_lr_ratio} x peak, clip {b.clip}, weight decay {b.weight_decay}; "
