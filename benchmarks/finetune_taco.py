@@ -49,7 +49,6 @@ import ctypes
 import datetime
 import gc
 import json
-import math
 import os
 import platform
 import statistics

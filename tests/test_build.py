@@ -1,7 +1,5 @@
 """build(): the partition, recipes' defaults, overrides, frozen and tied parameters, methods()."""
 
-import pytest
-import torch
 from helpers import backward, batches, tiny_llama
 from transformers import LlamaConfig, LlamaForCausalLM
 

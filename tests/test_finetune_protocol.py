@@ -134,8 +134,8 @@ def test_the_counted_peak_equals_memtrackers_and_the_planners_is_close(method):
 
 def test_a_frozen_body_plans_only_the_heads_input_and_lora_trains_adapters():
     from slimopt.baselines import apply_lora
-    from slimopt.bench.planner import plan
     from slimopt.bench.iteration_peak import measure_peak
+    from slimopt.bench.planner import plan
 
     model, batch = _classifier()
     head = copy.deepcopy(model).requires_grad_(False)

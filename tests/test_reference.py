@@ -1,6 +1,5 @@
 """The fast path equals the plain reference loop (tests/reference.py) on parameters and every state tensor."""
 
-import itertools
 
 import pytest
 import torch

@@ -2,7 +2,6 @@
 read a setting refuses it (naming it and why), and projector=none turns GaLore's projection off."""
 
 import pytest
-import torch
 from helpers import backward, batches, tiny_llama
 
 import slimopt

@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import backward, batches, run, tiny_llama, twins
+from helpers import batches, run, tiny_llama
 
 import slimopt
 from slimopt.optim.algorithm import taco

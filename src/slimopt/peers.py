@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from slimopt import peer_logs
 
@@ -145,7 +145,6 @@ def build_peer(model: torch.nn.Module, name: str, lr: float | None = None, weigh
     if "betas" in common:
         common["betas"] = tuple(common["betas"])
     params = [p for p in model.parameters() if p.requires_grad]
-    builders: dict[str, Callable[[], torch.optim.Optimizer]] = {}
 
     if name in ("torch-adamw", "torch-adamw-fused"):
         _no_extra(name, kw)

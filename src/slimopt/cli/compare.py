@@ -53,7 +53,7 @@ EXAMPLES = """examples:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from slimopt.train.compare import CompareConfig, DEFAULT_METHODS
+    from slimopt.train.compare import DEFAULT_METHODS, CompareConfig
     d = CompareConfig().base
     p = subparsers.add_parser("compare", help="train several methods on equal budgets and compare them",
                               description=__doc__, epilog=EXAMPLES,

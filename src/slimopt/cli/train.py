@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from slimopt.options import parse_int, parse_method_opts, parse_opt
+from slimopt.options import parse_int, parse_opt
 
 __all__ = ["add_parser", "run", "add_data_model_args", "add_recipe_args", "config_from_args"]
 

@@ -39,8 +39,8 @@ from typing import Any, Iterable
 from torch import nn
 
 from slimopt.optim.optimizer import DEFAULTS, SlimOptimizer
-from slimopt.options import parse_value, split_pairs
 from slimopt.optim.recipes import METHODS, default_lr, param_groups
+from slimopt.options import parse_value, split_pairs
 
 __all__ = [
     "TrainerSlimOptimizer",

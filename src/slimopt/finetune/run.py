@@ -448,8 +448,8 @@ def finetune_one(plan: MethodPlan, prepared: _Prepared, cfg: FinetuneConfig, lr:
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     import slimopt
-    from slimopt.finetune.hf import make_optimizer
     from slimopt.bench.iteration_peak import measure_peak, planned_peak
+    from slimopt.finetune.hf import make_optimizer
 
     data = prepared.data
     settings = method_settings(plan, cfg)

@@ -30,20 +30,31 @@ import csv
 import math
 import multiprocessing
 import os
-import sys
 import time
 import traceback
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from slimopt.train.compare_analysis import (CONTROL, MIN_CONTROL_MARGIN, aggregate_seeds, baseline_full_rank_weights,
-                                            budget_warning, choose_lr, control_margin, control_verdicts,
-                                            extension_multiplier, full_rank_weights, inside_noise, noise_pairs,
-                                            on_grid_edge, ranking_text)
 from slimopt import machine
 from slimopt.options import split_variant
+from slimopt.train.compare_analysis import (
+    CONTROL,
+    MIN_CONTROL_MARGIN,
+    aggregate_seeds,
+    baseline_full_rank_weights,
+    budget_warning,
+    choose_lr,
+    control_margin,
+    control_verdicts,
+    extension_multiplier,
+    full_rank_weights,
+    inside_noise,
+    noise_pairs,
+    on_grid_edge,
+    ranking_text,
+)
 from slimopt.train.compare_plan import PlanSetting, plan_methods
 from slimopt.train.loop import TrainConfig, known_methods, method_kind, resolve_lr, tokenizer_name, train
 from slimopt.train.results import write_csv, write_csv_and_markdown, write_json
@@ -925,7 +936,7 @@ def _plan_text(rows: list[dict], cfg: CompareConfig) -> str:
             f"training step's, fits = peak within {ps.gpu_memory} (--plan-model, --plan-gpu-memory)"
             + (f"; e.g. `{example}`" if example else "")
             + ". Baselines the planner does not model have none. The measured state and peak above are at this "
-            f"run's size, where the peak is mostly the runtime's own memory.")
+            "run's size, where the peak is mostly the runtime's own memory.")
 
 
 def _sweep_table(sweeps: dict, cfg: CompareConfig) -> list[str]:

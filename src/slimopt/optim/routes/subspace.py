@@ -22,9 +22,9 @@ from torch import Tensor
 from slimopt.optim.algorithm import projectors as P
 from slimopt.optim.algorithm import taco
 from slimopt.optim.algorithm.rules import MOMENTS
+from slimopt.optim.distributed.owners import Job, plan_owners, randomized_svd_cost, svd_cost
 from slimopt.optim.distributed.shardcomm import Rows, all_reduce, chosen_per_rank, gather_var_rows
 from slimopt.optim.distributed.sharded import Target, local_selection, local_shape, moment_codecs, space_of
-from slimopt.optim.distributed.owners import Job, plan_owners, randomized_svd_cost, svd_cost
 from slimopt.optim.distributed.sharded_bases import randomized_basis, rows_of_basis, svd_basis
 
 __all__ = ["basis_key", "refresh_if_due", "init_moments", "count_moment_step", "refresh_phase", "refresh_cost"]
