@@ -221,8 +221,8 @@ class Batch:
         import torch.distributed as dist
         buckets: dict[tuple, list] = {}
         for item in self._reduces:  # every rank queues the same reduces in the same order: same buckets
-            rows, tensor, op, _, later = item
-            buckets.setdefault((id(rows.group), op, tensor.dtype, tensor.device, later), []).append(item)
+            rows, tensor, op, _, after_step = item
+            buckets.setdefault((id(rows.group), op, tensor.dtype, tensor.device, after_step), []).append(item)
         self._reduces = []
         started, later = [], []
         for (_, op, _, _, after_step), items in buckets.items():
@@ -257,7 +257,7 @@ class Batch:
                 if kernels.run([launch for launch, _ in part]) is None:  # a kernel failed: eagerly
                     for _, eager in part:
                         eager()
-        for x in self._order:  # a row shard's factored column sums, summed over the ranks with the other reduces
+        for x in self._order:  # a row shard's factored column sums: summed over the ranks after the step
             if isinstance(x, triton_step.Launch) and x.pending is not None:
                 self.reduce(x.factored[2], x.pending, "sum", triton_step.column_means(x), after_step=True)
         for (gid, _), (params, grads, exp_avgs, exp_avg_sqs, steps) in self._adamw.items():
