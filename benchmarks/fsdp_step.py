@@ -95,7 +95,8 @@ def _rank(rank: int, world: int, port: int, methods: list[str], steps: int, devi
     MODEL["name"] = model
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world)
+    from slimopt.train.process_group import init_process_group
+    init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world)
     if device.startswith("cuda"):
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"

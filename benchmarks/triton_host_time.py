@@ -31,6 +31,7 @@ import torch  # noqa: E402
 import slimopt  # noqa: E402
 from slimopt.optim.routes import multi_tensor, native, triton_step  # noqa: E402
 from slimopt.train.models import build_model  # noqa: E402
+from slimopt.train.process_group import init_process_group  # noqa: E402
 
 
 class _Launches:
@@ -86,11 +87,11 @@ def _sharded(model) -> None:
     from torch.distributed.fsdp import fully_shard
     if not dist.is_initialized():
         if "WORLD_SIZE" in os.environ:  # under torchrun
-            dist.init_process_group("gloo")
+            init_process_group("gloo")
         else:
             import tempfile
             store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+            init_process_group("gloo", store=store, rank=0, world_size=1)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)

@@ -3,6 +3,10 @@ run on the same global batch, and the ranks stay identical (same blocks, same su
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from helpers import run_torchrun
@@ -67,3 +71,29 @@ def test_two_processes_equal_one(data, tmp_path, method, opt):
         assert torch.allclose(a[k], b[k], atol=tol, rtol=0), (k, (a[k] - b[k]).abs().max().item())
     far = sum(((a[k] - b[k]).abs() > 1e-4).sum().item() for k in a) / sum(v.numel() for v in a.values())
     assert far < 0.01  # all but a sliver of entries agree to rounding
+
+
+_GROUP_FREED = """
+import glob, os, sys, tempfile
+import torch, torch.distributed as dist
+from slimopt.train.process_group import init_process_group
+store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+init_process_group("gloo", store=store, rank=0, world_size=1)
+def run():  # as train does: the DDP model gone when the run returns
+    net = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))  # imports torch._dynamo
+    net(torch.ones(2, 4)).sum().backward()
+run()
+dist.destroy_process_group()
+print(sorted(open(f).read().strip() for f in glob.glob("/proc/self/task/*/comm")))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads through /proc")
+def test_destroyed_group_leaves_no_gloo_thread():
+    # A group still referenced after destroy_process_group keeps gloo's worker threads running into interpreter
+    # shutdown, where one can abort the process (slimopt.train.process_group); destroyed, none is left.
+    out = subprocess.run([sys.executable, "-c", _GROUP_FREED], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    threads = out.stdout.strip().splitlines()[-1]
+    assert "gloo" not in threads, threads

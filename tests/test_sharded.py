@@ -25,6 +25,7 @@ import slimopt  # noqa: E402
 from slimopt.bench.fsdp_comm import CollectiveCounter, expected_bytes  # noqa: E402
 from slimopt.optim.distributed import distcheckpoint, portable, sharded_taco  # noqa: E402
 from slimopt.optim.distributed import sharded as S  # noqa: E402
+from slimopt.train.process_group import init_process_group  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def mesh(tmp_path_factory):
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    init_process_group("gloo", store=store, rank=0, world_size=1)
     from torch.distributed.device_mesh import init_device_mesh
     yield init_device_mesh("cpu", (1,))
     dist.destroy_process_group()

@@ -233,7 +233,8 @@ def start_ranks(parser=None):
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    from slimopt.train.process_group import init_process_group
+    init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     world, rank = dist.get_world_size(), dist.get_rank()
     return args, init_device_mesh("cpu", (world,)), world, rank
 

@@ -49,6 +49,7 @@ import slimopt  # noqa: E402
 from slimopt.integrations.torchtitan import SlimCheckpointManager, SlimOptimizersContainer  # noqa: E402
 from slimopt.integrations.torchtitan.config_registry import llama3_debugmodel_slimopt  # noqa: E402
 from slimopt.train.fsdp import shard_model  # noqa: E402
+from slimopt.train.process_group import init_process_group  # noqa: E402
 
 K1, K2, SEQ, BATCH, VOCAB = 3, 3, 32, 2, 2048  # the debug model's vocabulary
 MAX_NORM = 1.0  # --max-norm
@@ -365,7 +366,7 @@ def main() -> None:
     if args.phase == "config":
         report, world = phase_config(args.out), 1
     else:
-        dist.init_process_group("gloo")
+        init_process_group("gloo")
         world, rank = dist.get_world_size(), dist.get_rank()
         report = (phase_save if args.phase == "save" else phase_load)(args.out, world, rank)
         dist.barrier()

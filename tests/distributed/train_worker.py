@@ -29,6 +29,7 @@ from pretrain_helpers import fast_config  # noqa: E402
 from slimopt.options import parse_opt  # noqa: E402
 from slimopt.train.logger import read_jsonl  # noqa: E402
 from slimopt.train.loop import train  # noqa: E402
+from slimopt.train.process_group import init_process_group  # noqa: E402
 
 STEPS, SAVE_EVERY, CRASH = 6, 2, 3
 
@@ -46,7 +47,7 @@ def main() -> None:
     ap.add_argument("--opt", action="append")
     args = ap.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
+    init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
     rank = dist.get_rank()
     base = dict(method=args.method, opt=parse_opt(args.opt), max_steps=STEPS, batch_size=8, grad_accum=2,
                 eval_every=2, save_every=SAVE_EVERY, fsdp=True, save_model=True, device="cpu")

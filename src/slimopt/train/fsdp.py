@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from slimopt.train.checkpoint import fsync_dir, load_checkpoint
+from slimopt.train.process_group import init_process_group
 
 __all__ = ["CHECKPOINT_DIR", "ensure_process_group", "shard_model", "no_sync", "find_checkpoint", "save",
            "read_train_state", "load", "full_model_state_dict", "check_method"]
@@ -53,8 +54,8 @@ def ensure_process_group(device: torch.device) -> bool:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1)
+    init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                       world_size=1)
     return True
 
 

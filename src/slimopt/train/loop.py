@@ -247,13 +247,15 @@ def _setup_distributed(device_choice: str) -> _Dist:
     if world <= 1:
         return _Dist()
     import torch.distributed as dist
+
+    from slimopt.train.process_group import init_process_group
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = device_choice != "cpu" and torch.cuda.is_available()
     here = False
     if not dist.is_initialized():
         if use_cuda:
             torch.cuda.set_device(local)
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        init_process_group("nccl" if use_cuda else "gloo")
         here = True
     return _Dist(rank, dist.get_world_size(), local, here)
 
