@@ -32,6 +32,7 @@ import os
 import socket
 import statistics
 import time
+from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -145,7 +146,17 @@ def measure(methods: list[str], steps: int, world: int, device: str, model: str 
              for r in range(world)]
     for p in procs:
         p.start()
-    results = dict(queue.get() for _ in procs)
+    results: dict[int, dict] = {}
+    while len(results) < world:  # a rank that dies (an import error, a failed collective) stops the run, not hangs it
+        try:
+            rank, mine = queue.get(timeout=5)
+            results[rank] = mine
+        except Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed:
+                for p in procs:
+                    p.terminate()
+                raise SystemExit(f"a rank failed (exit code {failed[0]}): its error is above")
     for p in procs:
         p.join()
         if p.exitcode:
