@@ -5,7 +5,7 @@
 freed, and its gloo worker threads run on into the interpreter's shutdown. A worker that then drops the last
 reference to a finished collective's tensors takes the GIL of an interpreter that is finalizing, and the process
 aborts at exit ("terminate called without an active exception", SIGABRT) after its work is done: about one
-2-rank gloo run in ten on a 2-core machine (torch 2.13). Imported first, dynamo holds no group, the group is
+2-rank gloo run in twelve on a 2-core machine (torch 2.13). Imported first, dynamo holds no group, the group is
 freed when destroyed, and its threads are joined.
 """
 
