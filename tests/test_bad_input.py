@@ -63,3 +63,19 @@ def test_sparse_and_complex_gradients_raise():
     z.grad = torch.randn(3, 3, dtype=torch.complex64)
     with pytest.raises(RuntimeError, match="complex"):
         opt.step()
+
+
+def test_target_modules_and_overrides_that_match_nothing_are_refused():
+    # a typo would otherwise leave no weight projectable: GaLore silently became AdamW at GaLore's lr
+    from helpers import tiny_llama
+    model = tiny_llama()
+    with pytest.raises(ValueError, match=r"target_modules 'q_porj' matches no nn.Linear module.*q_proj"):
+        slimopt.build(model, "galore", rank=4, target_modules="q_porj")
+    with pytest.raises(ValueError, match=r"target_modules \['q_porj'\] matches no nn.Linear"):
+        slimopt.build(model, "galore", rank=4, target_modules=["q_porj"])
+    with pytest.raises(ValueError, match=r"overrides pattern 'nonexistent\.\*' matches no trainable parameter"):
+        slimopt.build(model, "galore", rank=4, overrides={"nonexistent.*": {"lr": 1e-3}})
+    opt = slimopt.build(model, "galore", rank=4, target_modules=["q_proj"], overrides={"lm_head": {"lr": 1e-3}})
+    projected = [n for g in opt.param_groups if g["projector"] != "none" for n in g["names"]]
+    assert projected and all(".q_proj." in n for n in projected)
+    assert any(g["name"].endswith(":lm_head") and g["lr"] == 1e-3 for g in opt.param_groups)

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 from torch import nn
 
-from slimopt.optim.algorithm.partition import check_owners, classify
+from slimopt.optim.algorithm.partition import check_owners, classify, is_linear, module_matches
 from slimopt.optim.algorithm.specs import FRUGAL_DEFAULTS, METHODS, STATE_FREE, TACO_DEFAULTS, TACO_LR, Method
 from slimopt.optim.algorithm.usage import unused_reason
 from slimopt.optim.optimizer import DEFAULTS, SlimOptimizer
@@ -74,8 +74,10 @@ def param_groups(model: nn.Module, method: str, *, target_modules: str | Iterabl
         "other": {**(spec.rest if state_full == "all" else STATE_FREE), **given},
     }
     compiled = [(re.compile(pattern), settings) for pattern, settings in (overrides or {}).items()]
+    classes = classify(model, target_modules)
+    _check_matches(model, target_modules, [rx for rx, _ in compiled], list(classes))
     groups: dict[tuple, dict[str, Any]] = {}
-    for name, (p, kind) in classify(model, target_modules).items():
+    for name, (p, kind) in classes.items():
         label, settings = kind, base[kind]
         for rx, extra in compiled:
             if rx.search(name):
@@ -93,6 +95,25 @@ def param_groups(model: nn.Module, method: str, *, target_modules: str | Iterabl
     for pattern, extra in (overrides or {}).items():
         _check_read(method, out, extra, f":{pattern}")
     return out
+
+
+def _check_matches(model: nn.Module, target_modules: str | Iterable[str] | None, patterns: list[re.Pattern],
+                   names: list[str]) -> None:
+    """Raise when target_modules selects no Linear module or an override matches no trainable parameter.
+
+    Either would otherwise leave the method silently unapplied (a typo in target_modules makes GaLore plain AdamW).
+    """
+    if target_modules is not None:
+        linear = [m for m, module in model.named_modules() if m and is_linear(module)]
+        if not any(module_matches(m, target_modules) for m in linear):
+            leaves = sorted({m.rsplit(".", 1)[-1] for m in linear})
+            raise ValueError(f"target_modules {target_modules!r} matches no nn.Linear module of the model; "
+                             f"its Linear modules end in: {', '.join(leaves) or '(none)'} "
+                             f"(names, regular expressions fully matching a module name, or 'all-linear')")
+    for rx in patterns:
+        if not any(rx.search(n) for n in names):
+            raise ValueError(f"overrides pattern {rx.pattern!r} matches no trainable parameter name "
+                             f"(re.search against names such as {', '.join(names[:3])})")
 
 
 def _check_read(method: str, groups: list[dict[str, Any]], given: dict[str, Any], receiver: str | None) -> None:

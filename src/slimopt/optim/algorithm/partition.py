@@ -26,7 +26,7 @@ HEAD_NAMES = frozenset({"lm_head", "classifier", "score", "qa_outputs", "cls", "
 _PRIORITY = {"head": 0, "embedding": 1, "projectable": 2, "other": 3}
 
 
-def _is_linear(module: nn.Module) -> bool:
+def is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"  # GPT-2's transposed Linear
 
 
@@ -51,7 +51,7 @@ def classify(model: nn.Module, target_modules: str | Iterable[str] | None = None
                 kind = "embedding"
             elif in_head and p.dim() >= 1:
                 kind = "head"
-            elif _is_linear(module) and pname == "weight" and p.dim() == 2:
+            elif is_linear(module) and pname == "weight" and p.dim() == 2:
                 selected = module_matches(mname, target_modules) if target_modules is not None else True
                 kind = "projectable" if selected else "other"
             else:
