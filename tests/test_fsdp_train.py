@@ -46,3 +46,18 @@ def test_fsdp_training_resumes_exactly_and_equals_one_process(tmp_path):
     assert summary["full"]["state_bytes"] == pytest.approx(json.loads(
         [line for line in (single / "metrics.jsonl").read_text().splitlines() if '"final"' in line][-1]
     )["state_bytes"], rel=0.01)
+
+
+@pytest.mark.slow
+def test_fsdp_training_under_torchrun_at_one_rank_starts_and_resumes(tmp_path):
+    # one rank under torchrun is how a multi-GPU command is tried on one GPU; it must join torchrun's rendezvous
+    # (the agent's store), not start a group of its own on a port nobody serves (a 30-minute hang before)
+    corpus, out = write_corpus(tmp_path, chapters=40), tmp_path / "one"
+    args = ["-m", "slimopt", "train", "--fsdp", "--model", "tiny", "--data", str(corpus), "--vocab-size", "512",
+            "--seq-len", "32", "--batch-size", "8", "--eval-tokens", "512", "--save-every", "2", "--threads", "1",
+            "--no-progress", "--no-save-model", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]
+    run_torchrun(1, *args, "--max-steps", "2", timeout=180)
+    assert (out / "checkpoint.dcp").is_dir()
+    run_torchrun(1, *args, "--max-steps", "2", "--resume", timeout=180)
+    steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"]
+    assert steps and max(steps) == 2

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from slimopt.train.checkpoint import fsync_dir, load_checkpoint
-from slimopt.train.process_group import init_process_group
+from slimopt.train.process_group import init_process_group, launched
 
 __all__ = ["CHECKPOINT_DIR", "ensure_process_group", "shard_model", "no_sync", "find_checkpoint", "save",
            "read_train_state", "load", "full_model_state_dict", "check_method"]
@@ -47,15 +47,19 @@ def check_method(kind: str, method: str) -> None:
 
 
 def ensure_process_group(device: torch.device) -> bool:
-    """Initialise a one-process group when none exists (a plain `slimopt train --fsdp`); True if done here."""
+    """Initialise a one-process group when none exists (a plain `slimopt train --fsdp`, or torchrun at one rank,
+    whose rendezvous it joins); True if done here."""
     if dist.is_initialized():
         return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if launched():
+        init_process_group(backend)  # env://, the launcher's store
+        return True
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                       world_size=1)
+    init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     return True
 
 

@@ -11,11 +11,24 @@ freed when destroyed, and its threads are joined.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["init_process_group"]
+__all__ = ["init_process_group", "launched"]
+
+# what torchrun (and other env:// launchers) set for each worker
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched() -> bool:
+    """True when a launcher such as torchrun started this process, at any world size (one rank included).
+
+    Such a process must join the launcher's rendezvous (env://): at one rank torchrun's agent hosts the store,
+    and a group started on a port of its own would wait for a server nobody runs.
+    """
+    return all(k in os.environ for k in _LAUNCHER_ENV)
 
 
 def init_process_group(backend: str, **kwargs: Any) -> None:
