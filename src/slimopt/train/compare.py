@@ -30,6 +30,7 @@ import csv
 import math
 import multiprocessing
 import os
+import re
 import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -369,7 +370,13 @@ def _child_train(cfg: TrainConfig) -> dict:
     import warnings
     for category in (UserWarning, FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category)
-    return train(cfg)
+    return _with_threads(train(cfg))
+
+
+def _with_threads(res: dict) -> dict:
+    """The result with the torch threads its run used (read in the process that ran it, after it set them)."""
+    import torch
+    return {**res, "torch_threads": torch.get_num_threads()}
 
 
 _PRELOAD = ["slimopt.hushed", "slimopt", "slimopt.train.loop", "slimopt.train.models", "slimopt.train.data", "slimopt.peers",
@@ -389,7 +396,7 @@ def _run_one(cfg: CompareConfig, tc: TrainConfig, entry: str) -> dict:
     """One training run of the compared `entry` as a row; a failure becomes the row's status (with error.txt in
     its folder)."""
     try:
-        res = _run_isolated(tc) if cfg.isolate else train(tc)
+        res = _run_isolated(tc) if cfg.isolate else _with_threads(train(tc))
         row = _row(res, entry)
     except Exception as e:  # one run failing must not lose the others' results
         tb = traceback.format_exc(limit=3)
@@ -722,6 +729,7 @@ def _row(res: dict, method: str) -> dict:
         "lr": res["lr"],
         "steps": res["steps"], "tokens": res["tokens"], "trainable_params": res["trainable_params"],
         "params": res["params"], "device": res["device"], "history": res["history"],
+        "torch_threads": res.get("torch_threads"),
     }
 
 
@@ -838,7 +846,7 @@ def _markdown(rows: list[dict], cfg: CompareConfig, elapsed: float | None, sweep
     lines = [
         f"# slimopt compare: {_title(cfg)}",
         "",
-        f"- Date: {now}. Machine: {machine.describe()}.",
+        f"- Date: {now}. Machine: {_machine_text(rows, cfg)}.",
         f"- Model {b.model}, data {b.data} (tokenizer: {tokenizer}), "
         f"seq_len {b.seq_len}, batch {b.batch_size} x grad-accum {b.grad_accum}, {steps} steps, dtype {b.dtype}, "
         f"warmup {b.warmup}, cosine to {b.min_lr_ratio} x peak, clip {b.clip}, weight decay {b.weight_decay}; "
@@ -921,6 +929,17 @@ def _markdown(rows: list[dict], cfg: CompareConfig, elapsed: float | None, sweep
               + (("; a row NAME+KEY=VALUE is --method NAME --opt KEY=VALUE")
                  if any("+" in r["method"] for r in rows) else "") + ").", ""]
     return "\n".join(lines)
+
+
+def _machine_text(rows: list[dict], cfg: CompareConfig) -> str:
+    """machine.describe() with the torch threads of the runs (recorded by each run; before any has run, --threads)
+    in place of this process's, which no run uses: each run sets its own count (--threads)."""
+    used = sorted({r["torch_threads"] for row in rows for r in row.get("runs", [row]) if r.get("torch_threads")})
+    n = "/".join(str(t) for t in used) if used else None if cfg.base.threads is None else str(cfg.base.threads)
+    threads = ("torch's default threads per run" if n is None else
+               f"{n} torch thread{'' if n == '1' else 's'} per run")
+    text, found = re.subn(r"\b\d+ torch threads?\b", threads, machine.describe())
+    return text if found else f"{text}; {threads}"
 
 
 def _plan_text(rows: list[dict], cfg: CompareConfig) -> str:
