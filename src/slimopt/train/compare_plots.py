@@ -29,7 +29,10 @@ def _finite(pairs):
 
 
 def plot_loss_curves(rows: list[dict], path: str | Path, title: str = "") -> Path:
-    """Two panels: smoothed training loss and validation loss, both against training tokens."""
+    """Two panels: smoothed training loss and validation loss, both against training tokens, every point drawn.
+
+    The y axes are logarithmic and fitted to the points drawn: the first steps' loss (about ln vocab) sits far above
+    where the curves end, and a log scale keeps both the start and the small gaps at the end readable."""
     plt = pyplot()
     fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.6), dpi=100)
     cmap = plt.get_cmap("tab10" if len(rows) <= 10 else "tab20")
@@ -45,33 +48,39 @@ def plot_loss_curves(rows: list[dict], path: str | Path, title: str = "") -> Pat
                       label=r["method"])
     for ax, name in ((ax_t, "training loss (EMA 0.9)"), (ax_v, "validation loss")):
         ax.set_xlabel("training tokens")
-        ax.set_ylabel(name)
-        ax.grid(alpha=0.3)
-    _clip_y(ax_t, rows, "train")
-    _clip_y(ax_v, rows, "eval")
+        log = _fit_y(ax)
+        ax.set_ylabel(f"{name}{', log scale' if log else ''}")
+        ax.grid(alpha=0.3, which="both" if log else "major")
     handles, labels = ax_v.get_legend_handles_labels()
     if not handles:
         handles, labels = ax_t.get_legend_handles_labels()
     if handles:
-        ax_v.legend(handles, labels, fontsize=8, loc="upper right", ncol=2 if len(labels) > 6 else 1)
+        ax_v.legend(handles, labels, fontsize=8, loc="best", ncol=2 if len(labels) > 6 else 1)
     fig.suptitle(title or "loss against tokens", fontsize=11)
     return save_figure(fig, path)
 
 
-def _clip_y(ax, rows, key):
-    # The first steps' loss (~ln vocab) would flatten the interesting end of every curve: show from the point
-    # where the worst curve has come down to, plus some margin.
-    ends, starts = [], []
-    for r in rows:
-        pts = _finite((r.get("history") or {}).get(key, []))
-        if pts:
-            vals = [v for _, v in pts]
-            ends.append(min(vals))
-            starts.append(vals[len(vals) // 5] if key == "train" else vals[0])
-    if ends:
-        lo, hi = min(ends), max(starts)
-        if hi > lo:
-            ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo))
+def _fit_y(ax) -> bool:
+    """Fit the y axis to every point drawn on `ax`, 3% of the range beyond each end; logarithmic where every
+    value is positive (a loss is), with plain numbers as tick labels. Returns whether the axis is logarithmic."""
+    from matplotlib.ticker import FixedLocator, MaxNLocator, NullLocator, StrMethodFormatter
+    values = [float(v) for line in ax.get_lines() for v in line.get_ydata() if math.isfinite(float(v))]
+    if not values:
+        return False
+    lo, hi = min(values), max(values)
+    log = lo > 0
+    f, inv = (math.log, math.exp) if log else ((lambda v: v), (lambda v: v))
+    pad = 0.03 * (f(hi) - f(lo)) if hi > lo else 0.05 * (abs(f(hi)) or 1.0)
+    bottom, top = inv(f(lo) - pad), inv(f(hi) + pad)
+    if log:
+        ax.set_yscale("log")
+        ticks = [t for t in MaxNLocator(nbins=8, steps=[1, 2, 2.5, 5, 10]).tick_values(bottom, top)
+                 if bottom <= t <= top]
+        ax.yaxis.set_major_locator(FixedLocator(ticks))
+        ax.yaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
+        ax.yaxis.set_minor_locator(NullLocator())
+    ax.set_ylim(bottom, top)
+    return log
 
 
 def plot_memory(rows: list[dict], path: str | Path, title: str = "",
