@@ -6,8 +6,9 @@ from __future__ import annotations
 import math
 
 import pytest
-from pretrain_helpers import fast_config, write_corpus
+from pretrain_helpers import VOCAB, fast_config, write_corpus
 
+from slimopt.cli import main
 from slimopt.train.compare import (
     CompareConfig,
     run_compare,
@@ -76,3 +77,22 @@ def test_loss_curve_axes_fit_the_data_they_show(tmp_path, monkeypatch):
     # the training panel draws every step: nothing of the curve's start is left out
     train_lines = kept["axes"][0][3]
     assert all(len(ys) == 200 for ys in train_lines)
+
+
+# ------------------------------------------------------------------------------ (8a) a variant's bad lr
+
+@pytest.mark.parametrize("args,typed", [
+    (["--methods", "adamw+lr=-1"], "adamw+lr=-1"),
+    (["--methods", "adamw,adamw+eps=0.1+lr=0"], "adamw+eps=0.1+lr=0"),
+    (["--methods", "adamw+lr=fast"], "adamw+lr=fast"),
+    (["--methods", "adamw", "--set", "adamw.lr=-1"], "--set adamw.lr=-1"),
+])
+def test_a_bad_lr_is_named_as_the_user_typed_it(data, tmp_path, capsys, args, typed):
+    corpus, cache = data
+    out = tmp_path / "o"
+    assert main(["compare", "--data", str(corpus), "--vocab-size", str(VOCAB), "--cache-dir", str(cache),
+                 "--max-steps", "2", "--out", str(out), "--no-progress", *args]) == 2
+    err = capsys.readouterr().err
+    assert typed in err and "lr" in err and "a positive number" in err, err
+    assert "--lr must" not in err  # compare has no --lr: the message names what was typed
+    assert not out.exists()

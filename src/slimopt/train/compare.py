@@ -224,10 +224,13 @@ def _base_lr(cfg: CompareConfig, method: str) -> tuple[float, str]:
     method's default (``slimopt methods`` says where that comes from), or (control) AdamW's."""
     lr = cfg.method_opts.get(method, {}).get("lr")
     if lr is not None:
-        return float(lr), "--set"
-    lr = split_method(method)[1].get("lr")
+        return _lr_value(lr, f"--set {method}.lr={lr}", f"--set {method}.lr=1e-3"), "--set"
+    name, variant = split_method(method)
+    lr = variant.get("lr")
     if lr is not None:
-        return float(lr), "the variant's"
+        typed = next((item for item in method.split("+")[1:] if item.partition("=")[0].strip() == "lr"), f"lr={lr}")
+        return _lr_value(lr, f"method variant {method!r}: its key {typed.strip()}",
+                         f"{name}+lr=1e-3, or no lr to run at {name}'s"), "the variant's"
     if method == CONTROL:
         return resolve_lr("adamw"), "AdamW's"
     if method in DEFAULT_SETTING_LR and at_default_setting(cfg):
@@ -235,6 +238,17 @@ def _base_lr(cfg: CompareConfig, method: str) -> tuple[float, str]:
     name = split_method(method)[0]
     from slimopt.catalog import lr_is_papers
     return resolve_lr(name), "paper" if lr_is_papers(name) else "default"
+
+
+def _lr_value(value, what: str, example: str) -> float:
+    """A learning rate the user gave, or a ValueError that names it as typed (`what`) and what is allowed."""
+    try:
+        lr = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        lr = math.nan
+    if not (lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"{what} is not a learning rate: lr must be a positive number (e.g. {example})")
+    return lr
 
 
 _SETTING_KEYS = ("model", "data", "tokenizer", "vocab_size", "text_field", "txt_split", "seq_len", "batch_size",
