@@ -388,7 +388,7 @@ def test_bad_inputs_raise_clear_errors(tmp_path, tok, docs, monkeypatch):
     path = write_jsonl(tmp_path / "d.jsonl", docs[:60])
     with pytest.raises(ValueError, match="seq_len=100000"):
         D.prepare_data(str(path), tok, 100_000, val_tokens=100_000, cache_dir=tmp_path)
-    with pytest.raises(ValueError, match="held-out.*val_fraction"):
+    with pytest.raises(ValueError, match="held-out split.*too few documents for a held-out block of --seq-len 512"):
         D.prepare_data(str(path), tok, 512, val_tokens=1024, cache_dir=tmp_path)
     with pytest.raises(ValueError, match="val_tokens"):
         D.prepare_data(str(path), tok, 64, val_tokens=10, cache_dir=tmp_path)

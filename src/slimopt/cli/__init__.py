@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(only=argv[0] if argv else None)
     args = parser.parse_args(argv)
+    args.argv = argv  # what was typed, for messages that repeat a command (train's --resume line)
     if getattr(args, "_run", None) is None:
         parser.print_help(sys.stderr)
         return 2

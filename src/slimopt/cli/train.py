@@ -8,6 +8,7 @@ use torchrun, e.g. `torchrun --nproc_per_node 8 -m slimopt train --model 60m --d
 from __future__ import annotations
 
 import argparse
+import sys
 
 from slimopt.options import parse_int, parse_opt
 
@@ -112,7 +113,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--log-every", type=_int, default=d.log_every, help="steps between log records")
     g.add_argument("--save-every", type=_int, default=d.save_every, help="steps between checkpoints (0: none)")
     g.add_argument("--out", default=None, help="output folder: metrics.jsonl, checkpoint.pt, final/ model")
-    g.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    g.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its last checkpoint; with none there yet, start it (and say "
+                        "so), so that a restarted job can always pass --resume")
     g.add_argument("--overwrite", action="store_true", help="start over in an --out that holds a checkpoint")
     g.add_argument("--max-train-tokens", type=_int, default=None,
                    help="cap on training tokens read from the source (default: all; a stream reads the budget)")
@@ -145,15 +148,36 @@ def config_from_args(args):
         progress=not args.no_progress, save_model=not args.no_save_model)
 
 
+def interrupted_message(out: str | None, argv: list[str]) -> str:
+    """What `slimopt train` says on Ctrl-C: where the last checkpoint is and the command that continues from it."""
+    import shlex
+
+    from slimopt.train.loop import checkpoint_step
+    step = checkpoint_step(out) if out is not None else None
+    if step is None:
+        why = "no --out" if out is None else f"no checkpoint in {out}"
+        return (f"slimopt train: interrupted; {why}, so nothing to resume (--out DIR --save-every N writes a "
+                f"checkpoint every N steps)")
+    command = shlex.join(["slimopt", *argv, *([] if "--resume" in argv else ["--resume"])])
+    return f"slimopt train: interrupted; the last checkpoint (step {step}) is in {out}; continue with: {command}"
+
+
 def run(args) -> int:
+    import os
+
     from slimopt.train.loop import train
     cfg = config_from_args(args)
-    res = train(cfg)
+    try:
+        res = train(cfg)
+    except KeyboardInterrupt:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(interrupted_message(cfg.out, getattr(args, "argv", sys.argv[1:])), file=sys.stderr)
+        return 130
     if res.get("rank", 0) == 0 and not res.get("silent"):
         mem = res["peak_mem_bytes"] / 2**20
         print(f"{res['method']}: {res['steps']} steps, {res['tokens']:,} tokens | val loss {res['val_loss']:.4f}, "
-              f"ppl {res['val_ppl']:.2f} | optimizer state {res['state_bytes'] / 2**20:.2f} MB "
-              f"({res['state_bytes_per_param']:.2f} B/param) | peak {mem:,.0f} MB ({res['peak_mem_kind']}) | "
+              f"ppl {res['val_ppl']:.2f} | optimizer state {res['state_bytes'] / 2**20:.2f} MiB "
+              f"({res['state_bytes_per_param']:.2f} B/param) | peak {mem:,.0f} MiB ({res['peak_mem_kind']}) | "
               f"{res['tokens_per_s']:,.0f} tok/s | {res['wall_time_s']:.1f} s"
               + (f" | {cfg.out}" if cfg.out else ""))
     return 0

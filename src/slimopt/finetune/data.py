@@ -419,6 +419,8 @@ def _parse_labels(values: Sequence[Any], spec: TaskSpec, origin: str) -> np.ndar
 def _make_split(spec: TaskSpec, columns: Mapping[str, Sequence[Any]], origin: str) -> _RawSplit:
     """Check the needed columns exist (naming the ones found) and pull texts and labels out."""
     found = list(columns)
+    if not found:  # an empty file has no header row, so no columns: say so rather than list none
+        raise ValueError(f"{origin} is empty (no header row, no examples)")
     for role, col in [*(("text", c) for c in spec.text_columns), ("label", spec.label_column)]:
         if col not in columns:
             raise ValueError(

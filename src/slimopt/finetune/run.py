@@ -43,6 +43,7 @@ from slimopt.finetune.protocol import HEAD, run_method, seed_list
 from slimopt.finetune.report import mib, read_results, write_results
 from slimopt.pretrained import SMOLLM2, load_smollm2, load_smollm2_tokenizer
 from slimopt.train.compare import DEFAULT_LR_GRID
+from slimopt.train.results import check_out_dir
 
 __all__ = [
     "FinetuneConfig",
@@ -196,11 +197,13 @@ class FinetuneConfig:
         for name in ("max_length", "batch_size", "eval_batch_size", "grad_accum", "rank", "seeds"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("max_train_samples", "max_eval_samples", "max_steps", "num_labels"):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        for name, unset in (("max_train_samples", "0 for all"), ("max_eval_samples", "0 for all"),
+                            ("max_steps", "leave it out to train for --epochs"),
+                            ("num_labels", "the classes of a task of your own")):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer ({unset}), got {value!r}")
         if not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise ValueError(f"epochs must be a positive number, got {self.epochs!r}")
         if self.lr is not None and not self.lr > 0:
@@ -225,6 +228,7 @@ class FinetuneConfig:
         unknown = sorted(set(self.method_opts) - set(names))
         if unknown:
             raise ValueError(f"settings given for {unknown}, which are not among the methods {names}")
+        check_out_dir(self.out)
 
 
 def method_settings(plan: MethodPlan, cfg: FinetuneConfig) -> dict[str, Any]:

@@ -152,6 +152,16 @@ def _open_text(path: Path):
     return open(path, encoding="utf-8", errors="replace")
 
 
+def check_text_file(path: Path) -> None:
+    """Raise ValueError when a .txt source is not text (NUL bytes in its first 64 KiB, as binary files have)."""
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        head = f.read(65536)
+    if b"\0" in head:
+        raise ValueError(f"data file {str(path)!r} is not text (it holds NUL bytes, as binary files do); "
+                         f"give UTF-8 text")
+
+
 def _txt_documents(path: Path, txt_split: str) -> Iterator[str]:
     with _open_text(path) as f:
         if txt_split == "line":
@@ -299,6 +309,9 @@ def resolve_source(source: str, text_field: str = "text", txt_split: str = "para
         files = _local_files(path)  # validates suffixes / emptiness now, before any work
         if path.is_file():
             _file_documents(path, text_field, txt_split)  # raises on an unsupported suffix
+        for f in files:
+            if f.name.lower().endswith((".txt", ".txt.gz")):
+                check_text_file(f)
         ident = f"files|{path.resolve()}|{_files_identity(files)}|{text_field}|{txt_split}"
 
         def docs() -> Iterator[str]:
@@ -567,9 +580,8 @@ def prepare_data(
         raise ValueError(f"data source {source!r} yields {train.tokens:,} training tokens, fewer than one block of "
                          f"seq_len={seq_len}: lower seq_len or use a larger corpus")
     if val_blocks.shape[0] == 0:
-        raise ValueError(f"data source {source!r} yields {val.tokens:,} held-out tokens ({val.documents} documents), "
-                         f"fewer than one block of seq_len={seq_len}: raise val_fraction (now {val_fraction}), "
-                         f"lower seq_len or use a larger corpus")
+        raise ValueError(_no_held_out_message(source, read, val.tokens, val.documents, seq_len, val_fraction,
+                                              txt_split))
     meta = dict(
         documents_read=read,
         train_documents=train.documents,
@@ -595,6 +607,21 @@ def prepare_data(
 
 # --------------------------------------------------------------------------------------------------------------
 # Batches
+
+
+def _no_held_out_message(source: str, documents: int, tokens: int, held_docs: int, seq_len: int,
+                         val_fraction: float, txt_split: str) -> str:
+    """Why a source gave no held-out block, and the option that helps: the held-out split takes whole documents
+    (about val_fraction of them), so a source read as a few documents holds none out."""
+    what = (f"data source {source!r} holds {documents:,} document(s), of which {held_docs} ({tokens:,} tokens) "
+            f"fall in the held-out split (about {val_fraction:.0%} of documents, chosen by content)")
+    if documents < 10 / val_fraction:
+        if source.lower().endswith((".txt", ".txt.gz")) and txt_split != "line":
+            unit = "blank lines separate documents" if txt_split == "paragraph" else "the whole file is one document"
+            return (f"{what}: too few documents for a held-out block of --seq-len {seq_len} ({unit} with "
+                    f"--txt-split {txt_split}); --txt-split line makes each line a document")
+        return f"{what}: too few documents for a held-out block of --seq-len {seq_len}; give more documents"
+    return f"{what}: fewer than one block of --seq-len {seq_len}; lower --seq-len or give a larger corpus"
 
 
 def _as_blocks(data) -> np.ndarray | torch.Tensor:

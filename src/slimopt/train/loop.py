@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -33,6 +34,7 @@ from slimopt.train import checkpoint as ckpt
 from slimopt.train import fsdp
 from slimopt.train.evaluate import evaluate, lm_loss
 from slimopt.train.logger import MemoryProbe, RunLogger, read_jsonl
+from slimopt.train.results import check_out_dir
 from slimopt.train.schedule import build_scheduler
 
 __all__ = ["TrainConfig", "train", "make_optimizer", "method_kind", "known_methods", "resolve_lr", "DTYPES"]
@@ -197,6 +199,8 @@ def _check_config(c: TrainConfig, world_size: int) -> None:
     _check_data_source(c.data, c.text_field, c.txt_split)
     if c.resume and c.out is None:
         raise ValueError("--resume needs --out (the folder of the run to continue)")
+    if c.out is not None:
+        check_out_dir(c.out)
     found = (ckpt.find_checkpoint(c.out), fsdp.find_checkpoint(c.out)) if c.out is not None else (None, None)
     if c.out is not None and not c.resume and not c.overwrite and any(found):
         raise ValueError(f"--out {c.out} already holds a run's checkpoint; pass --resume to continue it or "
@@ -204,6 +208,19 @@ def _check_config(c: TrainConfig, world_size: int) -> None:
     if c.resume and found[c.fsdp] is None and found[not c.fsdp] is not None:
         raise ValueError(f"--out {c.out} holds a checkpoint written {'without' if c.fsdp else 'with'} --fsdp; "
                          f"resume it the same way")
+
+
+def checkpoint_step(out: str | os.PathLike) -> int | None:
+    """The step of the checkpoint in a run's folder (plain or FSDP2), or None when it holds none that loads."""
+    for found, read in ((ckpt.find_checkpoint(out), lambda p: torch.load(p, map_location="cpu", weights_only=True,
+                                                                         mmap=True)),
+                        (fsdp.find_checkpoint(out), fsdp.read_train_state)):
+        if found is not None:
+            try:
+                return int(read(found)["step"])
+            except Exception:  # damaged: a resume says how, with the file's name
+                return None
+    return None
 
 
 def _check_model_name(name: str) -> None:
@@ -416,6 +433,8 @@ def _train(c: TrainConfig, d: _Dist, callback, t_start: float, cpu_start: float)
     start_step, tokens_seen, train_time = 0, 0, 0.0
     state = None
     resume_from = (fsdp.find_checkpoint(c.out) if c.fsdp else ckpt.find_checkpoint(c.out)) if c.resume else None
+    if c.resume and resume_from is None and d.main:  # documented: a job script may always pass --resume
+        print(f"slimopt train: no checkpoint in {c.out} to resume: starting at step 0", file=sys.stderr, flush=True)
     if resume_from is not None:
         if c.fsdp:  # a DCP folder: the run's position first, the shards after the settings check
             state = fsdp.read_train_state(resume_from)

@@ -15,7 +15,23 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["csv_cell", "write_csv", "write_json", "write_csv_and_markdown"]
+__all__ = ["check_out_dir", "csv_cell", "write_csv", "write_json", "write_csv_and_markdown"]
+
+
+def check_out_dir(out: str | os.PathLike, option: str = "--out") -> None:
+    """Raise ValueError, before any work, when `out` cannot be an output folder: it, or a folder above it, is a file.
+
+    Every command checks its output folder once at the start, so that a file where a folder goes stops a run in one
+    line instead of a traceback after training.
+    """
+    path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{option} {out} is a file; give a folder (it is created if missing)")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{option} {out}: {parent} is a file, so no folder can be made under it")
+            break
 
 
 def csv_cell(v: Any) -> Any:
