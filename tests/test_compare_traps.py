@@ -4,14 +4,18 @@ axes, a variant's bad lr, a variant's lr and a short run's update gap, and TACO 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from pretrain_helpers import VOCAB, fast_config, write_corpus
 
 from slimopt.cli import main
 from slimopt.train.compare import (
+    DEFAULT_SETTING_LR,
     CompareConfig,
+    read_results,
     run_compare,
+    scaled_schedule_opts,
 )
 
 
@@ -19,6 +23,21 @@ from slimopt.train.compare import (
 def data(tmp_path_factory):
     folder = tmp_path_factory.mktemp("traps")
     return write_corpus(folder), folder / "cache"
+
+
+@pytest.fixture()
+def fake_train(monkeypatch):
+    """compare's training replaced by a fixed result (in-process runs only): the report without training."""
+    from slimopt.train import compare as compare_mod
+
+    def train(tc):
+        loss = 3.0 if tc.method != "taco" else 4.0
+        return {"val_loss": loss, "val_ppl": math.exp(loss), "val_tokens": 1024, "state_bytes": 8.0,
+                "state_bytes_per_param": 8.0, "peak_mem_bytes": 2**20, "peak_mem_kind": "synthetic",
+                "tokens_per_s": 1.0, "wall_time_s": 0.0, "cpu_time_s": 0.0, "lr": tc.lr, "steps": 1, "tokens": 1,
+                "trainable_params": 1, "params": 1, "device": "cpu", "history": {"train": [], "eval": []}}
+
+    monkeypatch.setattr(compare_mod, "train", train)
 
 
 # ------------------------------------------------------------------------------ (6b) the runs' torch threads
@@ -96,3 +115,66 @@ def test_a_bad_lr_is_named_as_the_user_typed_it(data, tmp_path, capsys, args, ty
     assert typed in err and "lr" in err and "a positive number" in err, err
     assert "--lr must" not in err  # compare has no --lr: the message names what was typed
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------------ (9) a variant's lr, the gap
+
+def test_a_variant_runs_at_its_base_methods_lr():
+    from slimopt.train.compare import _base_lr, _method_config
+    cfg = CompareConfig()  # the default setting: GaLore's tuned 0.04, not the paper's 0.01
+    assert _base_lr(cfg, "galore+stagger_refresh=True") == (DEFAULT_SETTING_LR["galore"],
+                                                            "galore's: tuned at this setting")
+    assert _method_config(cfg, "galore+stagger_refresh=True").lr == DEFAULT_SETTING_LR["galore"]
+    assert _base_lr(cfg, "galore+stagger_refresh=True+lr=0.01") == (0.01, "the variant's")  # its own lr wins
+    # --set on the base method sets its variants' lr too; --set on the variant wins over it
+    both = CompareConfig(methods=["galore", "galore+rank=64"], method_opts={"galore": {"lr": 0.02}})
+    assert _base_lr(both, "galore+rank=64") == (0.02, "galore's: --set")
+    own = CompareConfig(methods=["galore", "galore+rank=64"],
+                        method_opts={"galore": {"lr": 0.02}, "galore+rank=64": {"lr": 0.03}})
+    assert _base_lr(own, "galore+rank=64") == (0.03, "--set")
+    # elsewhere a variant starts from its base's paper lr, as the base does
+    other = CompareConfig(base=replace(cfg.base, vocab_size=2048))
+    assert _base_lr(other, "galore+rank=64") == (1e-2, "galore's: paper")
+
+
+def test_a_tuned_variant_sweeps_around_its_base_methods_lr(data, tmp_path, fake_train):
+    corpus, cache = data
+    cfg = CompareConfig(base=fast_config(corpus, cache, max_steps=4), methods=["adamw", "adamw+eps=0.1"],
+                        control=False, out=str(tmp_path / "o"), isolate=False, progress=False, tune_lr=True,
+                        lr_grid=(0.5, 1.0, 2.0), lr_extensions=0, tune_fraction=0.5, plan=None,
+                        method_opts={"adamw": {"lr": 2e-3}})
+    run_compare(cfg, log=lambda *_: None)
+    sweep = read_results(tmp_path / "o" / "lr_sweep.csv")
+    assert {p["base_lr"] for p in sweep if p["method"] == "adamw+eps=0.1"} == {2e-3}
+
+
+def test_a_short_runs_update_gap_has_a_floor():
+    # steps // 20 below 10 made GaLore refresh (and FRUGAL reset its moments) every step or two
+    assert scaled_schedule_opts("galore", 24) == {"update_gap": 10}
+    assert scaled_schedule_opts("galore", 100) == {"update_gap": 10}
+    assert scaled_schedule_opts("frugal", 128) == {"update_gap": 10}
+    assert scaled_schedule_opts("badam", 60) == {"update_gap": 10}
+    assert scaled_schedule_opts("galore", 512) == {"update_gap": 25}  # the default run: unchanged
+    assert scaled_schedule_opts("galore", 10_000) == {}
+
+
+def test_the_table_gives_every_rows_gap_and_lr(data, tmp_path, fake_train):
+    """The settings column shows the gap a row ran with, the paper's too when the run is long enough to keep it,
+    and the reproduce line says to pass the column's settings."""
+    from slimopt.train.compare import _method_config, _settings
+    corpus, cache = data
+    long = CompareConfig(base=fast_config(corpus, cache, max_steps=5000))
+    assert _settings(_method_config(long, "galore")) == "update_gap=200"
+    assert _settings(_method_config(long, "badam")) == "update_gap=100"
+    assert _settings(_method_config(long, "adamw")) == ""
+    cfg = CompareConfig(base=fast_config(corpus, cache, max_steps=24), methods=["adamw", "galore",
+                        "galore+stagger_refresh=True"], out=str(tmp_path / "o"), isolate=False, progress=False,
+                        plan=None)
+    run_compare(cfg, log=lambda *_: None)
+    rows = {r["method"]: r for r in read_results(tmp_path / "o" / "results.csv")}
+    assert rows["galore"]["settings"] == "update_gap=10"
+    assert rows["galore+stagger_refresh=True"]["settings"] == "stagger_refresh=True update_gap=10"
+    assert rows["galore+stagger_refresh=True"]["lr"] == rows["galore"]["lr"] == pytest.approx(1e-2)
+    md = (tmp_path / "o" / "results.md").read_text()
+    assert "--opt KEY=VALUE for each of column settings" in md
+    assert "never below 10 steps" in md

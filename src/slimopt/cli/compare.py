@@ -61,7 +61,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--methods", default=None,
                    help="comma-separated methods (slimopt, peers, baselines; default: those of "
                         f"{', '.join(DEFAULT_METHODS)} that exist); NAME+KEY=VALUE runs a variant in a row of its "
-                        "own (e.g. adamw,adamw+param_rounding=kahan)")
+                        "own, at NAME's lr unless it sets lr (e.g. adamw,adamw+param_rounding=kahan)")
     p.add_argument("--out", default="runs/compare", help="output folder (default: %(default)s)")
     p.add_argument("--set", action="append", metavar="METHOD.KEY=VALUE", dest="set_opts",
                    help="a hyperparameter for one method, repeatable (e.g. --set galore.rank=64 --set frugal.lr=3e-3)")

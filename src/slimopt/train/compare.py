@@ -122,6 +122,14 @@ def _compare_defaults() -> TrainConfig:
 
 # A run shorter than this many refreshes of a method's default gap gets a gap scaled to the run (below).
 _MIN_REFRESHES = 20
+# The scaled gap is never shorter than this many steps. Adam's first moment averages about 1 / (1 - beta1) = 10
+# steps: a shorter gap changes the subspace (GaLore) or the block (FRUGAL, BAdam) before the moments have formed
+# in it. GaLore keeps its moments across a refresh and reads the old basis's coordinates in the new one; FRUGAL and
+# BAdam reset them, so below 10 steps their Adam is mostly its first, sign-like steps. Measured on SmolLM2-135M,
+# KJV, 24 steps (docs/results/compare-smollm2-kjv-galore): GaLore refreshing every step (24 // 20 = 1) 24.66 ppl,
+# every 8 steps 22.66, one subspace for the run 22.26; a gap near 10 takes back most of the 2.4 that refreshing
+# every step cost. The default comparison (512 steps: 25) is above it.
+_MIN_SCALED_GAP = 10
 
 
 def scaled_schedule_opts(method: str, steps: int) -> dict:
@@ -130,7 +138,8 @@ def scaled_schedule_opts(method: str, steps: int) -> dict:
     GaLore refreshes its subspace, FRUGAL and BAdam switch blocks every `update_gap` steps (200 / 100 in the
     papers, where runs last 10k+ steps); ReLoRA restarts every 5k steps. In a 100-step comparison those events
     would never happen and each method would silently become a different one. Runs with fewer than
-    20 gaps' worth of steps get `update_gap = steps // 20` (ReLoRA: 4 restarts, re-warmup a tenth of the cycle).
+    20 gaps' worth of steps get `update_gap = steps // 20`, never below 10 steps (_MIN_SCALED_GAP says why; a run
+    shorter than 10 steps keeps one subspace or block); ReLoRA: 4 restarts, re-warmup a tenth of the cycle.
     """
     kind = method_kind(method)
     if kind == "baseline":
@@ -138,13 +147,19 @@ def scaled_schedule_opts(method: str, steps: int) -> dict:
             return {}
         every = max(2, steps // 4)
         return {"restart_every": every, "restart_warmup": max(1, every // 10)}
-    if kind != "slimopt":
-        gap = 200 if method.startswith(("galore", "apollo")) else None
-    else:
-        gap = _recipe_gap(method)
+    gap = _default_gap(method)
     if gap is None or steps >= _MIN_REFRESHES * gap:
         return {}
-    return {"update_gap": max(1, steps // _MIN_REFRESHES)}
+    return {"update_gap": min(gap, max(_MIN_SCALED_GAP, steps // _MIN_REFRESHES))}
+
+
+def _default_gap(method: str) -> int | None:
+    """The steps between a method's subspace refreshes or block switches by default (its paper's), or None."""
+    if method_kind(method) == "baseline":
+        return None
+    if method_kind(method) != "slimopt":
+        return 200 if method.startswith(("galore", "apollo")) else None
+    return _recipe_gap(method)
 
 
 def _recipe_gap(method: str) -> int | None:
@@ -221,7 +236,10 @@ def _tune_steps(cfg: CompareConfig) -> int:
 def _base_lr(cfg: CompareConfig, method: str) -> tuple[float, str]:
     """The lr a method runs at without tuning (and the centre of its tuning grid), and where it comes from: --set,
     the variant's own lr= (``adamw+rule=lion+lr=3e-4``), the tuned rate of the default setting, the paper, the
-    method's default (``slimopt methods`` says where that comes from), or (control) AdamW's."""
+    method's default (``slimopt methods`` says where that comes from), or (control) AdamW's. A variant without
+    an lr of its own takes its base method's, as the base gets it here (its --set, or its tuned rate at the
+    default setting): ``galore+stagger_refresh=True`` beside GaLore's tuned 0.04 runs at 0.04, not the paper's
+    0.01. With --tune-lr a variant's grid is centred there and its sweep is its own."""
     lr = cfg.method_opts.get(method, {}).get("lr")
     if lr is not None:
         return _lr_value(lr, f"--set {method}.lr={lr}", f"--set {method}.lr=1e-3"), "--set"
@@ -231,11 +249,13 @@ def _base_lr(cfg: CompareConfig, method: str) -> tuple[float, str]:
         typed = next((item for item in method.split("+")[1:] if item.partition("=")[0].strip() == "lr"), f"lr={lr}")
         return _lr_value(lr, f"method variant {method!r}: its key {typed.strip()}",
                          f"{name}+lr=1e-3, or no lr to run at {name}'s"), "the variant's"
+    if variant:  # the lr its base method runs at here, so that the row differs from the base's in its settings only
+        lr, source = _base_lr(cfg, name)
+        return lr, f"{name}'s: {source}"
     if method == CONTROL:
         return resolve_lr("adamw"), "AdamW's"
     if method in DEFAULT_SETTING_LR and at_default_setting(cfg):
         return DEFAULT_SETTING_LR[method], "tuned at this setting"
-    name = split_method(method)[0]
     from slimopt.catalog import lr_is_papers
     return resolve_lr(name), "paper" if lr_is_papers(name) else "default"
 
@@ -728,7 +748,12 @@ def _conclusions(rows: list[dict], cfg: CompareConfig) -> list[str]:
 
 
 def _settings(tc: TrainConfig) -> str:
-    return " ".join(f"{k}={v}" for k, v in sorted(tc.opt.items()))
+    """The run's method settings, with the update gap it ran at when that is the method's default."""
+    opt = dict(tc.opt)
+    gap = _default_gap(tc.method)
+    if gap is not None and "update_gap" not in opt:
+        opt["update_gap"] = gap
+    return " ".join(f"{k}={v}" for k, v in sorted(opt.items()))
 
 
 def _row(res: dict, method: str) -> dict:
@@ -894,7 +919,9 @@ def _markdown(rows: list[dict], cfg: CompareConfig, elapsed: float | None, sweep
                      + (f", {jobs} runs at a time (each run's tokens/s and wall s include sharing the machine "
                         "with the others; CPU s does not)." if jobs > 1 else "."))
     lines.append(f"- Step-counting settings (subspace refresh / block switch / restart intervals) are scaled to the "
-                 f"run when it is shorter than {_MIN_REFRESHES} of the papers' intervals: column settings.")
+                 f"run when it is shorter than {_MIN_REFRESHES} of the papers' intervals (update gap: steps / "
+                 f"{_MIN_REFRESHES}, never below {_MIN_SCALED_GAP} steps): column settings gives each row's, and "
+                 f"column lr the learning rate it ran at.")
     warns = _warnings(rows, cfg)
     if warns:
         lines.append("")
@@ -940,8 +967,9 @@ def _markdown(rows: list[dict], cfg: CompareConfig, elapsed: float | None, sweep
     lines += ["", "![loss curves](loss_curves.png)", "", "![memory](memory.png)", "",
               "Reproduce one row: `slimopt train " + _cli_args(b) + " --method METHOD --lr LR` (LR: column lr"
               + (", and --seed for each seed" if multi else "")
-              + (("; a row NAME+KEY=VALUE is --method NAME --opt KEY=VALUE")
-                 if any("+" in r["method"] for r in rows) else "") + ").", ""]
+              + ("; --opt KEY=VALUE for each of column settings" if any(r.get("settings") for r in rows) else "")
+              + (("; a row NAME+KEY=VALUE is --method NAME") if any("+" in r["method"] for r in rows) else "")
+              + ").", ""]
     return "\n".join(lines)
 
 
