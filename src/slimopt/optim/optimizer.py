@@ -75,7 +75,8 @@ class SlimOptimizer(torch.optim.Optimizer):
     def _fresh_caches(self) -> None:
         """What the optimizer derives from its groups and state and keeps between steps (none of it is saved)."""
         self._warned: set[str] = set()
-        self._where: dict[Tensor, tuple[int, int, int]] = {}
+        self._where_map: dict[Tensor, tuple[int, int, int]] | None = None  # ``_where``; None until first needed
+        self._indexed: tuple[int, ...] | None = None  # the ids of the groups' parameters it was made for
         self._codecs: dict[tuple, Any] = {}
         self._codec_lists: dict[tuple, list[tuple[str, Any]]] = {}
         self._blocks: dict[tuple, frozenset[int]] = {}
@@ -90,12 +91,14 @@ class SlimOptimizer(torch.optim.Optimizer):
         caches anew, as a new one does."""
         super().__setstate__(state)
         self._fresh_caches()
-        self._index_params()
 
     # ------------------------------------------------------------------------------------------------------------
     # groups and positions
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        indexed = self._indexed is not None
+        if indexed:
+            self._follow_params()  # a switch before the new group would otherwise go unseen, its state left behind
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -106,7 +109,18 @@ class SlimOptimizer(torch.optim.Optimizer):
         except ValueError:
             self.param_groups.pop()
             raise
-        self._index_params()
+        if indexed:
+            self._index_params()
+
+    @property
+    def _where(self) -> dict[Tensor, tuple[int, int, int]]:
+        """Each parameter's (group, place in the group, position over all groups), made when first needed (a step,
+        ``state_dict``): until then the optimizer keeps no reference to its parameters beyond its groups, so one
+        whose parameters are switched before its first step (accelerate's FSDP2 ``prepare``) does not keep the
+        unsharded model alive."""
+        if self._where_map is None:
+            self._follow_params()
+        return self._where_map
 
     def _index_params(self) -> None:
         where, k = {}, 0
@@ -114,8 +128,54 @@ class SlimOptimizer(torch.optim.Optimizer):
             for pi, p in enumerate(group["params"]):
                 where[p] = (gi, pi, k)
                 k += 1
-        self._where = where
+        self._where_map = where
+        self._indexed = self._param_ids()
         self._geometry.clear()
+
+    def _param_ids(self) -> tuple[int, ...]:
+        # ~8 us for 300 parameters. An id cannot be reused while the optimizer keeps the parameter it was taken
+        # from (``_where`` holds every indexed one), so an unchanged tuple means unchanged parameters.
+        return tuple([id(p) for group in self.param_groups for p in group["params"]])
+
+    def _follow_params(self) -> None:
+        """Follow parameters switched in place in the groups (accelerate's FSDP2 ``prepare`` puts the sharded
+        parameters in the groups of an optimizer built on the plain model, as torch.optim allows): the caches are
+        derived anew and each state moves to the parameter that took its place (``_switch_params``). Checked at
+        each step and ``state_dict``."""
+        if self._param_ids() != self._indexed:
+            self._switch_params()
+
+    def _switch_params(self) -> None:
+        """Derive every cache for the groups' parameters now, and move the state of each parameter that left the
+        groups to the one that took its position, as torch's load_state_dict maps saved state by position: as it
+        is to a tensor of the same kind, else through the checkpoints' world-size-free form
+        (``portable.move_state``), so a plain tensor's state becomes its FSDP2 shard's. A parameter still in the
+        groups keeps its own state; state that finds no place of the same shape is dropped, with a warning."""
+        self.settle()  # a running sum writes into the state it was started for
+        before = {k: p for p, (_, _, k) in (self._where_map or {}).items()}
+        self._index_params()
+        self._routes.clear()
+        self._phases.clear()
+        self.__dict__.pop("_slimopt_ranks_agree", None)  # new shards: the ranks check their agreement again
+        where = self._where_map
+        dropped = []
+        for k, p in enumerate(p for group in self.param_groups for p in group["params"]):
+            old = before.get(k)
+            if old is None or old is p or old in where or self.state.get(p) or not self.state.get(old):
+                continue
+            values = self.state.pop(old)
+            if old.shape != p.shape:
+                dropped.append(f"position {k}: {tuple(old.shape)} -> {tuple(p.shape)}")
+                continue
+            self.state[p] = portable.move_state(self, old, p, self.param_groups[where[p][0]], values)
+        for old in [q for q in self.state if isinstance(q, Tensor) and q not in where]:
+            if self.state.pop(old):
+                dropped.append(f"a {tuple(old.shape)} parameter no longer in the groups")
+        if dropped:
+            warnings.warn("slimopt: the optimizer's parameters were switched and the state of "
+                          f"{len(dropped)} parameter(s) has no place to go; it is dropped and they start afresh "
+                          f"({'; '.join(dropped[:4])}{' ...' if len(dropped) > 4 else ''})", RuntimeWarning,
+                          stacklevel=4)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -132,6 +192,7 @@ class SlimOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.settle()
+        self._follow_params()
         try:
             for group in self.param_groups:
                 settings = paramstep.group_key(group)
@@ -148,6 +209,8 @@ class SlimOptimizer(torch.optim.Optimizer):
         """Update one parameter from its .grad (for optimizer-in-backward use); a None grad is skipped."""
         if p.grad is not None:
             self.settle()
+            if p not in self._where:  # only then: a full check at every parameter would cost O(n^2) a step
+                self._follow_params()
             try:
                 paramstep.step(self, p, self.param_groups[self._where[p][0]])
                 self._batch.run()
@@ -214,6 +277,7 @@ class SlimOptimizer(torch.optim.Optimizer):
         """torch's state_dict; for DTensor (FSDP2) parameters, or inside ``portable.portable_state(self)``, the
         world-size-free form that ``torch.distributed.checkpoint`` saves and reshards (``portable.py``)."""
         self.settle()
+        self._follow_params()  # torch's state_dict finds state by the groups' parameters
         state_dict = super().state_dict()
         return portable.to_portable(self, state_dict) if portable.wanted(self) else state_dict
 

@@ -56,7 +56,7 @@ from slimopt.optim.algorithm.rules import COMP_KEY
 from slimopt.optim.distributed import sharded as S
 
 __all__ = ["LAYOUT", "COUNTERS", "portable_state", "wanted", "is_portable", "to_portable", "saved_state",
-           "import_param", "layout_of"]
+           "import_param", "layout_of", "move_state"]
 
 LAYOUT = "slimopt-portable-1"
 COUNTERS = ("step", "moment_step")  # 0-D fp32 CPU tensors in the optimizer, in either form
@@ -383,6 +383,17 @@ def import_param(opt, p: Tensor, group: dict[str, Any], saved: dict[str, Tensor]
                          f"(rule {group['rule']!r}, projector {group['projector']!r})")
     _check_block_moments(opt, p, group, state)
     return state
+
+
+def move_state(opt, old: Tensor, new: Tensor, group: dict[str, Any],
+               state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The state of parameter `old` for the parameter `new` that took its place in `opt`'s groups (the same whole
+    shape; ``SlimOptimizer._switch_params``): the same tensors between plain tensors of one device and dtype,
+    else a checkpoint's round trip, which cuts it for `new`'s layout (a plain tensor's state -> its FSDP2 shard's,
+    bit-identical where the shard's first element starts a quantization block, as a checkpoint loads)."""
+    if not (S.is_sharded(old) or S.is_sharded(new)) and old.device == new.device and old.dtype == new.dtype:
+        return state
+    return import_param(opt, new, group, export_param(opt, old, group, state))
 
 
 def _check_block_moments(opt, p, group, state) -> None:
