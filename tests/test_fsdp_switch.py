@@ -1,8 +1,8 @@
 """An optimizer follows parameters switched in place in its groups, as accelerate's FSDP2 ``prepare`` switches those
 of an optimizer the Hugging Face Trainer built on the plain model (docs/finetune.md, "The Trainer with FSDP2").
 
-In one process the switch is accelerate's own sequence with a copy of the model in place of ``fully_shard``: every
-method then steps as an optimizer built on the new parameters, and state taken before the switch continues. Under
+In one process the switch is accelerate's own sequence with a copy of the model in place of ``fully_shard``: six
+methods then step as an optimizer built on the new parameters, and state taken before the switch continues. Under
 FSDP2 (2 ranks, gloo; tests/distributed/switch_worker.py) every method, switched before any step or after two,
 equals an optimizer built after sharding bit for bit, and one process within 1e-6.
 """
