@@ -13,6 +13,7 @@ from slimopt.cli import main
 from slimopt.train.compare import (
     DEFAULT_SETTING_LR,
     CompareConfig,
+    default_methods,
     read_results,
     run_compare,
     scaled_schedule_opts,
@@ -178,3 +179,27 @@ def test_the_table_gives_every_rows_gap_and_lr(data, tmp_path, fake_train):
     md = (tmp_path / "o" / "results.md").read_text()
     assert "--opt KEY=VALUE for each of column settings" in md
     assert "never below 10 steps" in md
+
+
+# ------------------------------------------------------------------------------ (10) TACO where it applies
+
+def test_the_default_comparison_runs_taco_only_on_a_pretrained_model():
+    from slimopt.train.compare import _entries
+    assert "taco" not in default_methods()  # a tiny LLaMA from scratch: pretraining, which TACO does not claim
+    assert "taco" not in _entries(CompareConfig())
+    assert "taco" in default_methods(pretrained=True)
+    smollm2 = CompareConfig(base=replace(CompareConfig().base, model="smollm2-135m"))
+    assert "taco" in _entries(smollm2)
+
+
+def test_taco_from_scratch_says_why_and_where_its_claim_is_measured(data, tmp_path, fake_train):
+    corpus, cache = data
+    cfg = CompareConfig(base=fast_config(corpus, cache, max_steps=4), methods=["adamw", "taco"],
+                        out=str(tmp_path / "o"), isolate=False, progress=False, plan=None)
+    run_compare(cfg, log=lambda *_: None)
+    rows = {r["method"]: r for r in read_results(tmp_path / "o" / "results.csv")}
+    assert "fine-tuning method" in rows["taco"]["notes"] and "fine-tuning" not in rows["adamw"]["notes"]
+    md = (tmp_path / "o" / "results.md").read_text()
+    note = [line for line in md.splitlines() if line.startswith("- taco:") or "TACO is a fine-tuning" in line]
+    assert len(note) == 1
+    assert "`slimopt compare --model smollm2-135m" in note[0] and "docs/reproduction.md" in note[0]

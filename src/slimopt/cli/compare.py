@@ -1,8 +1,9 @@
 """`slimopt compare`: pretrain several methods on the same data, seed and token budget; table and plots.
 
 With no arguments: a tiny LLaMA on the built-in KJV corpus (a 512-token BPE, 512 steps of 16 x 64 tokens), the
-default methods (adamw, adamw8bit, galore, frugal, frugal_rho0, badam, ternary_adamw, taco) at the learning rates a
-tuned 3-seed run picked for this setting, two runs at a time on a 2-core CPU: about 5 minutes. Any other setting
+default methods (adamw, adamw8bit, galore, frugal, frugal_rho0, badam, ternary_adamw; TACO, a fine-tuning method,
+joins them on a pretrained --model such as smollm2-135m) at the learning rates a tuned 3-seed run picked for this
+setting, two runs at a time on a 2-core CPU: about 5 minutes. Any other setting
 runs each method at its default learning rate (its paper's, or AdamW's times a measured ratio for slimopt's own
 recipes: `slimopt methods`), or tuned ones with --tune-lr. Writes results.md, results.csv, results_per_seed.csv, loss_curves.png, memory.png and
 runs/<method>/metrics.jsonl.
@@ -53,14 +54,15 @@ EXAMPLES = """examples:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from slimopt.train.compare import DEFAULT_METHODS, CompareConfig
+    from slimopt.train.compare import DEFAULT_METHODS, FINE_TUNING_METHODS, CompareConfig
     d = CompareConfig().base
     p = subparsers.add_parser("compare", help="train several methods on equal budgets and compare them",
                               description=__doc__, epilog=EXAMPLES,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", default=None,
                    help="comma-separated methods (slimopt, peers, baselines; default: those of "
-                        f"{', '.join(DEFAULT_METHODS)} that exist); NAME+KEY=VALUE runs a variant in a row of its "
+                        f"{', '.join(DEFAULT_METHODS)} that exist, the fine-tuning ones ({', '.join(FINE_TUNING_METHODS)}) "
+                        "only on a pretrained --model); NAME+KEY=VALUE runs a variant in a row of its "
                         "own, at NAME's lr unless it sets lr (e.g. adamw,adamw+param_rounding=kahan)")
     p.add_argument("--out", default="runs/compare", help="output folder (default: %(default)s)")
     p.add_argument("--set", action="append", metavar="METHOD.KEY=VALUE", dest="set_opts",
