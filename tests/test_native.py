@@ -453,3 +453,40 @@ def test_a_projected_write_with_a_residual_is_one_kernel_pass(counted, monkeypat
     assert torch.equal(a[0], b[0])
     for key in eager.state[b[0]]:
         assert torch.equal(fast.state[a[0]][key], eager.state[b[0]][key]), key
+
+
+@pytest.mark.parametrize("m,v,settings", [
+    ("int8", "int8", {}), ("int4", "int4", {}), ("ternary_sr", "factored", {}), ("ternary_ef_mean64", "int8", {}),
+    ("bf16", "factored", dict(param_rounding="stochastic")), ("int8", "fp32", dict(param_rounding="kahan")),
+    ("int4", None, dict(rule="lion")),
+], ids=["int8", "int4", "ternary-factored", "ternary_ef-int8", "bf16-factored-sr", "int8-kahan", "lion-int4"])
+def test_a_window_split_over_threads_gives_the_same_bits(counted, m, v, settings):
+    """A window of >= 2 x 2^18 elements is split over torch's threads, at places that do not depend on their number
+    (whole blocks, whole rows of a factored moment, its column sums added group by group): 1, 2 and 3 threads end
+    in the same weights and state, bit for bit, and equal the eager step as every kernel step does."""
+    kw = dict(lr=1e-2, weight_decay=0.1, m_codec=m, **({"v_codec": v} if v else {}), **settings)
+    shapes = [(1000, 1100), (700, 1536)]  # 1.1M and 1.08M elements: four and three threads' worth
+    before = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2, 3, None):
+            torch.set_num_threads(threads or 1)
+            gen = torch.Generator().manual_seed(0)
+            params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(torch.bfloat16)) for s in shapes]
+            opt = slimopt.SlimOptimizer(params, fused=threads is not None, **kw)
+            for step in range(3):
+                for p in params:
+                    p.grad = (torch.randn(p.shape, generator=gen) * 0.1).to(torch.bfloat16)
+                opt.step()
+            runs.append((params, opt))
+    finally:
+        torch.set_num_threads(before)
+    (a, opt_a), eager = runs[0], runs[-1]
+    for b, opt_b in runs[1:-1]:
+        for pa, pb in zip(a, b):
+            assert torch.equal(pa.view(torch.int16), pb.view(torch.int16))
+            for key, t in opt_a.state[pa].items():
+                if torch.is_tensor(t):
+                    assert torch.equal(t.view(-1).view(torch.uint8), opt_b.state[pb][key].view(-1).view(torch.uint8)), key
+    if settings.get("param_rounding") != "kahan":  # a compensation an ulp apart: checked in its own test above
+        _assert_same(opt_a, eager[1], a, eager[0], torch.bfloat16, 3)

@@ -17,6 +17,9 @@ moments go through an fp32 buffer around the kernel. TACO's whole step at one co
 window step, which stays the reference; CUDA tensors take ``triton_step.py`` where it applies, else the eager
 step; ``fused=False`` on a group selects the eager step everywhere.
 
+A window of at least twice 2^18 elements is split over ``torch.get_num_threads()`` threads, at whole blocks and
+rows that do not depend on their number, so the bits are the same at any thread count.
+
 The kernel targets this machine (``-march=native``): the int8 and int4 maps decode through AVX-512 permutes
 where the processor has them; with AVX2 only, int8 through gathers and int4 through permutes of its map in two
 registers; plain C elsewhere; tests build it without AVX-512 and without ``-march`` too, so that every path
@@ -55,8 +58,8 @@ __all__ = ["library", "in_kernel", "scratch_per_element", "kernel_declines", "ke
 
 SOURCE = Path(__file__).parent / "kernels" / "elementwise_step.c"
 # -ffp-contract=off: only the fma() calls fuse, as torch's kernels do; -fno-math-errno lets sqrtf vectorize
-FLAGS = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
-NATIVE_FLAGS = ["-march=native"]  # dropped when the compiler does not know it
+FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-math-errno"]
+NATIVE_FLAGS = ["-march=native", "-mprefer-vector-width=512"]  # dropped when the compiler does not know it
 
 _RULES = {"adamw": 0, "taco": 0, "lion": 1, "sgdm": 2}
 _MOMENT_KEYS = {"adamw": ["exp_avg", "exp_avg_sq"], "taco": ["exp_avg", "exp_avg_sq"], "lion": ["exp_avg"],
@@ -109,7 +112,7 @@ class _Step(ctypes.Structure):
                 ("rounding", ctypes.c_int32), ("comp", ctypes.c_void_p), ("wkey0", ctypes.c_uint32),
                 ("wkey1", ctypes.c_uint32), ("wcounter", ctypes.c_int64), ("codecs", _Codec * 2),
                 ("g", ctypes.c_void_p), ("g_dtype", ctypes.c_int32), ("up", ctypes.c_void_p),
-                ("lift_coef", ctypes.c_float), ("free_scale", ctypes.c_float)]
+                ("lift_coef", ctypes.c_float), ("free_scale", ctypes.c_float), ("threads", ctypes.c_int32)]
 
 
 _lock = threading.Lock()
@@ -507,6 +510,7 @@ def set_scalars(s: _Step, group: dict[str, Any], age: int, stateful: bool) -> fl
     """The kernel arguments that change from step to step: the decay, the rule's hyperparameters and bias
     corrections at the moments' age, the update's scale. Returns the rule's coefficient c (the update is lr c d)."""
     rule = group["rule"]
+    s.threads = torch.get_num_threads()  # the kernel splits a large window over them, same bits at any count
     lr, wd = float(group["lr"]), float(group["weight_decay"])
     s.has_decay, s.decay = int(wd != 0.0), 1.0 - lr * wd
     coef = 1.0

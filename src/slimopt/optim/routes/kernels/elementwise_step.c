@@ -33,7 +33,9 @@
  */
 
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -120,6 +122,7 @@ typedef struct {
     const float *up;       /* (n,) fp32 */
     float lift_coef;
     float free_scale;
+    int32_t threads;       /* worker threads the window may be split over (1: this thread only) */
 } step_t;
 
 static float TRITS[256][5];  /* base-3 digits of every byte value minus 1 (the trits -1, 0, 1), lowest first */
@@ -618,31 +621,15 @@ static inline float lerp(float self, float end, float w) {  /* torch's vectorize
 
 static inline float sign(float x) { return (float)((x > 0.0f) - (x < 0.0f)); }
 
-/* The step of one window. Returns 0, or -1 for arguments it does not know. */
-int slimopt_elementwise_step(step_t *s) {
-    if (!trits_ready) init_trits();
+/* Elements [lo, hi) of the window, in tiles of `tile` elements from lo (lo a multiple of tile, so that the
+ * tiles are the same whatever range a call is given). Returns 0, or -1 for a rule it does not know. */
+static int step_range(step_t *s, int64_t tile, int64_t lo, int64_t hi) {
     const int state_free = s->rule == RULE_SIGN || s->rule == RULE_SGD || s->rule == RULE_LIFT_SIGN
                            || s->rule == RULE_LIFT_SGD;
-    if (s->n_codecs < (state_free ? 0 : 1) || s->n_codecs > (state_free ? 0 : 2)) return -1;
-    int64_t align = 1;  /* a tile holds whole blocks of every codec (and whole bytes of five trits) */
-    for (int k = 0; k < s->n_codecs; k++) {
-        int64_t a = s->codecs[k].block;
-        if (s->codecs[k].kind == C_TERNARY_SR || s->codecs[k].kind == C_TERNARY_EF) a = a / gcd(a, 5) * 5;
-        align = align / gcd(align, a) * a;
-    }
-    if (align > MAX_TILE) return -1;
-    float pairs[2][256 * 2];
-    for (int k = 0; k < s->n_codecs; k++) {
-        codec_t *c = &s->codecs[k];
-        if (c->kind != C_BLOCK4) continue;
-        for (int b = 0; b < 256; b++) { pairs[k][2 * b] = c->qmap[b >> 4]; pairs[k][2 * b + 1] = c->qmap[b & 15]; }
-        c->pairs = pairs[k];
-    }
-    const int64_t tile = align * (MAX_TILE / 16 > align ? MAX_TILE / 16 / align : 1);
     float m[MAX_TILE], v[MAX_TILE], d[MAX_TILE];
     const float w1 = s->w1, w2 = s->w2, beta2 = s->beta2, eps = s->eps, b2s = s->bias2_sqrt;
-    for (int64_t t0 = 0; t0 < s->n; t0 += tile) {
-        const int64_t cnt = s->n - t0 < tile ? s->n - t0 : tile;
+    for (int64_t t0 = lo; t0 < hi; t0 += tile) {
+        const int64_t cnt = hi - t0 < tile ? hi - t0 : tile;
         float g[MAX_TILE];
         if (s->grad_dtype == D_FP32) memcpy(g, (const float *)s->grad + t0, (size_t)cnt * 4);
         else for (int64_t i = 0; i < cnt; i++) g[i] = bf16_to_f32(((const uint16_t *)s->grad)[t0 + i]);
@@ -725,6 +712,112 @@ int slimopt_elementwise_step(step_t *s) {
         if (s->rule == RULE_ADAMW) encode(&s->codecs[1], t0, cnt, v);
     }
     return 0;
+}
+
+/* A part of a window's step for one thread: groups [g0, g1) of `group` elements each, run on its own copy of
+ * the arguments (a factored moment's running row sum is per copy; its column sums go to the group's buffer). */
+typedef struct {
+    step_t s;
+    int64_t tile, group, g0, g1;
+    double *col_parts[2];  /* per factored codec: (groups, cols) fp64 column sums of each group, or NULL */
+    int rc;
+} part_t;
+
+static void *run_part(void *arg) {
+    part_t *p = (part_t *)arg;
+    p->rc = 0;
+    for (int64_t g = p->g0; g < p->g1 && p->rc == 0; g++) {
+        for (int k = 0; k < p->s.n_codecs; k++)
+            if (p->col_parts[k] != NULL) p->s.codecs[k].col_sum = p->col_parts[k] + g * p->s.codecs[k].cols;
+        const int64_t lo = g * p->group, hi = lo + p->group < p->s.n ? lo + p->group : p->s.n;
+        p->rc = step_range(&p->s, p->tile, lo, hi);
+    }
+    return NULL;
+}
+
+#define MIN_PER_THREAD 262144  /* elements: below this a thread costs more to start than it saves */
+#define MAX_THREADS 64
+
+/* The step of one window. Returns 0, or -1 for arguments it does not know (or memory it could not get).
+ *
+ * With s->threads > 1 the window is cut into groups of whole tiles (and, for a factored moment, whole rows), at
+ * the same places whatever the thread count, and each thread steps a run of consecutive groups. A factored
+ * moment's column sums are added group by group into buffers of their own and then into col_sum in group
+ * order, so the result is the same bits at any thread count; every other codec's block is whole in one tile and
+ * its random numbers are drawn by element index. */
+int slimopt_elementwise_step(step_t *s) {
+    if (!trits_ready) init_trits();
+    const int state_free = s->rule == RULE_SIGN || s->rule == RULE_SGD || s->rule == RULE_LIFT_SIGN
+                           || s->rule == RULE_LIFT_SGD;
+    if (s->n_codecs < (state_free ? 0 : 1) || s->n_codecs > (state_free ? 0 : 2)) return -1;
+    int64_t align = 1;  /* a tile holds whole blocks of every codec (and whole bytes of five trits) */
+    for (int k = 0; k < s->n_codecs; k++) {
+        int64_t a = s->codecs[k].block;
+        if (s->codecs[k].kind == C_TERNARY_SR || s->codecs[k].kind == C_TERNARY_EF) a = a / gcd(a, 5) * 5;
+        align = align / gcd(align, a) * a;
+    }
+    if (align > MAX_TILE) return -1;
+    if (s->n <= 0) return 0;  /* an empty window: a rank's empty shard */
+    float pairs[2][256 * 2];
+    for (int k = 0; k < s->n_codecs; k++) {
+        codec_t *c = &s->codecs[k];
+        if (c->kind != C_BLOCK4) continue;
+        for (int b = 0; b < 256; b++) { pairs[k][2 * b] = c->qmap[b >> 4]; pairs[k][2 * b + 1] = c->qmap[b & 15]; }
+        c->pairs = pairs[k];
+    }
+    const int64_t tile = align * (MAX_TILE / 16 > align ? MAX_TILE / 16 / align : 1);
+    /* a group: whole tiles and whole rows of every factored moment, about MIN_PER_THREAD / 4 elements */
+    int64_t unit = tile;
+    int factored = 0;
+    for (int k = 0; k < s->n_codecs; k++)
+        if (s->codecs[k].kind == C_FACTORED) {
+            unit = unit / gcd(unit, s->codecs[k].cols) * s->codecs[k].cols;
+            factored = 1;
+        }
+    const int64_t group = unit * (MIN_PER_THREAD / 4 > unit ? MIN_PER_THREAD / 4 / unit : 1);
+    const int64_t groups = (s->n + group - 1) / group;
+    int64_t threads = s->threads < 1 ? 1 : s->threads > MAX_THREADS ? MAX_THREADS : s->threads;
+    if (threads > s->n / MIN_PER_THREAD) threads = s->n / MIN_PER_THREAD > 1 ? s->n / MIN_PER_THREAD : 1;
+    if (threads > groups) threads = groups > 1 ? groups : 1;  /* an empty window (a rank's empty shard) too */
+    if (!factored && threads == 1) return step_range(s, tile, 0, s->n);
+
+    double *parts[2] = {NULL, NULL};
+    for (int k = 0; k < s->n_codecs; k++) {
+        if (s->codecs[k].kind != C_FACTORED) continue;
+        parts[k] = (double *)calloc((size_t)(groups * s->codecs[k].cols), sizeof(double));
+        if (parts[k] == NULL) { free(parts[0]); return -1; }
+    }
+    part_t jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int64_t t = 0; t < threads; t++) {
+        jobs[t].s = *s;
+        jobs[t].tile = tile;
+        jobs[t].group = group;
+        jobs[t].g0 = groups * t / threads;
+        jobs[t].g1 = groups * (t + 1) / threads;
+        jobs[t].col_parts[0] = parts[0];
+        jobs[t].col_parts[1] = parts[1];
+        jobs[t].rc = 0;
+    }
+    for (int64_t t = 1; t < threads; t++)  /* a thread that cannot start leaves its part to this one */
+        started[t] = pthread_create(&ids[t], NULL, run_part, &jobs[t]) == 0;
+    run_part(&jobs[0]);
+    int rc = jobs[0].rc;
+    for (int64_t t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(ids[t], NULL);
+        else run_part(&jobs[t]);
+        rc = rc != 0 ? rc : jobs[t].rc;
+    }
+    for (int k = 0; k < s->n_codecs; k++) {
+        if (parts[k] == NULL) continue;
+        const int64_t cols = s->codecs[k].cols;
+        double *sum = s->codecs[k].col_sum;
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t c = 0; c < cols; c++) sum[c] += parts[k][g * cols + c];
+        free(parts[k]);
+    }
+    return rc;
 }
 
 /* TACO's candidate search with one candidate a column (taco._window_candidates at kc = 1): for each column of
