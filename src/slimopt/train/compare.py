@@ -58,7 +58,7 @@ from slimopt.train.compare_analysis import (
 )
 from slimopt.train.compare_plan import PlanSetting, plan_methods
 from slimopt.train.loop import TrainConfig, known_methods, method_kind, resolve_lr, tokenizer_name, train
-from slimopt.train.results import write_csv, write_csv_and_markdown, write_json
+from slimopt.train.results import check_out_dir, write_csv, write_csv_and_markdown, write_json
 
 __all__ = ["DEFAULT_METHODS", "DEFAULT_LR_GRID", "DEFAULT_TUNE_FRACTION", "CONTROL", "CompareConfig",
            "default_methods", "run_compare", "write_results", "read_results", "CSV_COLUMNS", "SEED_CSV_COLUMNS",
@@ -384,9 +384,7 @@ def _validate(cfg: CompareConfig, methods: list[str]) -> None:
         raise ValueError(f"per-method options given for methods not compared: {', '.join(unknown)}")
     for m in methods:
         _check_config(replace(_method_config(cfg, m), out=None), world_size=1)
-    out = Path(cfg.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a folder")
+    check_out_dir(cfg.out)
 
 
 def _dry_build(tc: TrainConfig, vocab_size: int) -> list[tuple[str, tuple[int, int], int]]:
