@@ -339,6 +339,22 @@ def test_cache_root_from_environment(tmp_path, monkeypatch, docs):
     assert list((tmp_path / "env" / "tokenizers").glob("*/tokenizer.json"))
 
 
+def test_every_cache_shares_one_root(tmp_path, monkeypatch):
+    # the tokenizers, the packed data, the converted SmolLM2 and the C kernel all live under slimopt.cache's root
+    import slimopt.pretrained
+    from slimopt.cache import cache_root
+    from slimopt.optim.routes import native
+    from slimopt.train import data as D
+
+    assert T.cache_root is D.cache_root is slimopt.pretrained.cache_root is native.cache_root is cache_root
+    monkeypatch.delenv("SLIMOPT_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "slimopt"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "slimopt"
+
+
 def test_named_tokenizer_from_local_paths(tmp_path, tok):
     tok.save_pretrained(tmp_path / "saved")
     by_dir = T.load_tokenizer(str(tmp_path / "saved"), None, 0)

@@ -13,7 +13,7 @@ The weights are the 4-bit file's values, not the original bf16 checkpoint's: a f
 it (every weight within its block's quantization step), the same for every method compared.
 
 De-quantizing takes about 25 s and the tokenizer 10 s; the first load writes both, converted, into slimopt's cache
-(``$SLIMOPT_CACHE`` or ~/.cache/slimopt, ``smollm2-135m/<size>-<mtime>`` of the file, 0.5 GB of fp32 safetensors,
+(``slimopt.cache.cache_root()``, ``smollm2-135m/<size>-<mtime>`` of the file, 0.5 GB of fp32 safetensors,
 renamed into place whole), from which later loads take a few seconds: a comparison loads the model once a run.
 """
 
@@ -25,6 +25,8 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping
+
+from slimopt.cache import cache_root
 
 __all__ = ["SMOLLM2", "INSTALL", "smollm2_config", "smollm2_file", "converted_dir", "load_smollm2_tokenizer",
            "load_smollm2"]
@@ -64,8 +66,6 @@ def smollm2_file() -> tuple[Path, str]:
 def converted_dir(cache_dir: str | Path | None = None) -> Path:
     """Where the de-quantized model and its tokenizer are cached, keyed by the GGUF file's size and time (a new
     package version converts anew)."""
-    from slimopt.train.tokenizer import cache_root
-
     folder, name = smollm2_file()
     stat = (folder / name).stat()
     return cache_root(cache_dir) / SMOLLM2 / f"{stat.st_size}-{int(stat.st_mtime)}"

@@ -58,7 +58,8 @@ def add_data_model_args(p: argparse.ArgumentParser, defaults) -> None:
     g.add_argument("--grad-accum", type=_int, default=defaults.grad_accum,
                    help="micro-batches per step on each device (default: %(default)s)")
     g.add_argument("--cache-dir", default=defaults.cache_dir,
-                   help="tokenizer and packed-data cache (default: $SLIMOPT_CACHE or ~/.cache/slimopt)")
+                   help="tokenizer and packed-data cache (default: $SLIMOPT_CACHE, else $XDG_CACHE_HOME/slimopt, "
+                        "else ~/.cache/slimopt)")
 
 
 def add_recipe_args(p: argparse.ArgumentParser, defaults, budget_default_help: str) -> None:

@@ -29,7 +29,7 @@ pipeline and GPT-2); attention is not reset at EOS.
 Cache: the packed arrays (uint16 when the vocabulary fits, else int32) are saved as .npy under
 `<cache root>/data/<key>/`, the key hashing the source identity (package version, or paths + sizes + mtimes),
 text_field, txt_split, the tokenizer's fingerprint, seq_len, the budgets and val_fraction. A second run memory-maps
-them. Cache root: cache_dir, else $SLIMOPT_CACHE, else ~/.cache/slimopt.
+them. Cache root: cache_dir, else ``slimopt.cache.cache_root()``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ import numpy as np
 import torch
 import transformers
 
-from slimopt.train.tokenizer import DEFAULT_MAX_CHARS, cache_root, hub_offline, load_tokenizer, tokenizer_fingerprint
+from slimopt.cache import cache_root
+from slimopt.train.tokenizer import DEFAULT_MAX_CHARS, hub_offline, load_tokenizer, tokenizer_fingerprint
 
 BUILTIN_SOURCES = ("kjv", "bbc", "c4")
 SOURCES_HELP = ("kjv (built-in), bbc (built-in), c4, hf:NAME[:CONFIG], or a path to a .txt/.jsonl/.json/.parquet "

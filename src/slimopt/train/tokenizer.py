@@ -6,7 +6,7 @@ arXiv 1508.07909; byte-level alphabet as in GPT-2) with the `tokenizers` library
 second. The result is cached under `<cache root>/tokenizers/<key>/tokenizer.json`, the key hashing the corpus
 identity, the vocabulary size and the training settings, so a second run loads it instantly.
 
-Cache root: the `cache_dir` argument, else the environment variable SLIMOPT_CACHE, else ~/.cache/slimopt.
+Cache root: the `cache_dir` argument, else ``slimopt.cache.cache_root()``.
 """
 
 from __future__ import annotations
@@ -26,22 +26,14 @@ from urllib.parse import urlparse
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from slimopt.cache import cache_root
+
 EOS_TOKEN = "<|endoftext|>"
 # Training text beyond this many characters adds little to a BPE vocabulary of <= 64k and costs minutes.
 DEFAULT_MAX_CHARS = 64 * 2**20
 _FORMAT = "slimopt-bpe-v1"  # bump when the trained tokenizer's recipe changes, so stale caches are not reused
 
 Texts = Iterable[str] | Callable[[], Iterable[str]]
-
-
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """Root of slimopt's on-disk caches: cache_dir, else $SLIMOPT_CACHE, else ~/.cache/slimopt."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("SLIMOPT_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "slimopt"
 
 
 @functools.lru_cache(maxsize=1)

@@ -25,8 +25,8 @@ where the processor has them; with AVX2 only, int8 through gathers and int4 thro
 registers; plain C elsewhere; tests build it without AVX-512 and without ``-march`` too, so that every path
 stays checked against the eager step.
 
-It is built with the system C compiler (``$CC``, else ``cc``) into a cache folder (``$SLIMOPT_CACHE``,
-else ``$XDG_CACHE_HOME/slimopt``, else ``~/.cache/slimopt``) under a name that hashes the source, the flags and
+It is built with the system C compiler (``$CC``, else ``cc``) into slimopt's cache folder
+(``slimopt.cache.cache_root``) under a name that hashes the source, the flags and
 the machine, so an edit or another CPU rebuilds it; a failed build (no compiler, say) costs one warning naming
 the reason, and every step then runs eagerly. ``SLIMOPT_NATIVE=0`` turns the kernel off.
 """
@@ -48,6 +48,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from slimopt.cache import cache_root
 from slimopt.optim.algorithm import quant as Q
 from slimopt.optim.algorithm.codecs import Bf16Codec, BlockCodec, FactoredCodec, FactoredRows, Fp32Codec, TernaryCodec
 from slimopt.optim.algorithm.noise import CounterStream
@@ -119,13 +120,6 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "lib": the loaded library or None once a build failed
 
 
-def _cache_dir() -> Path:
-    if os.environ.get("SLIMOPT_CACHE"):
-        return Path(os.environ["SLIMOPT_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "slimopt"
-
-
 def _machine() -> str:
     """What a -march=native build depends on: the architecture and the CPU's feature flags."""
     flags = ""
@@ -147,7 +141,7 @@ def _build(native_flags: list[str] = NATIVE_FLAGS) -> tuple[ctypes.CDLL | None, 
         return None, "no C compiler found (set CC, or install gcc or clang)"
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join([cc, *FLAGS, *native_flags, _machine()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / "native" / f"elementwise_step-{key}.so"
+    target = cache_root() / "native" / f"elementwise_step-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
