@@ -20,12 +20,10 @@ renamed into place whole), from which later loads take a few seconds: a comparis
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
+from slimopt.atomic import atomic_dir
 from slimopt.cache import cache_root
 
 __all__ = ["SMOLLM2", "INSTALL", "smollm2_config", "smollm2_file", "converted_dir", "load_smollm2_tokenizer",
@@ -100,17 +98,12 @@ def _converted() -> Path | None:
     if (target / "config.json").is_file():
         return target
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=target.parent))
-    except OSError:
-        return None
-    try:
-        _from_gguf(transformers.AutoModelForCausalLM).save_pretrained(str(tmp))
-        _tokenizer_from_gguf().save_pretrained(str(tmp))
-        os.replace(tmp, target)  # whole or not at all: an interrupted conversion leaves only a .partial folder
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "config.json").is_file():  # another process may have renamed its copy into place
+        # whole or not at all: an interrupted conversion leaves nothing under the target's name
+        with atomic_dir(target) as tmp:
+            _from_gguf(transformers.AutoModelForCausalLM).save_pretrained(str(tmp))
+            _tokenizer_from_gguf().save_pretrained(str(tmp))
+    except OSError:  # the cache cannot be written, or another process renamed its copy into place first
+        if not (target / "config.json").is_file():
             return None
     return target
 

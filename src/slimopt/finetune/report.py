@@ -200,12 +200,13 @@ def _all_runs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def write_results(rows: list[dict[str, Any]], cfg: Any, out: Path | str, elapsed: float | None = None) -> None:
     """results.md, results.csv (one row per task and method), runs.csv (every run) and config.json into `out`."""
+    from slimopt.atomic import write_atomic
     from slimopt.train.results import write_csv, write_csv_and_markdown
 
     _annotate(rows)
     out = write_csv_and_markdown(out, CSV_COLUMNS, rows, _markdown(rows, cfg, elapsed))
     write_csv(out / "runs.csv", RUN_COLUMNS, _all_runs(rows))
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
+    write_atomic(out / "config.json", json.dumps(asdict(cfg), indent=2, default=str))
 
 
 def read_results(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ import json
 import os
 from pathlib import Path
 
+from slimopt.atomic import atomic_dir
 from slimopt.train.data import iter_documents, tokenizer_for_source
 
 __all__ = ["write_assets"]
@@ -34,20 +35,16 @@ def write_assets(out: str | os.PathLike, data: str = "kjv", vocab_size: int = 81
         if final.exists():
             raise FileExistsError(f"{final} exists: remove it or choose another --out")
 
-    staged = out / ".tokenizer.tmp"
-    tokenizer_for_source(data, vocab_size=vocab_size).save_pretrained(staged)
-    staged.rename(tokenizer_dir)
+    with atomic_dir(tokenizer_dir) as staged:
+        tokenizer_for_source(data, vocab_size=vocab_size).save_pretrained(staged)
 
-    staged = out / ".text.tmp"
-    staged.mkdir(exist_ok=True)
     chars = 0
-    with open(staged / "train.jsonl", "w", encoding="utf-8") as f:
+    with atomic_dir(text_dir) as staged, open(staged / "train.jsonl", "w", encoding="utf-8") as f:
         for doc in iter_documents(data, "train"):
             f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
             chars += len(doc)
             if max_chars is not None and chars >= max_chars:
                 break
-    staged.rename(text_dir)
     return tokenizer_dir, text_dir
 
 

@@ -1,8 +1,8 @@
 """Atomic training checkpoints and the RNG snapshot that makes a resumed run identical to an unbroken one.
 
-A checkpoint is written to a temporary file in the same folder, flushed and fsync-ed, then moved over the previous
-one with `os.replace` (atomic on POSIX), and the folder itself is fsync-ed so the rename survives a power cut. A
-process killed at any moment therefore leaves either the old or the new checkpoint complete, never a torn one.
+A checkpoint is written through ``slimopt.atomic`` (a temporary file in the same folder, fsync-ed, renamed over
+the previous one, the folder fsync-ed): a process killed at any moment leaves either the old or the new checkpoint
+complete, never a torn one.
 
 Everything saved is tensors, numbers, strings and containers of them, so checkpoints load with
 `torch.load(weights_only=True)`: loading a checkpoint never runs code from the file. A file that does not load says
@@ -16,13 +16,14 @@ import os
 import pickle
 import random
 import re
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from slimopt.atomic import atomic_file, fsync_dir
 
 __all__ = [
     "CHECKPOINT_NAME", "CheckpointError", "save_atomic", "load_checkpoint", "find_checkpoint", "rng_state",
@@ -35,38 +36,9 @@ CHECKPOINT_NAME = "checkpoint.pt"
 def save_atomic(obj: Any, path: str | os.PathLike) -> Path:
     """Write `obj` with `torch.save` to `path` so that `path` is always either the old or the new file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        # Interrupted before the rename (an error, Ctrl-C): drop the partial file, keep the previous checkpoint.
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(path.parent)
+    with atomic_file(path, "wb") as f:  # fsync-ed before the rename; an interrupted write removes its temporary
+        torch.save(obj, f)
     return path
-
-
-def fsync_dir(folder: str | os.PathLike) -> None:
-    """fsync `folder` so that a rename into it survives a power cut (the file checkpoint and FSDP2's folder)."""
-    # Some file systems do not allow opening a folder, which is harmless: the rename is atomic all the same.
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class CheckpointError(ValueError):

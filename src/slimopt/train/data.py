@@ -43,9 +43,7 @@ import io
 import json
 import os
 import re
-import shutil
 import sqlite3
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -55,6 +53,7 @@ import numpy as np
 import torch
 import transformers
 
+from slimopt.atomic import atomic_dir
 from slimopt.cache import cache_root
 from slimopt.train.tokenizer import DEFAULT_MAX_CHARS, hub_offline, load_tokenizer, tokenizer_fingerprint
 
@@ -424,22 +423,15 @@ class PackedData:
         folder = Path(folder)
         if (folder / "meta.json").exists():
             raise FileExistsError(f"{folder} already holds packed data")
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".tmp."))
-        try:
+        # The rename replaces only an empty folder: when another process (another rank, a parallel run) finished
+        # first, FileExistsError, and its data is what we would have written.
+        with atomic_dir(folder) as tmp:
             np.save(tmp / "train.npy", np.ascontiguousarray(self.train))
             np.save(tmp / "val.npy", np.ascontiguousarray(self.val))
             meta = {k: v for k, v in self.meta.items() if k not in ("cache_hit", "cache_path", "seconds")}
             header = dict(format=_FORMAT, vocab_size=self.vocab_size, seq_len=self.seq_len,
                           eos_token_id=self.eos_token_id, source=self.source, meta=meta)
             (tmp / "meta.json").write_text(json.dumps(header, indent=1))
-            try:
-                os.rename(tmp, folder)  # atomic; replaces only an empty directory
-            except OSError as err:
-                # Another process (another rank, a parallel run) finished first: its data is what we would write.
-                raise FileExistsError(f"{folder} already exists") from err
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         return folder
 
     @classmethod

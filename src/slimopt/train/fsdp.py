@@ -30,7 +30,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from slimopt.train.checkpoint import fsync_dir, load_checkpoint
+from slimopt.atomic import replace_dir
+from slimopt.train.checkpoint import load_checkpoint
 from slimopt.train.process_group import init_process_group, launched
 
 __all__ = ["CHECKPOINT_DIR", "ensure_process_group", "shard_model", "no_sync", "find_checkpoint", "save",
@@ -115,7 +116,7 @@ def save(out: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.
     rng: this rank's RNG state (``slimopt.train.checkpoint.rng_state``)."""
     from slimopt.optim.distributed import distcheckpoint
     out = Path(out)
-    final, tmp, old = out / CHECKPOINT_DIR, out / (CHECKPOINT_DIR + ".tmp"), out / (CHECKPOINT_DIR + ".old")
+    final, tmp = out / CHECKPOINT_DIR, out / (CHECKPOINT_DIR + ".tmp")  # replace_dir keeps the old as .old
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -126,12 +127,7 @@ def save(out: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.
         torch.save(train_state, tmp / "train_state.pt")
     _barrier()
     if _rank() == 0:
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-        fsync_dir(out)
+        replace_dir(tmp, final)  # the previous checkpoint stays whole (renamed aside) until the new one is in place
     _barrier()
     return final
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from slimopt.atomic import atomic_file
+
 __all__ = ["RunLogger", "read_jsonl", "MemoryProbe"]
 
 LOG_NAME = "metrics.jsonl"
@@ -80,13 +82,9 @@ class RunLogger:
         # Keep the records a run that was never stopped would have at this step (config, and events up to `step`).
         keep = [r for r in read_jsonl(self.path)
                 if r.get("event") not in ("final",) and r.get("step", 0) <= step]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
+        with atomic_file(self.path, "w") as f:
             for r in keep:
                 f.write(json.dumps(r) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
 
     def log(self, event: str, **fields) -> None:
         if not self.enabled:

@@ -15,6 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from slimopt.atomic import atomic_file, write_atomic
+
 __all__ = ["check_out_dir", "csv_cell", "write_csv", "write_json", "write_csv_and_markdown"]
 
 
@@ -48,13 +50,11 @@ def write_csv(path: str | os.PathLike, columns: Iterable[str], rows: Iterable[di
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     columns = tuple(columns)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
+    with atomic_file(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(columns)
         for r in rows:
             w.writerow([csv_cell(r.get(c)) for c in columns])
-    os.replace(tmp, path)
     return path
 
 
@@ -70,12 +70,7 @@ def _json_safe(v: Any) -> Any:
 
 def write_json(path: str | os.PathLike, obj: Any) -> Path:
     """Write `obj` as indented JSON to `path`, atomically; non-finite floats become null. Return the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_json_safe(obj), indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, json.dumps(_json_safe(obj), indent=1, sort_keys=True) + "\n")
 
 
 def write_csv_and_markdown(out: str | os.PathLike, columns: Iterable[str], rows: Iterable[dict[str, Any]],
@@ -83,6 +78,5 @@ def write_csv_and_markdown(out: str | os.PathLike, columns: Iterable[str], rows:
     """Write `rows` (their `columns`, in order) to out/results.csv and `markdown` to out/results.md; return `out`."""
     out = Path(out)
     write_csv(out / "results.csv", columns, rows)
-    (out / "results.md.tmp").write_text(markdown)
-    os.replace(out / "results.md.tmp", out / "results.md")
+    write_atomic(out / "results.md", markdown)
     return out

@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import socket
-import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ from urllib.parse import urlparse
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from slimopt.atomic import write_atomic
 from slimopt.cache import cache_root
 
 EOS_TOKEN = "<|endoftext|>"
@@ -217,10 +217,10 @@ def _train_or_load_bpe(texts: Texts, vocab_size: int, cache_dir, corpus_id: str 
         raise ValueError("cannot train a tokenizer on an empty corpus (no non-empty documents)")
 
     folder.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, raw.to_str())
+    write_atomic(path, raw.to_str())  # a concurrent reader (another rank, another run) never sees half a file
     meta = dict(format=_FORMAT, corpus=corpus_key, vocab_size_requested=vocab_size,
                 vocab_size=raw.get_vocab_size(), documents=counted.docs, chars=counted.chars)
-    _atomic_write(folder / "meta.json", json.dumps(meta, indent=1))
+    write_atomic(folder / "meta.json", json.dumps(meta, indent=1))
     return _wrap(raw, str(folder))
 
 
@@ -239,14 +239,3 @@ class _Counted:
                 self.chars += len(d)
                 yield d
 
-
-def _atomic_write(path: Path, text: str) -> None:
-    # Write-then-rename: a concurrent reader (another rank, another run) never sees a half-written file.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -39,7 +39,6 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -48,6 +47,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from slimopt.atomic import atomic_path
 from slimopt.cache import cache_root
 from slimopt.optim.algorithm import quant as Q
 from slimopt.optim.algorithm.codecs import Bf16Codec, BlockCodec, FactoredCodec, FactoredRows, Fp32Codec, TernaryCodec
@@ -133,6 +133,10 @@ def _machine() -> str:
     return f"{platform.machine()} {flags}"
 
 
+class _BuildFailed(Exception):
+    pass
+
+
 def _build(native_flags: list[str] = NATIVE_FLAGS) -> tuple[ctypes.CDLL | None, str]:
     """(library, "") or (None, why). native_flags: what targets this machine (without them if the compiler
     refuses them); tests build the kernel with fewer instruction sets too, to run each of its code paths."""
@@ -143,24 +147,21 @@ def _build(native_flags: list[str] = NATIVE_FLAGS) -> tuple[ctypes.CDLL | None, 
     key = hashlib.sha256(source + " ".join([cc, *FLAGS, *native_flags, _machine()]).encode()).hexdigest()[:16]
     target = cache_root() / "native" / f"elementwise_step-{key}.so"
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
         try:
-            error = ""
-            for extra in (native_flags, []):
-                proc = subprocess.run([cc, *FLAGS, *extra, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
-                                      text=True)
-                if proc.returncode == 0:
-                    break
-                error = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
-                error = f"{cc} failed: {error[0]}"
-            else:
-                return None, error
-            os.replace(tmp, target)  # atomic: a concurrent build or a crash never leaves half a library
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            # atomic: a concurrent build or a crash never leaves half a library
+            with atomic_path(target, suffix=".so") as tmp:
+                error = ""
+                for extra in (native_flags, []):
+                    proc = subprocess.run([cc, *FLAGS, *extra, "-o", str(tmp), str(SOURCE), "-lm"],
+                                          capture_output=True, text=True)
+                    if proc.returncode == 0:
+                        break
+                    error = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+                    error = f"{cc} failed: {error[0]}"
+                else:
+                    raise _BuildFailed(error)  # leaving the block by an exception removes the temporary file
+        except _BuildFailed as failed:
+            return None, str(failed)
     lib = ctypes.CDLL(str(target))
     lib.slimopt_elementwise_step.argtypes = [ctypes.POINTER(_Step)]
     lib.slimopt_elementwise_step.restype = ctypes.c_int
