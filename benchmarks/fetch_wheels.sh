@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fetch wheels for the GPU machine, which has no network (DESIGN.md section 7). Run once on a machine with PyPI
+# Fetch wheels for the GPU machine, which has no network. Run once on a machine with PyPI
 # access, from the repository root:
 #
 #     bash benchmarks/fetch_wheels.sh                # -> .whl/: the peers (bitsandbytes, torchao, galore-torch,

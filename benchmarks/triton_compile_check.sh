@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compile every Triton kernel specialization that slimopt's steps launch, for a GPU target, with another triton
-# than the one installed: by default 3.6.0, what the GPU machine ships (DESIGN.md section 7). No GPU is needed:
+# than the one installed: by default 3.6.0, what the GPU machine ships. No GPU is needed:
 # triton's compiler and its bundled ptxas run on a CPU. tests/test_triton.py does the same with the installed triton
 # in every test run; this is for the version a GPU will actually compile with.
 #

@@ -1,7 +1,7 @@
 """slimopt.GaLoreAdamW equals galore_torch.GaLoreAdamW on its two-group layout across several refreshes, and the
 Trainer path (``slimopt.finetune.hf.make_optimizer``) can reproduce the Trainer's own ``optim="galore_adamw"``.
 
-Why these comparisons do not depend on the processor's rounding (DESIGN.md section 5): both optimizers step on
+Why these comparisons do not depend on the processor's rounding (docs/design.md, section 5): both optimizers step on
 the same gradients (model ``a``'s backward, copied to ``b``), so a one-ulp difference between two matmul orders stays
 one ulp instead of feeding back through the model for ten steps, and eps is galore-torch's default (1e-6) or the
 Trainer's (1e-8), not ~0, so Adam is not sign() on entries whose gradient sits at rounding level. Measured: the two

@@ -1,7 +1,7 @@
 """Muon as a slimopt rule (``rule="muon"``, ``slimopt.optim.algorithm.muon``): torch.optim.Muon's step exactly, composed with
 codecs, projectors, layer-wise updates, checkpoints and the planner.
 
-Why the identity test can ask for bit equality and stay independent of the processor (DESIGN.md section 5): both
+Why the identity test can ask for bit equality and stay independent of the processor (docs/design.md, section 5): both
 optimizers step on the same gradients (model ``a``'s backward, copied to ``b``), and on each tensor both run the
 same operations in the same order (a lerp for the momentum, a lerp for Nesterov's look-ahead, the bf16 Newton-Schulz
 iteration as X X^T and two addmm's, decay by 1 - lr wd, then an add with alpha -lr s), and AdamW's part is torch's

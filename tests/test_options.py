@@ -44,7 +44,7 @@ def test_mistakes_are_errors():
 
 
 def test_no_lower_layer_imports_the_command_line():
-    """slimopt.cli sits on top (DESIGN.md section 2): a module below it that imports it inverts the layers."""
+    """slimopt.cli sits on top (docs/design.md, section 1): a module below it that imports it inverts the layers."""
     src = Path(__file__).resolve().parents[1] / "src" / "slimopt"
     offenders = []
     for path in src.rglob("*.py"):

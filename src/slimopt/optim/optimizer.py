@@ -1,7 +1,7 @@
 """SlimOptimizer: one torch.optim.Optimizer in which GaLore, FRUGAL, TACO, Muon, BAdam, signSGD and AdamW are
 settings.
 
-Per parameter and step (DESIGN.md section 2):
+Per parameter and step (docs/design.md, section 2):
 
     g     = grad.float()
     if the projector is due: choose the subspace anew (and keep / reset / rotate the moments)

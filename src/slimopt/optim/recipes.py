@@ -188,7 +188,7 @@ class GaLoreAdamW(SlimOptimizer):
     gradient's dtype, as galore-torch's do, where the device has 16-bit matrix units (``proj_dtype="auto"``: bf16
     products for bf16 weights on a GPU or a CPU with AVX512-BF16 or AMX, fp32 elsewhere).
 
-    One difference on purpose (DESIGN.md section 3): weight decay is applied once, before the update,
+    One difference on purpose (docs/design.md, section 3): weight decay is applied once, before the update,
     p (1 - lr wd) - lr u, where galore-torch applies it after, (p - lr u)(1 - lr wd). The two differ by lr * wd times
     each step's update: 1e-4 of the parameters' movement at lr 1e-2 and weight decay 0.01. ``correct_bias=False``
     is refused. Example::
@@ -232,8 +232,7 @@ class FRUGAL(SlimOptimizer):
     The Adam part is the reference's (github fzmushko/FRUGAL, ``BlockAdamW``): eps 1e-8 added to the
     bias-corrected sqrt(v) (torch's placement), weight decay before the update. Different here: the blocks walk
     in ascending order (the reference draws them at random: ``block_order="random"`` draws each refresh's blocks
-    independently), and weight_decay defaults to 0 (the reference class to 0.01). README, "Drop-ins and their
-    references".
+    independently), and weight_decay defaults to 0 (the reference class to 0.01). docs/dropins.md says more.
     """
 
     def __init__(self, params, lr: float = 1e-3, **settings: Any) -> None:

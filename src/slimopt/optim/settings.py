@@ -1,6 +1,6 @@
 """SlimOptimizer's settings: every keyword a parameter group takes, its default, and what values are allowed.
 
-Three independent axes compose per group (DESIGN.md section 2): the projector (``projectors.py``), the state-full
+Three independent axes compose per group (docs/design.md, section 2): the projector (``projectors.py``), the state-full
 rule with its state-free companion (``rules.py``, ``muon.py``, ``taco.py``) and the storage of the moments
 (``codecs.py``); ``compile``, ``fused`` and ``param_rounding`` say how a step runs and how a bf16 weight is
 written. ``validate_group`` refuses a bad value naming the setting and what is allowed.

@@ -1,7 +1,7 @@
 """SlimOptimizer's side of torch.optim's state_dict contract: loading a saved state without torch's casts.
 
 torch.optim.Optimizer.load_state_dict casts every floating state tensor to its parameter's dtype (and even uint8
-codes of a floating parameter): 8-bit codes would become floats and fp32 scales bf16 (DESIGN.md section 3).
+codes of a floating parameter): 8-bit codes would become floats and fp32 scales bf16 (docs/design.md, section 3).
 ``load`` keeps torch's checks and hooks, in their order, and puts the state in itself (``load_state``): every
 tensor keeps its saved dtype and only moves to its parameter's device.
 """

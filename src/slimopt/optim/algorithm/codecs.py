@@ -1,6 +1,6 @@
 """Storage forms ("codecs") of optimizer moments: how an fp32 moment is kept between steps.
 
-The optimizer computes in fp32 and stores narrow (DESIGN.md section 3): each step it calls
+The optimizer computes in fp32 and stores narrow (docs/design.md, section 3): each step it calls
 ``decode(key, state, shape)``, updates the moment in fp32, and ``encode(key, x, state, generator)`` writes it back
 into the same state tensors in place. A codec is a thin, stateless object around the pure functions of
 `slimopt.optim.algorithm.quant`; everything it stores is a plain tensor in the optimizer state, named ``key`` (the main
