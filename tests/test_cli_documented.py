@@ -225,7 +225,9 @@ def check_memory(argv, rc, out, err, cwd):
     assert out.startswith("## Planned memory: "), out
     method = _flag(argv, "--method", "all")
     methods = planner_methods() if method == "all" else method.split(",")
-    table = [line for line in out.splitlines() if line.startswith("| ")]
+    lines = out.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("| "))
+    table = list(itertools.takewhile(lambda line: line.startswith("| "), lines[first:]))  # the first table
     header = [c.strip() for c in table[0].strip("|").split("|")]
     rows = {r.split("|")[1].strip(): [c.strip() for c in r.strip("|").split("|")] for r in table[2:]}
     assert list(rows) == methods
@@ -243,8 +245,13 @@ def check_memory(argv, rc, out, err, cwd):
             assert header[-1] == "max batch" and all(cells[-1].isdigit() for cells in rows.values())
     else:
         assert "Activations: left out (no --seq)" in out and all(cells[6] == "-" for cells in rows.values())
-    if "--layerwise" in argv:
+    if "--layerwise" in argv and _flag(argv, "--offload", "none") == "none":
         assert "layer-wise updates" in out.splitlines()[0]
+    if _flag(argv, "--offload", "none") == "host":  # the device / host / PCIe table and the host's verdict
+        assert "Device, host and PCIe per step" in out and "| PCIe / step |" in out
+        assert any(line.startswith("Host memory: ") for line in lines)
+    elif _flag(argv, "--weights", "dtype") == "int8":
+        assert "int8 weights" in lines[0] and "Device (GiB" in out
     if "--out" in argv:
         folder = cwd / _flag(argv, "--out")
         data = json.loads((folder / "memory.json").read_text())
@@ -400,6 +407,13 @@ CASES = [
     Case("memory-1b-all", "slimopt memory --model 1b --method all --batch 8 --seq 512", check=check_memory),
     Case("memory-7b-16gb", "slimopt memory --model 7b --method frugal_head,frugal_rho0,taco,signsgd,galore8bit,"
          "galore-torch-8bit --layerwise --checkpointing --batch 1 --seq 1024 --gpu-memory 16GB", check=check_memory),
+    # issue 46: int8 weights on the device, the master copy and the state on the host (docs/benchmarks.md, section 7)
+    Case("memory-int8-host", "slimopt memory --model 7b --method galore8bit,frugal_head --weights int8 --offload host "
+         "--master bf16+int8 --checkpointing --batch 1 --seq 2048 --gpu-memory 8GiB", check=check_memory),
+    Case("memory-bf16-host", "slimopt memory --model 7b --method torch-adamw-fused --offload host --master bf16 "
+         "--checkpointing --batch 1 --seq 2048", check=check_memory),
+    Case("memory-int8-device", "slimopt memory --model 7b --method galore8bit --weights int8 --layerwise "
+         "--checkpointing --batch 1 --seq 2048", check=check_memory),
     Case("memory-undocumented-options", "slimopt memory --model tiny --method frugal,badam --dtype fp32 "
          "--checkpointing --step 1 --vocab-size 1000 --batch 2 --seq 64", check=check_memory),
     # --- methods

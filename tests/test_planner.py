@@ -370,7 +370,7 @@ def test_parse_size_rejects(text):
 
 
 def test_bad_input_errors():
-    with pytest.raises(ValueError, match="unknown model 'llama-9000'.*tiny.*7b, 13b, 34b, 70b"):
+    with pytest.raises(ValueError, match="unknown model 'llama-9000'.*tiny.*7b, 8b, 13b, 34b, 70b"):
         planner.plan("llama-9000", "adamw")
     with pytest.raises(ValueError, match="unknown method 'adamw9'"):
         planner.plan("tiny", "adamw9")

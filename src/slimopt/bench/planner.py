@@ -52,6 +52,39 @@ nothing, but for one sign() of an inactive block's gradient; torch's foreach Ada
 all parameters at once. A model on the meta device (a config only) is planned as the GPU runs it.
 On CPU, against MemTracker's count of every tensor, this peak is within a few percent for LLaMA models with and
 without checkpointing and layer-wise updates (tests/test_planner.py).
+
+Weights below bf16 and host offload (issue 46). Two settings change where the bytes live; these are plans of a
+design, not measurements of an implementation:
+
+- ``weight_format``: ``"dtype"`` (every weight in the model's dtype, as above) or ``"int8"``: each ``nn.Linear``
+  weight of the model's body (a decoder's attention and MLP projections; ``int8_weights``) in symmetric int8 with
+  one fp32 scale per output row (``int8_group=0``) or per group of ``int8_group`` elements of a row
+  (``int8_nbytes``: numel + rows * groups * 4 bytes). Embeddings, output layer, norms and biases stay in the
+  model's dtype unless ``int8_embeddings=True`` (embedding and output layer in int8, one scale per row). Gradients
+  stay in the compute dtype. A layer dequantizes its int8 weight for each matmul: the largest such copy, in the
+  compute dtype, is counted (``temporaries``) while a layer runs.
+- ``offload``: ``"none"`` (all on the device) or ``"host"``: the master copy (``master``: ``"fp32"``, 4 bytes per
+  trainable parameter; ``"bf16+int8"``, 3 bytes, bf16 plus an 8-bit residual as FlashOptim, arXiv 2602.23349,
+  keeps it; ``"bf16"``, 2 bytes) and all optimizer state (moments and projections, sized on parameters in the
+  master's dtype: fp32, or bf16 for the other two) live in pinned host memory and the update runs there.
+  Gradients leave the device as the backward pass completes each one (a post-accumulate-grad hook and a copy on a
+  side stream), so the device holds ``grads_in_flight`` of them (default 2: the one the backward pass is writing
+  and the one leaving over PCIe; the largest sum of that many consecutive gradients, output side first). Two is
+  enough while PCIe moves a gradient faster than the backward pass makes the next one.
+
+With ``offload="host"`` the device holds W' + A + L at the start of the backward pass and
+W' + A - H + R + G_k + D while a layer runs backward (W': the weights in their device format, G_k: the gradients
+in flight, D: the dequantized copy); no optimizer state and no update temporaries. The host holds
+``host_parts``: master + optimizer state + projections + pinned gradients (one buffer per trainable parameter, in
+the compute dtype) + pinned weights (the device format of every trainable weight, written by the host step and
+copied back; none when the master is that format, bf16 master for bf16 weights as torchao's
+CPUOffloadOptimizer) + the host step's temporaries (X above). PCIe per step (``pcie_parts``): every gradient out
+in the compute dtype, and every trainable weight back in its device format (int8 + scales, or the dtype).
+
+``weight_format="int8"`` without offload is the device-only design of Q-GaLore (arXiv 2407.08296): no master copy,
+state on the device, the int8 weight rounded stochastically by its update; that update adds
+``REQUANT_PER_ELEMENT`` (9) bytes per element of the weight it writes (its fp32 dequantized value, fp32 rounding
+noise and the new int8 data) to X.
 """
 
 from __future__ import annotations
@@ -82,19 +115,37 @@ __all__ = [
     "plan",
     "plan_many",
     "max_batch",
+    "WEIGHT_FORMATS",
+    "OFFLOADS",
+    "MASTERS",
+    "GRADS_IN_FLIGHT",
+    "int8_nbytes",
+    "int8_weights",
 ]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _COUNTER = 4  # ``step`` and ``moment_step``: fp32 0-D tensors (optimizer.py)
+
+# Weight formats on the device and where the master copy and the optimizer state live (module docstring,
+# "Weights below bf16 and host offload").
+WEIGHT_FORMATS = ("dtype", "int8")
+OFFLOADS = ("none", "host")
+MASTERS = {"fp32": 4, "bf16+int8": 3, "bf16": 2}  # bytes per parameter of the host's master copy
+INT8_SCALE_BYTES = 4  # one fp32 scale per row (or per group of a row) of an int8 weight
+GRADS_IN_FLIGHT = 2  # gradient buffers on the device with host offload: one being written, one leaving
+REQUANT_PER_ELEMENT = 9  # device-only int8 step: fp32 dequantized weight, fp32 rounding noise, the new int8 weight
 
 # The setting of GaLore's Figure 1 / section 5.5 (arXiv 2403.03507): LLaMA-7B, bf16, a token batch of 256,
 # no activation checkpointing; 8-bit GaLore at rank 1024 with per-layer weight updates.
 GALORE_7B = dict(dtype="bf16", batch=1, seq=256)
 
 # Sizes to plan, beyond the ones `slimopt train` builds (``models.LLAMA_SIZES``): name -> (label, shape), from each
-# model's published config.json (vocabulary 32000, untied head). Fewer key/value heads than attention heads is
-# grouped-query attention: k_proj and v_proj are (kv_heads * head_dim) x hidden, 1024 x 8192 at 34B and 70B.
+# model's published config.json (untied head; vocabulary 32000 unless the shape gives its own). Fewer key/value heads
+# than attention heads is grouped-query attention: k_proj and v_proj are (kv_heads * head_dim) x hidden, 1024 x 4096
+# at LLaMA-3-8B, 1024 x 8192 at 34B and 70B.
 PLANNING_SIZES: dict[str, tuple[str, dict[str, int]]] = {
+    "8b": ("llama-3-8b", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                              num_attention_heads=32, num_key_value_heads=8)),
     "13b": ("llama-2-13b", dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
                                 num_attention_heads=40, num_key_value_heads=40)),
     "34b": ("codellama-34b", dict(hidden_size=8192, intermediate_size=22016, num_hidden_layers=48,
@@ -148,6 +199,18 @@ class MemoryPlan:
     activations_exact: bool
     peak_parts: dict[str, int] = field(default_factory=dict)  # what is alive at the peak; sums to `peak`
     groups: dict[str, dict[str, int]] = field(default_factory=dict)
+    weight_format: str = "dtype"  # "dtype" | "int8": the weights on the device
+    offload: str = "none"  # "none" | "host": master copy and optimizer state in pinned host memory
+    master: str | None = None  # the host's master copy with offload="host": fp32 | bf16+int8 | bf16
+    host: int = 0  # host bytes: sums `host_parts`
+    host_parts: dict[str, int] = field(default_factory=dict)
+    pcie: int = 0  # bytes over PCIe per optimizer step, both ways: sums `pcie_parts`
+    pcie_parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def device(self) -> int:
+        """The device's peak (``peak``; ``peak_parts`` are its parts)."""
+        return self.peak
 
     @property
     def optimizer_state(self) -> int:
@@ -204,9 +267,11 @@ def load_config(model: str, vocab_size: int | None = None):
         return SMOLLM2, config
     if model.lower() in PLANNING_SIZES:
         label, shape = PLANNING_SIZES[model.lower()]
-        return label, transformers.LlamaConfig(
-            vocab_size=DEFAULT_VOCAB_SIZE if vocab_size is None else int(vocab_size), max_position_embeddings=4096,
-            tie_word_embeddings=False, use_cache=False, **shape)
+        shape = {"vocab_size": DEFAULT_VOCAB_SIZE, **shape}
+        if vocab_size is not None:
+            shape["vocab_size"] = int(vocab_size)
+        return label, transformers.LlamaConfig(max_position_embeddings=4096, tie_word_embeddings=False,
+                                               use_cache=False, **shape)
     path = Path(model).expanduser()
     cfg_file = path / "config.json" if path.is_dir() else path
     if cfg_file.name == "config.json" and cfg_file.is_file():
@@ -235,6 +300,42 @@ def meta_model(config, dtype: str = "bf16") -> nn.Module:
             errors.append(f"{auto.__name__}: {err}")
     raise ValueError(f"cannot build model_type={getattr(config, 'model_type', None)!r} from its config: "
                      + "; ".join(errors))
+
+
+def int8_nbytes(shape: tuple[int, ...], group: int = 0) -> tuple[int, int]:
+    """(data, scales) bytes of a weight of `shape` in symmetric int8: one int8 per element and one fp32 scale per
+    row (group=0) or per group of `group` consecutive elements of a row (the last group of a row may be short)."""
+    if isinstance(group, bool) or not isinstance(group, int) or group < 0:
+        raise ValueError(f"int8_group must be an integer >= 0 (0: one scale per row); got {group!r}")
+    shape = tuple(shape)
+    rows = shape[0] if shape else 1
+    cols = math.prod(shape[1:]) if len(shape) > 1 else 1
+    per_row = 1 if group == 0 else -(-cols // group)
+    return rows * cols, rows * per_row * INT8_SCALE_BYTES
+
+
+def int8_weights(model: nn.Module, embeddings: bool = False) -> list[tuple[str, nn.Parameter]]:
+    """The weights held in int8: every ``nn.Linear`` weight of the model's body (``base_model_prefix``: the
+    attention and MLP projections of a decoder), not the output layer; with `embeddings`, the input and output
+    embeddings too. Norms, biases and everything else stay in the model's dtype."""
+    prefix = getattr(model, "base_model_prefix", "")
+    body = getattr(model, prefix, None) if prefix else None
+    body = body if isinstance(body, nn.Module) else model
+    get_out = getattr(model, "get_output_embeddings", None)
+    get_in = getattr(model, "get_input_embeddings", None)
+    out_emb = get_out() if callable(get_out) else None
+    in_emb = get_in() if callable(get_in) else None
+    chosen: dict[int, tuple[str, nn.Parameter]] = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for mod in body.modules():
+        if isinstance(mod, nn.Linear) and mod is not out_emb and id(mod.weight) in names:
+            chosen.setdefault(id(mod.weight), (names[id(mod.weight)], mod.weight))
+    if embeddings:
+        for mod in (in_emb, out_emb):
+            w = getattr(mod, "weight", None)
+            if isinstance(w, nn.Parameter) and w.dim() == 2 and id(w) in names:
+                chosen.setdefault(id(w), (names[id(w)], w))
+    return sorted(chosen.values(), key=lambda item: list(names.values()).index(item[0]))
 
 
 def _has_lm_head(model: nn.Module) -> bool:
@@ -497,6 +598,12 @@ class Prepared:
     dtype: str
     states: list[ParamState]
     step: int | None
+    weight_format: str = "dtype"
+    offload: str = "none"
+    master: str | None = None
+    int8_group: int = 0
+    int8_embeddings: bool = False
+    grads_in_flight: int = GRADS_IN_FLIGHT
 
     def plan(self, batch: int = 0, seq: int = 0, layerwise: bool = False, checkpointing: bool = False
              ) -> MemoryPlan:
@@ -536,16 +643,53 @@ def _module_dtype(model: nn.Module) -> str:
     return "bf16"
 
 
+def _placement(weight_format: str, offload: str, master: str | None, int8_group: int, int8_embeddings: bool,
+               grads_in_flight: int) -> str | None:
+    """Checks the weight-format and offload settings; returns the master copy (None without offload)."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)} (dtype: every weight in the "
+                         f"model's dtype); got {weight_format!r}")
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}; got {offload!r}")
+    if master is not None and master not in MASTERS:
+        raise ValueError(f"master must be one of {', '.join(MASTERS)}; got {master!r}")
+    if master is not None and offload != "host":
+        raise ValueError(f"master={master!r} needs offload='host' (without offload there is no master copy)")
+    int8_nbytes((1, 1), int8_group)  # checks int8_group
+    if int8_embeddings and weight_format != "int8":
+        raise ValueError("int8_embeddings needs weight_format='int8'")
+    if isinstance(grads_in_flight, bool) or not isinstance(grads_in_flight, int) or grads_in_flight < 1:
+        raise ValueError(f"grads_in_flight must be an integer >= 1; got {grads_in_flight!r}")
+    return (master or "fp32") if offload == "host" else None
+
+
+def _state_net(net: nn.Module, config, dtype: str, master: str | None) -> nn.Module:
+    """The model the optimizer state is sized on: `net`, or with a host master copy a meta twin in the master's
+    dtype (fp32, or bf16 for bf16 and bf16+int8), since the optimizer steps the master."""
+    want = None if master is None else ("fp32" if master == "fp32" else "bf16")
+    if want is None or want == dtype:
+        return net
+    import copy
+
+    twin = copy.deepcopy(net)  # a meta model costs nothing to copy; a real one is copied, then dropped to meta
+    return twin.to(device="meta", dtype=_dtype(want))
+
+
 def prepare(model: str | nn.Module, method: str, *, dtype: str | None = None, step: int | None = None,
-            vocab_size: int | None = None, label: str | None = None, config=None, **hparams: Any) -> Prepared:
+            vocab_size: int | None = None, label: str | None = None, config=None, weight_format: str = "dtype",
+            offload: str = "none", master: str | None = None, int8_group: int = 0, int8_embeddings: bool = False,
+            grads_in_flight: int = GRADS_IN_FLIGHT, **hparams: Any) -> Prepared:
     """Build `model` on the meta device (unless given a module) and size `method`'s optimizer state on it.
 
     model: a LLaMA size name, a folder with a config.json, or a model already built (meta or real; its
     ``config`` attribute, or `config`, serves the activation estimate). dtype: the activations' dtype and, for a
     model built here, the weights', bf16 | fp16 | fp32; default: a given module's own dtype (a fp32 model planned
     with bf16 activations would be planned short), else bf16. step: see ``state_plan``. vocab_size: overrides the
-    config's. hparams: method settings (rank, density, codec, ...).
+    config's. weight_format, offload, master, int8_group, int8_embeddings, grads_in_flight: the weights' format on
+    the device and the host offload (module docstring, "Weights below bf16 and host offload"). hparams: method
+    settings (rank, density, codec, ...).
     """
+    master = _placement(weight_format, offload, master, int8_group, int8_embeddings, grads_in_flight)
     if dtype is None:
         dtype = _module_dtype(model) if isinstance(model, nn.Module) else "bf16"
     _dtype(dtype)
@@ -555,13 +699,16 @@ def prepare(model: str | nn.Module, method: str, *, dtype: str | None = None, st
     else:
         label, config = load_config(model, vocab_size)
         net = meta_model(config, dtype)
-    return Prepared(net, config, label, method, dtype, state_plan(net, method, step=step, **hparams), step)
+    states = state_plan(_state_net(net, config, dtype, master), method, step=step, **hparams)
+    return Prepared(net, config, label, method, dtype, states, step, weight_format, offload, master, int8_group,
+                    int8_embeddings, grads_in_flight)
 
 
 def plan(model: str | nn.Module, method: str, *, dtype: str | None = None, batch: int = 0, seq: int = 0,
          layerwise: bool = False, checkpointing: bool = False, step: int | None = None,
          vocab_size: int | None = None, label: str | None = None, config=None, **hparams: Any) -> MemoryPlan:
-    """The memory of one training step of `method` on `model` (keywords as ``prepare``).
+    """The memory of one training step of `method` on `model` (keywords as ``prepare``, weight_format and offload
+    included).
 
     batch, seq: the token block per step (0 leaves activations out). layerwise: gradients freed as each parameter
     steps inside the backward pass. checkpointing: one activation checkpoint per decoder layer.
@@ -592,9 +739,15 @@ def _assemble(prep: Prepared, batch: int, seq: int, layerwise: bool, checkpointi
     net = prep.net
     params = list({id(p): p for p in net.parameters()}.values())
     trainable = [p for p in params if p.requires_grad]
-    weights = sum(p.numel() * p.element_size() for p in params)
+    int8 = {id(p) for _, p in int8_weights(net, prep.int8_embeddings)} if prep.weight_format == "int8" else set()
+
+    def on_device(p: torch.Tensor) -> int:
+        """A weight's bytes in its device format: int8 data and scales, or the model's dtype."""
+        return sum(int8_nbytes(tuple(p.shape), prep.int8_group)) if id(p) in int8 else p.numel() * p.element_size()
+
+    weights = sum(on_device(p) for p in params)
     weights += sum(b.numel() * b.element_size() for b in net.buffers())
-    grad_sizes = [p.numel() * p.element_size() for p in trainable]
+    grad_sizes = [p.numel() * p.element_size() for p in trainable]  # in the compute dtype, int8 weights too
     largest_grad = max(grad_sizes, default=0)
     grads = largest_grad if layerwise else sum(grad_sizes)
     moments = sum(s.moments for s in prep.states)
@@ -607,20 +760,53 @@ def _assemble(prep: Prepared, batch: int, seq: int, layerwise: bool, checkpointi
     else:
         act = ActivationEstimate(saved=0, loss_grad=0, head=0, recompute=0, exact=True,
                                  formula="no activations (batch or seq not given)")
-    scratch = _scratch(prep.method, prep.states)
+    # an int8 weight is dequantized to the compute dtype for its matmul: the largest such copy, while layers run
+    dequant = max((p.numel() * p.element_size() for p in params if id(p) in int8), default=0)
+    host = prep.offload == "host"
+    by_name = {name: p for name, p in net.named_parameters()}
+    # the device-only int8 step also dequantizes the weight it updates and rounds it back (REQUANT_PER_ELEMENT)
+    requant = {s.name: REQUANT_PER_ELEMENT * by_name[s.name].numel()
+               for s in prep.states if s.name in by_name and id(by_name[s.name]) in int8}
+    states = [s if not requant.get(s.name) else
+              ParamState(s.name, s.group, s.shape, s.layout, s.moments, s.projections,
+                         s.scratch + requant[s.name], s.batched)
+              for s in prep.states]
+    scratch = _scratch(prep.method, states)
     sizes = {name: p.numel() * p.element_size() for name, p in net.named_parameters()}
     # layer-wise: a parameter's gradient and its update's scratch exist together, one parameter at a time
-    worst = max(((sizes.get(s.name, 0), s.scratch) for s in prep.states), key=sum, default=(largest_grad, 0))
-    held = {"weights": weights, "optimizer state": moments, "projections": projections}
+    worst = max(((sizes.get(s.name, 0), s.scratch) for s in states), key=sum, default=(largest_grad, 0))
     a_after_loss = act.saved - act.head  # the loss and head's backward has run: their activations are gone
-    phases = [  # what is alive besides `held` at each candidate peak
-        {"gradients": 0, "activations": act.saved, "temporaries": act.loss_grad},  # start of the backward pass
-        {"gradients": 0, "activations": a_after_loss + act.recompute, "temporaries": 0},  # a recomputed layer
-    ]
-    if layerwise:
-        phases.append({"gradients": worst[0], "activations": a_after_loss, "temporaries": worst[1]})
+    host_parts: dict[str, int] = {}
+    pcie_parts: dict[str, int] = {}
+    if host:
+        # the backward pass writes gradients output side first; each leaves for the host as it is complete
+        k = prep.grads_in_flight
+        order = grad_sizes[::-1]
+        grads = max((sum(order[i:i + k]) for i in range(max(1, len(order) - k + 1))), default=0)
+        held = {"weights": weights, "optimizer state": 0, "projections": 0}
+        phases = [
+            {"gradients": 0, "activations": act.saved, "temporaries": act.loss_grad},  # start of the backward pass
+            {"gradients": grads, "activations": a_after_loss + act.recompute, "temporaries": dequant},  # a layer's
+        ]
+        trained_numel = sum(p.numel() for p in trainable)
+        back = sum(on_device(p) for p in trainable)
+        # the device's weights are written from a pinned copy in their format, unless the master is that copy
+        # (bf16 master, bf16 weights: torchao's CPUOffloadOptimizer)
+        same = not int8 and prep.master == prep.dtype
+        host_parts = {"master": MASTERS[prep.master] * trained_numel, "optimizer state": moments,
+                      "projections": projections, "pinned gradients": sum(grad_sizes),
+                      "pinned weights": 0 if same else back, "step temporaries": scratch}
+        pcie_parts = {"gradients out": sum(grad_sizes), "weights back": back}
     else:
-        phases.append({"gradients": grads, "activations": 0, "temporaries": scratch})  # the optimizer step
+        held = {"weights": weights, "optimizer state": moments, "projections": projections}
+        phases = [  # what is alive besides `held` at each candidate peak
+            {"gradients": 0, "activations": act.saved, "temporaries": act.loss_grad},  # start of the backward pass
+            {"gradients": 0, "activations": a_after_loss + act.recompute, "temporaries": dequant},  # a layer's
+        ]
+        if layerwise:
+            phases.append({"gradients": worst[0], "activations": a_after_loss, "temporaries": worst[1]})
+        else:
+            phases.append({"gradients": grads, "activations": 0, "temporaries": scratch})  # the optimizer step
     phase = max(phases, key=lambda ph: sum(ph.values()))
     peak_parts = {**held, **phase}
     groups: dict[str, dict[str, int]] = {}
@@ -633,9 +819,12 @@ def _assemble(prep: Prepared, batch: int, seq: int, layerwise: bool, checkpointi
     return MemoryPlan(model=prep.label, method=prep.method, dtype=prep.dtype, params=sum(p.numel() for p in params),
                       trainable=sum(p.numel() for p in trainable), weights=weights, grads=grads, state=moments,
                       projections=projections, activations=act.saved, loss_grad=act.loss_grad, scratch=scratch,
-                      peak=sum(peak_parts.values()), batch=batch, seq=seq, layerwise=layerwise,
+                      peak=sum(peak_parts.values()), batch=batch, seq=seq, layerwise=layerwise and not host,
                       checkpointing=checkpointing, step=prep.step, activation_formula=act.formula,
-                      activations_exact=act.exact, peak_parts=peak_parts, groups=groups)
+                      activations_exact=act.exact, peak_parts=peak_parts, groups=groups,
+                      weight_format=prep.weight_format, offload=prep.offload, master=prep.master,
+                      host=sum(host_parts.values()), host_parts=host_parts, pcie=sum(pcie_parts.values()),
+                      pcie_parts=pcie_parts)
 
 
 def _scratch(method: str, states: list[ParamState]) -> int:

@@ -4,7 +4,10 @@ For a LLaMA size (tiny to 70b) or a local model folder (its config.json, read of
 (slimopt's and the peers'), prints a markdown table of weights, gradients, optimizer state (exact: the same
 formulas the optimizer allocates by), projections, activations and the peak; with --gpu-memory, whether each
 method fits and the largest batch that does. Writes memory.png (stacked bars with the budget line), memory.json
-and memory.md into --out when given. `slimopt.bench.planner` documents every formula.
+and memory.md into --out when given. With --weights int8 (attention and MLP weights in int8 on the device) and
+--offload host (master copy and optimizer state in pinned host memory, gradients leaving as the backward pass makes
+them), also the device, host and PCIe bytes of a step, and whether this machine's free memory holds the host part.
+`slimopt.bench.planner` documents every formula.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ EXAMPLES = """examples:
   slimopt memory --model 7b --method all --gpu-memory 24GiB --batch 1 --seq 256
   slimopt memory --model 7b --method adamw,adamw8bit,galore8bit --layerwise --batch 1 --seq 256 --out mem/
   slimopt memory --model ./my-model --method galore,frugal --set galore.rank=256 --gpu-memory 80GB --seq 2048
+  slimopt memory --model 7b --method galore8bit,frugal_head --weights int8 --offload host --master bf16+int8 \
+      --checkpointing --batch 1 --seq 2048 --gpu-memory 8GiB
 """
 
 
@@ -25,8 +30,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__, epilog=EXAMPLES,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True,
-                   help="a LLaMA size (tiny, small, 60m, 130m, 350m, 1b, 7b; 13b, 34b and 70b are LLaMA-2-13B, "
-                        "Code Llama 34B and LLaMA-2-70B, with grouped-query attention at 34b and 70b), smollm2-135m "
+                   help="a LLaMA size (tiny, small, 60m, 130m, 350m, 1b, 7b; 8b, 13b, 34b and 70b are LLaMA-3-8B, "
+                        "LLaMA-2-13B, Code Llama 34B and LLaMA-2-70B, with grouped-query attention at 8b, 34b and "
+                        "70b), smollm2-135m "
                         "(the pretrained decoder of slimopt finetune / train; no file needed) or a folder with a "
                         "config.json")
     p.add_argument("--method", default="all",
@@ -45,6 +51,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=None, help="override the config's vocabulary size")
     p.add_argument("--set", action="append", metavar="METHOD.KEY=VALUE", dest="set_opts",
                    help="a setting for one method, repeatable (e.g. --set galore.rank=256 --set frugal.density=0.5)")
+    p.add_argument("--weights", default="dtype", metavar="FORMAT",
+                   help="the weights on the device: dtype (all in --dtype; default) or int8 (attention and MLP "
+                        "weights in symmetric int8, one fp32 scale per row; embeddings, head and norms in --dtype)")
+    p.add_argument("--int8-group", type=int, default=0, metavar="N",
+                   help="with --weights int8: one scale per N elements of a row instead of per row (default 0: per "
+                        "row)")
+    p.add_argument("--int8-embeddings", action="store_true",
+                   help="with --weights int8: the embedding and output layer in int8 too")
+    p.add_argument("--offload", default="none", metavar="WHERE",
+                   help="none (default) or host: master copy and all optimizer state in pinned host memory, stepped "
+                        "there; gradients go out as the backward pass makes them, weights come back")
+    p.add_argument("--master", default=None, metavar="FORMAT",
+                   help="with --offload host, the master copy: fp32 (4 B/param; default), bf16+int8 (3 B/param: bf16 "
+                        "and an 8-bit residual) or bf16 (2 B/param)")
     p.add_argument("--out", default=None, help="folder for memory.md, memory.json and memory.png")
     return p
 
@@ -88,21 +108,25 @@ def run(args) -> int:
         raise ValueError(f"--set names method(s) {', '.join(stray)} that are not in --method")
     seq = args.seq or 0
     batch = (args.batch or 1) if seq else 0
+    place = _placement(args)
     label, config = planner.load_config(args.model, args.vocab_size)
 
     plans, max_batches = [], {} if (budget and seq) else None
     for m in methods:
         # a fresh meta model per method: an optimizer must not see another's parameters (no memory is used)
         prep = planner.prepare(planner.meta_model(config, args.dtype), m, dtype=args.dtype, step=args.step,
-                               label=label, config=config, **opts.get(m, {}))
+                               label=label, config=config, **place, **opts.get(m, {}))
         plans.append(prep.plan(batch, seq, args.layerwise, args.checkpointing))
         if max_batches is not None:
             max_batches[m] = prep.max_batch(budget, seq, args.layerwise, args.checkpointing)
 
     p0 = plans[0]
+    offload = p0.offload == "host"
     mode = ", ".join(x for x in (args.dtype, f"batch {batch} x seq {seq}" if seq else "no activations",
-                                 "layer-wise updates" if args.layerwise else "",
-                                 "activation checkpointing" if args.checkpointing else "") if x)
+                                 "layer-wise updates" if args.layerwise and not offload else "",
+                                 "activation checkpointing" if args.checkpointing else "",
+                                 "int8 weights" if p0.weight_format == "int8" else "",
+                                 f"offload host, master {p0.master}" if offload else "") if x)
     lines = [f"## Planned memory: {label} ({p0.params / 1e6:.1f}M parameters; {mode})", "",
              "Sizes in GiB. State B/param: optimizer state (moments, counters, projections) per trainable "
              "parameter.", "", memory_table(plans, budget, max_batches), ""]
@@ -113,6 +137,12 @@ def run(args) -> int:
                      "the update's temporaries only" + (" and 'fits' is a lower bound" if budget else "")
                      + ". Give --seq (and --batch, default 1) to include them"
                      + (" and the largest batch that fits." if budget else "."))
+    host_note = None
+    if p0.weight_format != "dtype" or offload:
+        lines += ["", *_placement_lines(plans, offload)]
+        if offload:
+            host_note = _host_note(plans, config, label, args, opts, place)
+            lines += ["", host_note["line"]]
     text = "\n".join(lines).rstrip() + "\n"
     print(text, end="")
     if args.out:
@@ -120,8 +150,109 @@ def run(args) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "memory.md").write_text(text)
         payload = {"model": label, "settings": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-                   "budget_bytes": budget, "max_batch": max_batches, "plans": [p.to_dict() for p in plans]}
+                   "budget_bytes": budget, "max_batch": max_batches, "host_memory": host_note,
+                   "plans": [p.to_dict() for p in plans]}
         (out / "memory.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
         memory_chart(plans, out / "memory.png", budget, title=f"{label}: {mode}")
         print(f"\nwrote {out / 'memory.md'}, {out / 'memory.json'}, {out / 'memory.png'}")
     return 0
+
+
+def _placement(args) -> dict:
+    """The planner's weight-format and offload keywords from the options, with errors that name the option."""
+    from slimopt.bench.planner import MASTERS, OFFLOADS, WEIGHT_FORMATS
+
+    if args.weights not in WEIGHT_FORMATS:
+        raise ValueError(f"--weights must be one of {', '.join(WEIGHT_FORMATS)}; got {args.weights!r}")
+    if args.offload not in OFFLOADS:
+        raise ValueError(f"--offload must be one of {', '.join(OFFLOADS)}; got {args.offload!r}")
+    if args.master is not None and args.master not in MASTERS:
+        raise ValueError(f"--master must be one of {', '.join(MASTERS)}; got {args.master!r}")
+    if args.master is not None and args.offload != "host":
+        raise ValueError("--master needs --offload host (without offload there is no master copy)")
+    if args.int8_group < 0:
+        raise ValueError(f"--int8-group must be an integer >= 0 (0: one scale per row); got {args.int8_group}")
+    if (args.int8_group or args.int8_embeddings) and args.weights != "int8":
+        raise ValueError("--int8-group and --int8-embeddings need --weights int8")
+    return dict(weight_format=args.weights, offload=args.offload, master=args.master, int8_group=args.int8_group,
+                int8_embeddings=args.int8_embeddings)
+
+
+def _placement_lines(plans, offload: bool) -> list[str]:
+    """The device / host / PCIe table of the plans (GiB)."""
+    from slimopt.bench.tables import markdown
+    from slimopt.bench.units import fmt_gib
+
+    header = ["method", "device peak", "weights", "grads", "activations", "state on device", "temporaries"]
+    if offload:
+        header += ["host", "master", "host state", "pinned", "PCIe / step", "out", "back"]
+    rows = []
+    for p in plans:
+        d = p.peak_parts
+        row = [p.method, fmt_gib(p.peak), fmt_gib(d["weights"]), fmt_gib(d["gradients"]), fmt_gib(d["activations"]),
+               fmt_gib(d["optimizer state"] + d["projections"]), fmt_gib(d["temporaries"])]
+        if offload:
+            h = p.host_parts
+            row += [fmt_gib(p.host), fmt_gib(h["master"]), fmt_gib(h["optimizer state"] + h["projections"]),
+                    fmt_gib(h["pinned gradients"] + h["pinned weights"]), fmt_gib(p.pcie),
+                    fmt_gib(p.pcie_parts["gradients out"]), fmt_gib(p.pcie_parts["weights back"])]
+        rows.append(row)
+    title = "Device, host and PCIe per step" if offload else "Device"
+    out = [f"{title} (GiB; the device's parts at its peak)" + (":" if not offload else
+           f", master {plans[0].master}: the opt. state and projections above live on the host; 'pinned' holds "
+           "a gradient buffer per parameter and the weights in their device format; PCIe: gradients out, "
+           "weights back:"), "", markdown(header, rows)]
+    return out
+
+
+def available_host_memory() -> int | None:
+    """Bytes this machine can still give (MemAvailable of /proc/meminfo, else psutil), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        return None
+
+
+def _host_note(plans, config, label, args, opts, place) -> dict:
+    """One line on the host memory the plans need against this machine's, and the --master that fits if the
+    chosen one does not."""
+    from slimopt.bench import planner
+    from slimopt.bench.units import fmt_gib
+
+    need = max(p.host for p in plans)
+    avail = available_host_memory()
+    note = {"needed_bytes": need, "available_bytes": avail, "fits": None, "fitting_master": None}
+    if avail is None:
+        note["line"] = f"Host memory: {fmt_gib(need)} GiB needed; this machine's available memory is unknown."
+        return note
+    note["fits"] = need <= avail
+    if note["fits"]:
+        note["line"] = (f"Host memory: {fmt_gib(need)} GiB needed, {fmt_gib(avail)} GiB available on this "
+                        "machine: fits.")
+        return note
+    fitting = None
+    for master in sorted(planner.MASTERS, key=planner.MASTERS.get, reverse=True):
+        if master == plans[0].master:
+            continue
+        alt = max(planner.prepare(planner.meta_model(config, args.dtype), p.method, dtype=args.dtype,
+                                  step=args.step, label=label, config=config, **{**place, "master": master},
+                                  **opts.get(p.method, {})).plan(p.batch, p.seq, args.layerwise,
+                                                                 args.checkpointing).host for p in plans)
+        if alt <= avail:
+            fitting = (master, alt)
+            break
+    note["fitting_master"] = fitting[0] if fitting else None
+    hint = (f"--master {fitting[0]} needs {fmt_gib(fitting[1])} GiB and fits" if fitting else
+            "no --master setting fits; a machine with more memory does")
+    note["line"] = (f"Host memory: does not fit this machine: {fmt_gib(need)} GiB needed, {fmt_gib(avail)} GiB "
+                    f"available; {hint}.")
+    return note
