@@ -108,13 +108,6 @@ def test_mentioned_paths_exist(doc):
     assert not missing, f"{_ids(doc)} mentions paths the repository does not hold: {sorted(set(missing))}"
 
 
-def test_no_reference_to_unshipped_notes():
-    """The design notes are not part of the repository: the docs say what they need in place."""
-    docs = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-    hits = [_ids(p) for p in docs if "DESIGN.md" in p.read_text()]
-    assert not hits, f"these mention DESIGN.md, which the repository does not hold: {hits}"
-
-
 def test_the_checks_see_what_they_should(tmp_path):
     """The extraction finds a broken link, a missing path and a wrong anchor, and passes the usual forms."""
     doc = tmp_path / "x.md"

@@ -1,32 +1,9 @@
 """Low-rank baselines the memory-lean optimizers are measured against: LoRA, ReLoRA and W = B A.
 
-GaLore (arXiv 2403.03507) compares gradient projection with three ways of making the *weights* low-rank:
+GaLore's paper sets gradient projection against these ways of making the weights low-rank; here they are, so
+that a comparison can run them next to the optimizers.
 
-- **LoRA** (Hu et al., arXiv 2106.09685): freeze W, train an adapter, W + (alpha / r) B A, with A (r, in) and
-  B (out, r), B initialised to zero. ``apply_lora`` wraps a model with peft. Defaults (rank 8, alpha 32,
-  dropout 0, every linear map of attention and MLP) follow the GaLore GLUE comparison, which puts LoRA on the
-  same modules and at the same rank as GaLore (its GLUE script projects query, key, value, the attention
-  output and both MLP matrices of RoBERTa); the GaLore paper does not state the LoRA alpha, so alpha = 4 r
-  mirrors GaLore's GLUE scale factor of 4. The classifier head stays fully trainable (peft's SEQ_CLS task).
-- **ReLoRA** (Lialin et al., arXiv 2307.05695): LoRA for pretraining, where every N steps the adapters are
-  merged into W, re-initialised, and their optimizer state reset, so the sum of low-rank updates can reach
-  high rank. ``apply_relora`` sets LoRA up the ReLoRA way (rank 128, alpha 32, attention + MLP of a LLaMA
-  model; embeddings, norms and the output layer train fully), ``relora_restart`` performs the merge-and-reset
-  on any ``torch.optim.Optimizer`` and ``relora_schedule`` gives the jagged cosine learning rate that re-warms
-  after each restart.
-- **Low-rank** (GaLore's "Low-Rank" baseline): each targeted ``nn.Linear`` becomes ``LowRankLinear``, two
-  trainable factors W = B A of rank r and nothing else. ``apply_low_rank`` initialises them from the truncated
-  SVD of the weight (the best rank-r approximation) or randomly for pretraining from scratch.
-
-- **Frozen** (the control of ``slimopt compare``): every projectable weight (``slimopt.optim.algorithm.partition``: the
-  ``nn.Linear`` weights of attention and MLP, the ones GaLore, FRUGAL and TACO act on) stays at its
-  initialisation; AdamW trains the embeddings, norms and output layer. A method that does not beat it has taught
-  the transformer weights nothing measurable. ``freeze_projectable`` applies it to any model.
-
-``count_parameters`` reports trainable and total parameters, the figure these baselines trade memory for.
-``methods`` / ``prepare`` / ``build_optimizer`` / ``default_lr`` plug them into the pretraining loop
-(``slimopt train --method lowrank | lora | relora | frozen``); ``prepare`` returns a ``BaselineHook`` that
-performs the ReLoRA restarts after each optimizer step, checkpoints its counters and exports a plain model to save.
+Details: docs/modules.md, ``slimopt.baselines``.
 """
 
 from __future__ import annotations

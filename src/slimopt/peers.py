@@ -4,17 +4,7 @@
 methods. Each peer is optional: `available_peers()` says which are installed, and `build_peer` raises a clear
 ImportError naming the pip package when one is missing.
 
-- torch AdamW (Loshchilov & Hutter, arXiv 1711.05101), foreach and fused kernels.
-- bitsandbytes AdamW8bit and torchao AdamW8bit: block-wise 8-bit state (Dettmers et al., arXiv 2110.02861).
-- torchao AdamW4bit (Li et al., arXiv 2309.01507).
-- galore-torch GaLoreAdamW / GaLoreAdamW8bit (Zhao et al., arXiv 2403.03507): the two-group layout of the GaLore
-  pretraining script, in which Linear weights inside attention and MLP blocks are projected and every other
-  parameter gets plain Adam.
-- apollo-torch APOLLO and APOLLO-Mini (Zhu et al., arXiv 2412.05270): random-projection channel/tensor scaling,
-  same two-group layout.
-
-Peer names carry their package as a prefix (`torch-adamw`, `bnb-adamw8bit`, ...) so they never collide with
-slimopt's method names (`adamw`, `galore`, ...).
+Details: docs/modules.md, ``slimopt.peers``.
 """
 
 from __future__ import annotations

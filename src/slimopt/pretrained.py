@@ -12,9 +12,7 @@ dependencies and only its folder is read:
 The weights are the 4-bit file's values, not the original bf16 checkpoint's: a fine-tuning start point close to
 it (every weight within its block's quantization step), the same for every method compared.
 
-De-quantizing takes about 25 s and the tokenizer 10 s; the first load writes both, converted, into slimopt's cache
-(``slimopt.cache.cache_root()``, ``smollm2-135m/<size>-<mtime>`` of the file, 0.5 GB of fp32 safetensors,
-renamed into place whole), from which later loads take a few seconds: a comparison loads the model once a run.
+Details: docs/modules.md, ``slimopt.pretrained``.
 """
 
 from __future__ import annotations

@@ -1,38 +1,9 @@
 """How much memory a training step's activations take, from a model config alone.
 
-LLaMA-family decoders (``model_type`` llama, mistral, qwen2: RMSNorm, rotary positions, SwiGLU MLP, grouped-query
-attention through ``scaled_dot_product_attention``) get an exact count of the tensors autograd saves for the
-backward pass of Hugging Face's implementation. With e the activation element size (2 for bf16/fp16 weights, 4 for
-fp32), h = hidden_size, hq = heads * head_dim, hkv = kv_heads * head_dim, i = intermediate_size, a = heads, per
-token and per decoder layer, in bytes:
+The planner adds it to weights, gradients and optimizer state to predict a step's peak without building the
+model; LLaMA-family decoders get an exact count of what autograd saves.
 
-    RMSNorm x 2        2 * (4h + 4 + e h)   fp32 copy of the input, fp32 1/rms, normalised output in e
-    q/k/v input        e h
-    q, k after rotary  e hq + e hkv          (saved by attention)
-    v                  e hkv
-    attention output   e hq + 4 a           (also o_proj's input; 4 a = fp32 log-sum-exp per head)
-    gate/up input      e h
-    SwiGLU             4 e i                 gate, up, silu(gate), silu(gate) * up (down_proj's input)
-    -----------------------------------------------------------------
-    layer(e)           8h + 8 + 4 e h + 2 e hq + 2 e hkv + 4 a + 4 e i
-
-For LLaMA-7B in bf16 that is 182 KiB per token and layer (5.7 MiB per token over its 32 layers). Outside the layers, per
-token: the input ids (int64, 8), the final RMSNorm and the head's input (4h + 4 + 2 e h), the fp32 log-softmax of
-the logits that the loss keeps (4 V) and the shifted labels (8); per sequence position the rotary cos/sin tables
-(2 e head_dim, shared by the batch); and the 4-byte loss. Attention through SDPA's flash / memory-efficient kernels
-keeps no T x T scores, so nothing grows with T^2. At the start of the backward pass the loss adds two fp32
-logit-sized gradients (8 V per token) that are gone before the layers' backward runs.
-
-With activation checkpointing (``model.gradient_checkpointing_enable()``, one checkpoint per decoder layer) each
-layer keeps only its input (e h per token), L e h per token plus the same head terms; during the backward pass
-one layer's activations, layer(e) per token, are recomputed and held at a time (``recompute``).
-
-Any other architecture gets the estimate of Korthikanti et al. (arXiv 2205.05198): 34 h bytes per token and layer
-at 16 bits with a 4h MLP, written with the config's MLP width as (18 h + 4 i) e / 2, plus 5 a T e / 2 for the
-attention scores when the model runs eager attention; ``exact`` is False for it.
-
-The exact formula is checked in tests/test_planner.py against the bytes autograd saves for real LLaMA models
-(bf16 and fp32, grouped-query attention included).
+Details: docs/modules.md, ``slimopt.bench.activations``.
 """
 
 from __future__ import annotations

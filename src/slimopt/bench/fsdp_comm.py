@@ -7,15 +7,7 @@ a gather of X bytes at the first rank, a broadcast of X bytes, an all-to-all: wh
 (Muon's owner exchange, the one volume that differs between ranks). With ring algorithms a rank sends about
 2 (W - 1) / W of an all-reduce's payload and (W - 1) / W of an all-gather's.
 
-- ``CollectiveCounter``: a dispatch mode that records every c10d collective run inside it (the ``torch.
-  distributed`` calls and DTensor's functional collectives alike), so a CPU run measures what the optimizer sends.
-- ``expected_bytes(opt, world, step, rank)``: the same numbers from the optimizer's settings and the parameters' global
-  shapes, with no run: per step (every step) and per refresh (the extra at steps where a subspace is chosen anew).
-  tests/distributed checks the two agree exactly on a small model; ``volume_table`` evaluates it for a LLaMA size
-  on the meta device (docs/distributed.md, LLaMA-1B).
-
-What is left out of the prediction: the one-time agreement check at the first step (two small all-gathers of
-the parameter list).
+Details: docs/modules.md, ``slimopt.bench.fsdp_comm``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """The benchmark harness behind `slimopt bench`: optimizer step time, state bytes and peak memory, side by side.
 
-One run builds one model (a LLaMA size or a local config, random init, on the chosen device and dtype), fills every
-gradient with seeded random values of the parameter's dtype (no data or forward pass: the optimizer step is what is
-measured), and then, method after method, on the same weights and gradients:
+One model and one set of seeded gradients for every method, so the rows differ by the optimizer alone.
 
-- builds the optimizer (slimopt methods as ``slimopt train`` builds them, GaLore-family rank hidden / 4; peers
-  through ``slimopt.peers.build_peer``; a peer that is not installed gets a row saying so);
-- takes ``warmup`` steps, then ``steps`` timed steps and reports their median (CUDA: events around each step after
-  a synchronize; CPU: wall clock). The first step chooses every subspace of a projector method (and allocates the
-  state), so ``refresh_ms`` = first step - median step is the cost of one refresh of the whole model;
-- counts the optimizer state as allocated (``slimopt.peers.optimizer_state_nbytes``: quantized tensor subclasses
-  by their codes and scales, projector objects' bases, shared maps once), per parameter and on the projectable
-  weights alone, and the planner's prediction for the same state (``planner.state_plan``);
-- measures peak memory during the steps: CUDA ``max_memory_allocated`` (every tensor on the device), CPU the growth
-  of the process's peak resident set (an upper bound that includes allocator slack).
-
-``subspace refresh`` rows time one refresh of a gradient-sized matrix by each method (``refresh.py``), and
-``check_planner`` runs real forward/backward/step iterations to compare the planner's peak with the measured one.
-Ratios against torch AdamW come from the same run, so they hold across machines better than the milliseconds do.
+Details: docs/modules.md, ``slimopt.bench.harness``.
 """
 
 from __future__ import annotations

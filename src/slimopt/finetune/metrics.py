@@ -9,12 +9,7 @@ them the same way, without scipy or scikit-learn:
     >>> compute_metrics("mrpc", predictions=[[0.1, 2.0], [1.5, -1.0], [0.0, 3.0]], labels=[1, 0, 0])
     {'f1': 0.6666666666666666, 'accuracy': 0.6666666666666666}
 
-``predictions`` may be logits of shape (n, num_labels) (argmax is taken), class ids of shape (n,), or, for the
-regression metrics, scores of shape (n,) or (n, 1). All values are fractions in [0, 1] (correlations in
-[-1, 1]), as the Hugging Face ``evaluate`` GLUE metric returns them.
-
-For ``transformers.Trainer`` pass ``compute_metrics=trainer_metrics("cola")``: it accepts an ``EvalPrediction``
-(or a ``(predictions, label_ids)`` pair) and returns the same dictionary.
+Details: docs/modules.md, ``slimopt.finetune.metrics``.
 """
 
 from __future__ import annotations

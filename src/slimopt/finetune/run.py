@@ -6,25 +6,7 @@ memory of weights plus optimizer state next to the scores. ``run_finetune`` does
 ``*ForSequenceClassification`` model and any task ``slimopt.finetune.data.load_task`` reads, through
 ``transformers.Trainer`` (its gradient accumulation, clipping, bf16 autocast and linear schedule with warmup).
 
-Methods (``parse_method``):
-
-- a slimopt method (``slimopt.methods()``: adamw, adamw8bit, galore, frugal, taco, ternary_adamw, ...) on every
-  parameter; ``adamw`` is full fine-tuning (torch.optim.AdamW's update);
-- ``lora``: peft LoRA adapters on attention and MLP (``slimopt.baselines.apply_lora``: alpha = 4 x rank, the
-  classifier trains in full) with AdamW;
-- ``lora+METHOD``: LoRA with a slimopt method on the adapter parameters (``lora+adamw8bit``: QLoRA-style state).
-
-Fine-tuning settings differ from the pretraining defaults of ``slimopt.optim.recipes`` (GaLore rank 128 and lr
-0.01 are for LLaMA pretraining): ``FINETUNE_DEFAULTS`` gives the subspace methods the LoRA rank (8) and
-``FINETUNE_LR`` a learning rate per method family; ``FinetuneConfig.lr`` and ``method_opts`` override them.
-
-Memory is measured, not estimated: weights are the bytes of every parameter (frozen ones included), optimizer
-state is ``slimopt.state_nbytes`` of the optimizer after training (codes, scales, projection bases, counters), as in
-GaLore's Table 4; beside them the peak of a whole training iteration, counted tensor by tensor and planned by
-``slimopt memory``'s planner (``bench/iteration_peak.py``).
-
-Every comparison has a control row (``head``: the classification head alone trains), and can tune each method's
-learning rate and repeat every run over seeds (``finetune/protocol.py``).
+Details: docs/modules.md, ``slimopt.finetune.run``.
 """
 
 from __future__ import annotations

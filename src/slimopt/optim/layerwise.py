@@ -7,45 +7,7 @@ after, so at most the gradients of the layers still in flight are alive at once 
 arXiv 2306.09782, and TACO, arXiv 2610.02199, run their updates this way). Updating a weight in place after its
 ``AccumulateGrad`` is safe: autograd runs that node only once every use of the weight has produced its gradient.
 
-What the peers leave out, and this module keeps:
-
-- Gradient accumulation. Backward passes are counted (an end-of-backward callback advances ``micro_steps``); the
-  hooks step only in the backward that closes a window of ``accumulation_steps``; in the others the gradients
-  accumulate in ``.grad`` as usual. A parameter that received gradients in the window but none in its last
-  backward is stepped by the end-of-backward callback, as ``optimizer.step()`` would.
-- Clipping. Clipping by the global norm needs every gradient before the first update, which is exactly what
-  this mode avoids keeping. It offers per-parameter clipping instead, computed with
-  ``torch.nn.utils.clip_grad_norm_`` on one gradient at a time:
-
-  - ``clip_mode="per_param"`` (default): each gradient is clipped to norm ``clip`` on its own. A threshold keeps
-    its meaning for each tensor, and the tensors that do not spike are left alone. The bound on the global norm is
-    ``clip * sqrt(N)`` for N parameters, not ``clip``: this is not global-norm clipping.
-  - ``clip_mode="per_param_scaled"``: each gradient is clipped to ``clip / sqrt(N)``, which guarantees a global
-    norm <= ``clip``, but clips every tensor of a model with many tensors at every step (a threshold of 1.0 over
-    200 tensors is 0.07 each), so thresholds tuned for global clipping do not carry over.
-
-  ``last_grad_norm`` reports the global norm of the unclipped gradients of the last window (the square root of
-  the sum of the per-parameter norms squared), for logging, as ``clip_grad_norm_`` returns it.
-- The learning-rate schedule. The hook reads ``group["lr"]`` when it runs, so ``scheduler.step()`` after each
-  boundary works unchanged (``stepped`` says whether the last backward was one). The boundary also marks the
-  optimizer as stepped for torch's schedulers, which would otherwise warn that ``scheduler.step()`` ran first.
-
-The optimizer must update one parameter at a time (``step_param(p)``): every ``SlimOptimizer`` does, whatever
-its method. torch.optim optimizers update all their parameters in one ``step()``, and are rejected.
-Under FSDP2 the hooks of a sharded parameter run after FSDP's reduce-scatter has set its sharded gradient, so
-layer-wise updates step the shards (tests/distributed/fsdp_worker.py checks them against ``optimizer.step()``).
-
-Example::
-
-    >>> import torch, slimopt
-    >>> from slimopt.optim.layerwise import enable_layerwise
-    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    >>> opt = slimopt.build(model, "adamw", lr=1e-3)
-    >>> lw = enable_layerwise(model, opt, accumulation_steps=2, clip=1.0)
-    >>> for _ in range(4):
-    ...     model(torch.randn(5, 8)).square().mean().backward()   # no opt.step(), no zero_grad()
-    >>> lw.steps, lw.micro_steps
-    (2, 4)
+Details: docs/modules.md, ``slimopt.optim.layerwise``.
 """
 
 from __future__ import annotations
@@ -208,5 +170,17 @@ def enable_layerwise(model_or_params: nn.Module | Iterable[Tensor], optimizer: t
 
     Call ``loss.backward()`` in the loop and nothing else: no ``optimizer.step()``, no ``zero_grad()``
     (gradients are freed at each boundary). ``scheduler.step()`` after a backward with ``stepped`` True.
+
+    Example::
+
+        >>> import torch, slimopt
+        >>> from slimopt.optim.layerwise import enable_layerwise
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        >>> opt = slimopt.build(model, "adamw", lr=1e-3)
+        >>> lw = enable_layerwise(model, opt, accumulation_steps=2, clip=1.0)
+        >>> for _ in range(4):
+        ...     model(torch.randn(5, 8)).square().mean().backward()   # no opt.step(), no zero_grad()
+        >>> lw.steps, lw.micro_steps
+        (2, 4)
     """
     return LayerwiseUpdates(model_or_params, optimizer, accumulation_steps, clip, clip_mode)

@@ -11,21 +11,7 @@ Per parameter and step (docs/design.md, section 2):
     u     = scale * up(d) + free_scale * free_rule(resid)
     p    *= 1 - lr * weight_decay;  p -= lr * u
 
-Three independent axes compose per parameter group (``settings.py``): the projector (``projectors.py``), the
-state-full rule (``rules.py``) and the storage codec of the moments (``codecs.py``). Papers: GaLore (arXiv
-2403.03507), FRUGAL (arXiv 2411.07837), TACO (arXiv 2610.02199), Muon (arXiv 2502.16982), BAdam (arXiv
-2404.02827).
-
-How a parameter's step runs is its route (``choice.py`` decides, ``paramstep.py`` runs): torch's multi-tensor
-fused AdamW, a Triton launch or the one-pass C kernel for every other element-wise update, the eager tensor
-operations in windows, TACO's sparse write, the projected step in windows. An FSDP2 parameter is stepped on this
-rank's rows through the same routes (``sharded.Target``).
-
-State rules: ``optimizer.state`` holds tensors only, under torch's key names (``step``, ``exp_avg``,
-``exp_avg_sq``, ``momentum_buffer``) plus ``moment_step`` (the age of the moments, which restart at zero after a
-reset), ``proj`` (an orthonormal basis) or ``proj_index`` (coordinates), so a state_dict saved with torch.save
-loads with ``weights_only=True``. Random choices are pure functions of (seed, parameter index, refresh index):
-nothing else to store, and every rank of a data-parallel run agrees.
+Details: docs/modules.md, ``slimopt.optim.optimizer``.
 """
 
 from __future__ import annotations

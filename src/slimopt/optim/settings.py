@@ -5,50 +5,7 @@ rule with its state-free companion (``rules.py``, ``muon.py``, ``taco.py``) and 
 (``codecs.py``); ``compile``, ``fused`` and ``param_rounding`` say how a step runs and how a bf16 weight is
 written. ``validate_group`` refuses a bad value naming the setting and what is allowed.
 
-Every keyword of ``DEFAULTS`` is a per-group setting:
-
-- ``lr``, ``betas``, ``eps``, ``weight_decay`` (decoupled, applied once in full space before the update),
-  ``momentum`` (for ``rule="sgdm"`` and ``"muon"``).
-- ``eps_placement``: ``torch`` (m_hat / (sqrt(v_hat) + eps), torch.optim.AdamW) | ``galore``
-  (m_hat / ((sqrt(v) + eps) / sqrt(1 - beta2^t)), galore-torch's and transformers' old AdamW's arithmetic).
-- ``rule``: the state-full rule, ``adamw`` | ``lion`` | ``sgdm`` | ``taco`` (2-D tensors: the one-sparse
-  ternary step with a compact per-column history, set by the ``taco_*`` settings, see
-  ``slimopt.optim.algorithm.taco``; other tensors: AdamW with the group's codecs) | ``muon`` (2-D tensors only:
-  the momentum orthogonalized by Newton-Schulz iterations, torch.optim.Muon's step; ``nesterov``,
-  ``ns_steps``, ``ns_coefficients``, ``ns_eps``, ``ns_dtype``, ``adjust_lr_fn``, see ``slimopt.optim.algorithm.muon``).
-- ``projector``: ``none`` | ``svd`` | ``randomized_svd`` | ``random`` | ``columns`` | ``rows`` | ``block``;
-  ``rank`` or ``density`` sets the subspace size (for ``block``: how many tensors of the group are active);
-  ``update_gap`` steps between refreshes (``stagger_refresh=True``: each matrix at its own phase of the gap,
-  phases balanced by the refresh's cost, so no step pays every decomposition); ``scale`` multiplies the state-full update (GaLore's alpha);
-  ``proj_side`` ``std`` | ``reverse_std`` | ``left`` | ``right`` (galore-torch's proj_type);
-  ``proj_dtype`` ``fp32`` | ``grad`` | ``auto`` (the matrix products of ``svd``, ``randomized_svd`` and
-  ``random`` projections in fp32, or in a bf16 / fp16 gradient's own dtype as galore-torch does: several times
-  faster, each projected value rounded to 16 bits; ``auto``: the latter where the device has 16-bit matrix
-  units; ``projectors.matmul_dtype``);
-  ``on_refresh`` ``keep`` (GaLore) | ``reset`` (FRUGAL) | ``project`` (rotate the moments, LDAdam);
-  ``block_order`` ``ascending`` | ``descending`` | ``random``; ``oversample`` and ``power_iters`` for
-  ``randomized_svd``; ``seed`` for every random choice.
-- ``free_rule``: what the residual outside the subspace gets: ``sign`` (FRUGAL), ``sgd`` or ``none``
-  (GaLore; inactive BAdam blocks stay frozen); ``free_scale`` multiplies it.
-- ``codec`` / ``m_codec`` / ``v_codec`` / ``state_bits``: the storage format of the moments
-  (see ``slimopt.optim.algorithm.codecs``).
-- ``compile``: run full-space AdamW steps through a torch.compile'd kernel (``compiled.py``) that decodes,
-  updates and encodes in one pass; hyperparameters enter as 0-D tensors, so schedules never recompile.
-- ``fused`` (default True): each parameter takes the fastest route its step allows (``routes/choice.py``,
-  docs/routes.md): torch's multi-tensor fused AdamW for plain moments, the one-pass C kernel on a CPU and one
-  Triton launch a size and setting on CUDA for every other element-wise update, TACO's sparse write; False runs
-  every parameter through the eager steps, the reference the fast routes are tested against.
-- ``param_rounding``: how a bf16 weight is written, ``nearest`` | ``stochastic`` (unbiased, no memory) |
-  ``kahan`` (a bf16 compensation per weight, state ``kahan_comp``); see ``rules.py``. fp32 weights are written
-  exactly; fp16 weights take ``nearest`` only.
-
-An element-wise update (AdamW, Lion, SGDM in full space or on a block, and every state-free update) runs in
-windows of the flattened tensor (``routes/windowed.py``): its temporaries stay under 64 MiB whatever the tensor.
-A subspace projector's step runs in windows of rows or columns between refreshes (``windowed.projected``): it
-holds the subspace gradient and direction, and a window.
-
-Parameters that are not 2-D take the rule on the full gradient under a subspace projector; ``block`` works for
-any shape.
+Details: docs/modules.md, ``slimopt.optim.settings``.
 """
 
 from __future__ import annotations

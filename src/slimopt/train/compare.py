@@ -5,23 +5,7 @@ scale: every method pretrains the same model from the same initialisation on the
 of tokens with its own paper learning rate, then the held-out perplexity, optimizer-state size, peak memory and
 speed go side by side into `results.md` / `results.csv`, with loss curves and a memory chart as PNG.
 
-What keeps the comparison honest (docs/pretraining.md, "Is the comparison measuring optimizers?"):
-
-- a control row (method ``frozen``: AdamW on embeddings, norms and head, every projectable weight frozen), run
-  first at its best learning rate (a short sweep of its own: a floor must be the best a model with frozen
-  transformer weights can do, and that lr is 10-30x AdamW's); methods that do not beat it are marked, and a warning
-  says what to change when AdamW beats it by less than 20% in perplexity (the budget then measures token
-  statistics, not the training of the transformer weights);
-- ``tune_lr``: each method's learning rate picked by validation loss from a grid of multipliers of its default,
-  on short runs, before the full runs (lr_sweep.csv / .json / .png);
-- ``seeds``: every run repeated with seeds seed..seed+N-1 (initialisation and batch order); the table gives mean
-  and spread and the ranking says which gaps are inside the noise;
-- a projector whose rank covers the smaller side of a weight is marked full-rank (it is not low-rank then).
-
-Each method runs in a fresh process forked from a server that has already imported torch and transformers, so
-one method's allocations never inflate the next one's peak memory, a crash in one method does not stop the others,
-and the import cost is paid once. `isolate=False` runs them in this process instead (peak memory then only
-bounds growth and is marked so).
+Details: docs/modules.md, ``slimopt.train.compare``.
 """
 
 from __future__ import annotations

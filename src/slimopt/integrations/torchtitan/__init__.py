@@ -7,13 +7,7 @@ Hugging Face names do: ``tok_embeddings`` the embedding, ``lm_head`` the head, n
 projectable; the fused ``wqkv`` is one matrix). torchtitan's LR schedulers (a LambdaLR per optimizer scales every
 group), gradient clipping and FSDP2 stay as they are.
 
-Checkpoints need ``SlimCheckpointManager`` in ``Trainer.Config.checkpoint``: torchtitan's own optimizer checkpoint
-takes a zero-gradient step to create state to load into (GaLore would take its subspace from a zero gradient) and
-loads by the live state's keys, which are not the saved ones for a block method (FRUGAL holds moments only for the
-active blocks). The container saves slimopt's portable state (``slimopt.optim.distributed.portable``), which DCP
-reshards across world sizes, and the manager hands it the checkpoint's metadata to load by.
-
-Job configs: ``slimopt.integrations.torchtitan.config_registry`` (``--module slimopt.integrations.torchtitan``).
+Details: docs/modules.md, ``slimopt.integrations.torchtitan``.
 """
 
 from __future__ import annotations

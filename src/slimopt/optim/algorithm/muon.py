@@ -8,57 +8,7 @@ steepest descent under the spectral norm of the layer. ``SlimOptimizer`` runs it
 a moment like any other (state key ``momentum_buffer``, role "m"), so it is stored through the group's m codec
 (fp32, bf16, int8, int4, ternary; 8-bit Muon holds about 1 byte per parameter).
 
-The step, as torch.optim.Muon (torch 2.13) computes it, per 2-D parameter of shape (A, B) with gradient G:
-
-    B  <- B + (1 - mu) (G - B)                     momentum as an EMA (torch: buf.lerp_(grad, 1 - momentum))
-    U  <- G + mu (B - G)  if nesterov, else B      (torch: grad.lerp(buf, momentum))
-    O  <- NS(U)                                    ``orthogonalize``: ns_steps quintic iterations
-    W  <- W (1 - lr wd) - lr s O                   decoupled decay with the plain lr, then the step
-    s  =  sqrt(max(1, A / B))          adjust_lr_fn "original" (Jordan's; torch's default, also None)
-          0.2 sqrt(max(A, B))          adjust_lr_fn "match_rms_adamw" (Moonlight, section 2.2: the update's RMS is
-                                       0.2, AdamW's typical RMS, so AdamW's lr and weight decay carry over)
-
-The decay order is torch's too: torch multiplies the weight by 1 - lr wd (the unadjusted lr) before adding the
-update, which is what ``rules.apply_update`` does with the coefficient s, so no bound is needed: with the same
-arithmetic in the iteration the two are bit-identical (tests/test_muon.py).
-
-The Newton-Schulz iteration (``orthogonalize``). X = U / max(||U||_F, eps) has spectral norm <= 1; working on the
-wide orientation (X transposed when A > B, so that X X^T is the smaller Gram matrix), each of ``ns_steps`` steps
-maps X -> a X + (b X X^T + c (X X^T)^2) X, i.e. every singular value x -> a x + b x^3 + c x^5. torch's
-coefficients (a, b, c) = (3.4445, -4.7750, 2.0315) give this polynomial the largest slope at 0 that still keeps
-the iterates in about [0.7, 1.2] after 5 steps: the result is U S' V^T with S' near 1, not exactly U V^T, which
-Jordan reports does not hurt training. (A singular value far below the largest grows by at most a^5 ~ 490 in 5
-steps and can stay below the band: a square Gaussian matrix keeps one near 0.5.) ``ns_coefficients=(1.875, -1.25, 0.375)`` is the classical quintic that
-converges to exactly 1 (slowly from small singular values). ``ns_eps`` (1e-7) guards the division for a zero U.
-
-Where the iteration computes (``ns_dtype``): torch runs it in bfloat16 (its matmuls then use a GPU's bf16 units).
-"bf16" does the same, bit for bit; "fp32" runs the same iteration in float32; "auto" (the default) is bf16 on
-CUDA and fp32 elsewhere, because a CPU without bf16 matrix instructions runs bf16 matmuls far slower than fp32
-ones (a 1024 x 1024 product: 2.2 s against 27 ms on one core of the 2-core AMD EPYC, no AVX-512, that the CPU
-benchmark runs on; docs/benchmarks.md). The output enters the update in fp32 either way.
-
-Cost. Per step and matrix (A x B, k = min(A, B), l = max(A, B)), 5 iterations of three matmuls: k^2 l (X X^T),
-k^3 (the square of the Gram matrix) and k^2 l (times X), ~2 k^2 (2 l + k) multiply-adds each, so ~10 k^2 (2 l + k)
-flops a step: about 15 matmuls of the weight's size for a square one, growing as the cube of the width. The state
-is one moment: 4 bytes per parameter in fp32, 2 in bf16, ~1 in int8.
-
-Under a projector (GaLore's ``svd`` / ``randomized_svd`` / ``random`` bases, FRUGAL's ``columns`` / ``rows``
-coordinates, ``block``). The rule sees the projected gradient L = Q^T G (r x B, left) or G Q (A x r, right), keeps
-the momentum of L (the subspace momentum, r x B or A x r) and orthogonalizes that small matrix: O = U_L V_L^T for
-M_L = U_L S_L V_L^T. The update lifted back, Q O = (Q U_L) V_L^T (or U_L (Q V_L)^T), is again an orthogonal
-factor: Q has orthonormal columns, so Q U_L does too, and Q O is exactly the polar factor of Q M_L, the momentum
-seen in the subspace, written in full space (polar(Q M) = Q polar(M) for any Q with orthonormal columns). Its r
-singular values are those of O (~1) with singular vectors inside span(Q), and it is zero on the orthogonal
-complement, where FRUGAL's state-free rule (``free_rule="sign"``) steps on the residual G - Q Q^T G instead. A
-coordinate subset (``columns``, ``rows``) is such a Q too (columns of the identity): Muon on the chosen columns or
-rows as one matrix. At full rank it is Muon itself (polar(Q M) for a square orthogonal Q). The lr adjustment s
-uses the parameter's shape (A, B), not the subspace's: the step is Muon's restricted to a subspace, so its RMS is
-that of full Muon times sqrt(r / k) (and then GaLore's ``scale``). ``block`` steps whole tensors: plain Muon on the
-active ones.
-
-Under FSDP2 a parameter's rows are spread over ranks, and the iteration needs the whole matrix: the fast step sends
-each matrix's rows to one owner rank (``exchange``), the eager one gathers them on every rank (``muon_sharded``);
-docs/distributed.md. ``orthogonalize_many`` iterates same-shape matrices as one batched product chain.
+Details: docs/modules.md, ``slimopt.optim.algorithm.muon``.
 """
 
 from __future__ import annotations

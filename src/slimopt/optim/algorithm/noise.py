@@ -10,10 +10,7 @@ noise for the same elements, in any order, tile by tile, with nothing stored. A 
 parameter, or a shard starting at its row r, reads the parameter's one stream from s (or r times the row length):
 every window and every shard draws exactly the numbers of the whole-tensor step.
 
-The hash is two rounds of a 32-bit integer finalizer (``mix32``, the "lowbias32" constants of C. Wellons' hash
-prospector) over the counter's two 32-bit halves and the key's: only 32-bit multiplies, shifts and xors, which
-torch's int64 ops, C and Triton compute alike. A uniform number is the hash's top 24 bits times 2^-24 (the
-resolution of torch.rand's fp32), a 16-bit integer (bf16 stochastic rounding) its top 16 bits.
+Details: docs/modules.md, ``slimopt.optim.algorithm.noise``.
 """
 
 from __future__ import annotations

@@ -5,16 +5,7 @@ and a residual that a state-free rule may update. Every projector keeps its choi
 ``update_gap`` steps) and stores that choice as tensors in the optimizer state, so checkpoints load with
 ``torch.load(weights_only=True)``.
 
-- ``svd``: the top-r singular vectors of the current gradient, as in GaLore (Zhao et al., arXiv 2403.03507).
-- ``randomized_svd``: the same subspace from a randomized range finder with power iterations (Halko, Martinsson,
-  Tropp, arXiv 0909.4061): a few thin matmuls and QRs instead of a full SVD.
-- ``random``: a seeded random semi-orthogonal basis (FRUGAL's random projection, Zmushko et al., arXiv 2411.07837).
-- ``columns`` / ``rows``: a seeded random subset of coordinates (FRUGAL's coordinate variants).
-- ``block``: whole tensors active in turn (FRUGAL's blockwise selection and BAdam, Luo et al., arXiv 2404.02827).
-  The schedule is a pure function of (seed, refresh index), so it needs no stored state and every rank agrees.
-
-Orthonormal bases are stored with orthonormal columns: ``proj`` is (m, r) for a left projection
-(``low = Q^T G``, r x n) and (n, r) for a right projection (``low = G Q``, m x r).
+Details: docs/modules.md, ``slimopt.optim.algorithm.projectors``.
 """
 
 from __future__ import annotations

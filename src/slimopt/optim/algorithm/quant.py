@@ -4,36 +4,7 @@ Everything here is a stateless tensor function: the storage forms that hold code
 in `slimopt.optim.algorithm.codecs`. The functions are written as whole-tensor ops (no Python loops over elements or
 blocks, no host syncs) so that a `torch.compile`d optimizer step can fuse them.
 
-What is provided:
-
-- Quantization maps (sorted fp32 code books):
-  - `dynamic_map(signed, bits)`: the dynamic-exponent map of Dettmers et al., "8-bit Optimizers via Block-wise
-    Quantization" (arXiv 2110.02861). Bit-identical to `bitsandbytes.functional.create_dynamic_map` (8 bits) and
-    to the maps `torchao.optim` uses for 8-bit state and for the signed 4-bit first moment.
-  - `linear_map(bits, zero=False)`: a linear map on (0, 1] without zero, used for the 4-bit second moment by
-    Li et al., "Memory Efficient Optimizers with 4-bit States" (arXiv 2309.01507) and by torchao's AdamW4bit:
-    a zero second moment would blow up 1/sqrt(v), so the smallest code is 1/16 of the block maximum.
-  - `TERNARY_MAP` = (-1, 0, +1).
-- Nearest and stochastic rounding onto any sorted map (`nearest_codes`, `stochastic_codes`), blockwise absmax
-  scaling with zero padding to whole blocks (`quantize_blockwise`, `dequantize_blockwise`), and the blockwise mean
-  absolute value (`block_absmean`, BitNet b1.58's ternary scale, arXiv 2402.17764).
-- Bit packing: 1/2/4-bit codes into bytes (`pack_bits`, `unpack_bits`; first element in the high bits, the order
-  torchao uses for 4-bit state), and ternary digits 5 per byte in base 3 (`pack_base3`, `unpack_base3`:
-  1.6 bits per value, 3^5 = 243 <= 256).
-- fp32 -> bf16 with nearest or stochastic rounding (`to_bf16`).
-
-Rounding rules (tested exactly against a brute-force argmin over the map):
-
-- Nearest: the code whose map value has the smallest fp32 distance |x - q| (computed as fp32 subtractions, as the
-  brute force does). Ties go to the HIGHER code (the larger map value); torchao's 8/4-bit quantizers also break
-  ties upwards. The search finds the bracketing map values with exact comparisons (no rounded midpoints:
-  `torch.bucketize`, or on CPU a table indexed by the top 16 bits of the fp32 pattern, which gives the same
-  indices; there nearest rounding is one look-up of precomputed exact fp32 decision points) followed by one
-  distance comparison between the two bracketing codes, which equals the argmin for inputs within the map's
-  range because map spacing exceeds the fp32 rounding of the distances there (tested for every map).
-- Stochastic: for x between neighbouring map values lo <= x <= hi, round to hi with probability
-  (x - lo) / (hi - lo), so E[dequantize] = x inside the map's range (unbiased); values outside the range clamp
-  to the end codes.
+Details: docs/modules.md, ``slimopt.optim.algorithm.quant``.
 """
 
 from __future__ import annotations

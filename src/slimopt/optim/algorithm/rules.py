@@ -3,30 +3,7 @@
 State-full rules keep moments; the optimizer hands them decoded fp32 moments, and stores them back through a codec
 afterwards, so a rule never knows the storage format. State-free rules act on the residual the projector leaves.
 
-- ``adamw``: Adam's direction (Kingma & Ba, arXiv 1412.6980) with the bias corrections of torch.optim.AdamW;
-  weight decay is decoupled (Loshchilov & Hutter, arXiv 1711.05101) and applied with the step by ``apply_update``.
-  ``eps_placement`` says where eps enters: ``torch`` m_hat / (sqrt(v_hat) + eps), or ``galore``
-  m_hat / ((sqrt(v) + eps) / sqrt(1 - beta2^t)), the arithmetic of galore-torch and transformers' old AdamW.
-- ``lion``: sign of an interpolated momentum (Chen et al., arXiv 2302.06675).
-- ``sgdm``: heavy-ball momentum, as torch.optim.SGD with dampening 0.
-- ``muon``: Muon (Jordan et al. 2024; Moonlight, arXiv 2502.16982): the momentum of a 2-D weight orthogonalized
-  by Newton-Schulz iterations, as torch.optim.Muon; ``muon.py`` holds it.
-- ``taco``: TACO (arXiv 2610.02199). Its 2-D step and compact state live in ``taco.py`` (the optimizer dispatches
-  there); what reaches ``direction`` under this name is its fallback for other tensors: AdamW, same moments.
-- state-free ``sign`` (signSGD, Bernstein et al., arXiv 1802.04434, as FRUGAL uses it), ``sgd`` and ``none``.
-
-``apply_update`` combines the two parts and moves the parameter; the whole-tensor step (``optimizer.py``), its
-windows (``windowed.py``) and the FSDP2 step on a local shard (``sharded.py``) all end with it, so they apply the
-same arithmetic in the same order.
-
-Writing a bf16 weight (``param_rounding``). Without an fp32 master copy, an update smaller than half a bf16 step
-(2^-9 of the weight) rounds away and is lost every step: late in training, at small learning rates, most of them.
-``nearest`` is that plain write; ``stochastic`` rounds the new fp32 value up or down with probabilities that make
-it unbiased (E[written] = value; Gupta et al., arXiv 1502.02551; for bf16 training Zamirai et al., arXiv
-2010.06192), at no memory; ``kahan`` keeps what the rounding lost in a bf16 compensation tensor of the weight's
-shape (state ``kahan_comp``, 2 bytes per parameter) and adds it back before the next update (Kahan's compensated
-summation, as Zamirai et al. apply it to weight updates), so the weight plus its compensation follows the fp32
-trajectory to about 2^-16 of the weight. fp32 weights are written exactly whatever the setting.
+Details: docs/modules.md, ``slimopt.optim.algorithm.rules``.
 """
 
 from __future__ import annotations

@@ -12,54 +12,7 @@ the steepest direction D puts sign(G_ij) at i = argmax_k |G_kj| and zero elsewhe
 per column), and <G, D> = sum_j max_i |G_ij| (the dual norm). ``ternary_direction`` computes it; a zero column
 gives a zero column (sign(0) = 0).
 
-The dimension normalization. Measure inputs (R^n) and outputs (R^m) of the layer by their mean absolute value,
-||x||_1 / n and ||y||_1 / m, so that a vector of +-1 has norm 1 whatever its length. The induced operator norm
-is (n / m) ||W||_{1->1}, whose unit ball is m / n times the 1->1 ball: the steepest step is (m / n) D. For an
-``nn.Linear`` weight (out_features, in_features) this is m / n = out / in (the value the paper reports). It makes
-the step dimension-free: with |x_j| ~ a, the update changes the layer's output by lr * a per coordinate on
-average, whatever m and n. ``taco_norm="none"`` drops it (the plain 1->1 step). Under a projector the factor
-still comes from the parameter's shape: it belongs to the layer's fan-in and fan-out, not to the subspace.
-
-The history ("practical TACO"). The bare direction follows the noise of one minibatch. The paper keeps "a small
-set of low-precision gradient components per column"; its accumulation rule is not available to us, so the rule
-here is ours. Per column j the state is k components (row index r, value v), an absmax-scaled sparse sketch of
-the exponential moving average of the gradient (decay beta = ``taco_decay``):
-
-1. Decode the stored values; a component whose stored value is 0 is an empty slot.
-2. Every stored component follows the exact EMA of its own gradient entry: v <- beta v + (1 - beta) G_rj.
-3. Candidates: the k entries of largest |G_ij| among the rows not stored, each with value (1 - beta) G_ij.
-4. Keep the k components of largest |value| among the (up to) 2k stored and candidate ones.
-5. The direction of column j is the sign of the largest kept component, at its row: a one-sparse, ternary
-   column, as in the bare direction. Its choice uses the fp32 values, before they are quantized.
-6. Store the kept values with a per-column absmax scale.
-
-So a stored entry is exactly the EMA momentum of that coordinate since it entered the sketch (a heavy-hitters
-sketch of the dense momentum); TACO's step is then to Signum/Lion what the 1->1 geometry is to the l-infinity one:
-the steepest direction of a momentum, not of one gradient. With beta = 0 it is the bare direction of the current
-gradient (up to ties), and with ``taco_k=0`` no history is kept at all.
-
-Ties are broken deterministically (the same state and gradient give the same step on every device): among
-candidates the smaller row index wins (torch.argmax returns the first maximum); in the selection of step 4 a stored
-component beats a new one of equal magnitude, and an earlier slot beats a later one (a stable sort of the stored
-slots, which are kept in descending order, followed by the candidates in their order).
-
-State per 2-D tensor (tensors only; loads with ``torch.load(weights_only=True)``):
-
-- ``taco_rows``: (k, n), row indices in the narrowest integer dtype that holds m - 1: uint8 (m <= 256),
-  int16 (m <= 32768), int32 beyond;
-- ``taco_values``: (k, n), float8_e4m3fn (``taco_format="fp8"``, value / absmax * 448) or int8 (``"int8"``,
-  round(value / absmax * 127));
-- ``taco_absmax``: (n,), the per-column scale, float32 or bfloat16 (``taco_scale_dtype``);
-
-plus the optimizer's 4-byte ``step``. Bytes: n * (k * (b_row + 1) + b_scale) + 4 (``state_nbytes``), which is O(n):
-a 4096 x 4096 weight with the defaults (k = 1, int16 rows, fp8 values, bf16 scales) stores 4096 * 5 + 4 = 20,484
-bytes (0.010 bit per parameter; k = 4: 57,348 bytes, 0.027 bit) against 134 MB for fp32 Adam moments. A bf16 scale has float32's range, so it
-loses nothing a fp8 value could show (8 significant bits against fp8's 4).
-
-Settings (per parameter group, validated by ``validate``): ``taco_k`` (history size k >= 0), ``taco_decay``
-(beta in [0, 1)), ``taco_format`` (``fp8`` | ``int8``), ``taco_scale_dtype`` (``fp32`` | ``bf16``),
-``taco_norm`` (``m/n`` | ``none``), ``taco_alpha`` (> 0; TACO's step is lr * taco_alpha * norm * D, so one lr
-serves TACO's matrices and the AdamW fallback of the same model, as GaLore's alpha does).
+Details: docs/modules.md, ``slimopt.optim.algorithm.taco``.
 """
 
 from __future__ import annotations

@@ -6,21 +6,7 @@ Both go through ``get_model_state_dict`` / ``get_optimizer_state_dict`` and thei
 (``torch.distributed.checkpoint.state_dict``), so the FQN mapping and the sharded model state are torch's; the
 optimizer state is in slimopt's portable form (``portable.py``), which DCP reshards.
 
-Why a helper instead of the plain DCP recipe (``get_optimizer_state_dict`` on a fresh optimizer as the load
-template): that template comes from a zero-gradient step taken at step 1, and a ``block`` method (FRUGAL, BAdam)
-holds moments only for the blocks active at its step, so a template made at step 1 names other tensors than a
-checkpoint made at step 250. ``load`` builds the template from the checkpoint's own metadata instead: every
-saved tensor, laid out for this process (sharded like its parameter, or replicated). For methods without a
-``block`` projector the plain recipe works as well; with one it fails loudly (a missing key in DCP, or the check
-in ``portable``), never silently. Neither function takes the zero-gradient step: an optimizer that has not
-stepped yet gets ``step = 0`` entries, which behave exactly like no state.
-
-``extra``: any other state (scheduler, data position, RNG) saved under ``"extra"``: tensors, numbers, strings
-and containers of them. Keys that differ between ranks must be distinct (e.g. one per rank): DCP keeps one copy
-of each non-tensor key.
-
-A folder whose ``.metadata`` does not read, or whose files are missing or shorter than ``.metadata`` says (a copy
-or a save cut short), is refused before anything is loaded, with one line naming the folder (a ValueError).
+Details: docs/modules.md, ``slimopt.optim.distributed.distcheckpoint``.
 """
 
 from __future__ import annotations

@@ -10,31 +10,7 @@ in which every tensor is either
 - **replicated**: the same on every rank (steps, ``proj`` of a right projection, ``proj_index``, TACO's history,
   factored column means, the moments of a left projection), saved once.
 
-Per state tensor (``key`` is a moment such as ``exp_avg``; m x n the parameter, r the subspace size):
-
-========================  ==================================================================  ===========
-internal                  portable                                                            layout
-========================  ==================================================================  ===========
-fp32 / bf16 moment        the moment as is                                                    rows
-int8 / int4 / ternary     ``key``: one uint8 code per element (unpacked), the moment's shape  rows
-                          ``key_scale``: fp32, (rows, row_len / B) where the row length is a  rows
-                          multiple of the block B (blocks never cross rows), else one scale
-                          per element (the moment's shape)
-ternary_ef residual       ``key_err``: one uint8 trit per element                             rows
-Kahan compensation        ``kahan_comp`` as is (the weight's shape and dtype)                 rows
-factored (2-D)            ``key``: row means (rows,); ``key_col``: column means (n,)          rows; repl.
-``rows`` projector        the (r, n) moments written at their rows of an (m, n) tensor        rows
-left projection           moments (r, n) as is; ``proj`` (m, r)                               repl.; rows
-========================  ==================================================================  ===========
-
-Loading cuts blocks for the new layout. Where every new block takes elements of one saved block (always for
-row-aligned blocks, and for any layout loaded at the world size it was saved at), codes and scales are copied:
-the state is bit-identical. Otherwise (a row length that is not a multiple of the block, loaded at another world
-size) the saved values are re-quantized with the new blocks: the one lossy case, reported once.
-
-``SlimOptimizer.state_dict()`` returns this form for DTensor parameters (what ``get_optimizer_state_dict``
-calls), or inside ``portable_state(opt)``; ``load_state_dict`` recognises it by ``state_layout`` in its
-parameter groups, at any world size and in one process.
+Details: docs/modules.md, ``slimopt.optim.distributed.portable``.
 """
 
 from __future__ import annotations

@@ -9,17 +9,7 @@ keeping its moments' blocks on the local elements (the blocks of one process whe
 starts a block: any matrix whose rows hold whole blocks, or whose shards do). ``Target`` is that view, for a plain
 tensor too (offset 0, one process's rows).
 
-What spans rows communicates, here and in the modules beside it (docs/distributed.md gives the volumes):
-
-- a factored second moment keeps its row means local and sums its columns over ranks (``RowShardedFactored``);
-- a left projection Q^T G sums over rows (``reference.py`` and ``windowed.projected`` all-reduce it), and the
-  ``rows`` projector's chosen rows fall unevenly on the ranks (``local_selection``, ``space_of``);
-- refreshes (``sharded_bases.py``), Muon's iteration (``muon_sharded.py``) and TACO's column max-loc
-  (``sharded_taco.py``).
-
-Random choices are pure functions of (seed, parameter index, refresh index), so every rank draws the same bases,
-coordinates and blocks; ``check_agreement`` verifies once, at the first sharded step, that all ranks index the same
-parameters with the same shapes and settings.
+Details: docs/modules.md, ``slimopt.optim.distributed.sharded``.
 """
 
 from __future__ import annotations

@@ -8,32 +8,7 @@ A step's work (``paramstep.work_of``) is one of
 - ``frozen``: nothing moves (an inactive block under ``free_rule="none"``);
 - ``projected``: a subspace projector's step (GaLore, FRUGAL).
 
-Each work has routes, fastest first (``ROUTES``); ``choose`` takes the first that applies, and each one passed
-over says why (``choose``'s reasons, which ``paramstep.explain`` returns and the ``slimopt.routes`` logger prints at
-DEBUG when a parameter's route is chosen):
-
-- ``multi_tensor_adamw``: torch's fused AdamW, every such tensor of a group in one call (``multi_tensor.py``);
-- ``multi_tensor_free``: the state-free step of the inactive blocks, one pass a weight (``multi_tensor.py``);
-- ``compiled``: a torch.compile'd AdamW step (``compile=True``, ``compiled.py``);
-- ``triton``: one Triton launch for the tensors of one size and setting (CUDA, ``triton_step.py``);
-- ``c_kernel``: the one-pass C kernel in windows (CPU, ``native.py``);
-- ``eager_windows``: the element-wise step as tensor operations in windows (``windowed.py``), the reference of
-  every element-wise route;
-- ``muon``: Muon's iteration queued, same-shape matrices stacked on a GPU, each matrix of an FSDP2 parameter iterated by
-  one owner rank (``muon_batch.py``);
-- ``taco_c_kernel``, ``taco_triton``: TACO's step at one component a column in one pass (``taco.py``);
-- ``taco_sharded``: the same on a row shard, the column max-loc over ranks (``sharded_taco.py``);
-- ``taco_sparse``: TACO's step as tensor operations, one entry a column written (``taco_routes.py``);
-- ``projected``: the subspace step in windows of slices (``windowed.projected``), whose two element-wise parts
-  (the rule on the subspace gradient, the lifted write) take their kernels by ``subspace_rule`` and
-  ``lifted_write``;
-- ``eager``: the whole-tensor eager step (``reference.py``): Muon, TACO's reference, anything else;
-- ``frozen``: nothing.
-
-A row shard of an FSDP2 parameter takes the same routes as a plain tensor (``sharded.Target``): only its work's
-parts that span rows communicate. The choice depends on the work, the group's settings, the tensors' device,
-dtypes and layout, and whether other ranks hold rows (``paramstep.signature``): a parameter keeps its route while
-those hold.
+Details: docs/modules.md, ``slimopt.optim.routes.choice``.
 """
 
 from __future__ import annotations

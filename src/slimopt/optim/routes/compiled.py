@@ -1,10 +1,10 @@
 """A torch.compile'd AdamW step for full-space parameters: decode, update in fp32, encode and write back in one
 fused pass.
 
-The eager path in ``optimizer.py`` stays the reference; this one must equal it (tests/test_compiled.py). Every
-hyperparameter reaches the compiled function as a 0-D tensor, so a learning-rate schedule, or the bias
-corrections changing every step, never trigger a recompile: the graph depends only on the parameter's shape and
-dtype and on the two codecs (torchao/optim does the same).
+The eager step (``windowed.py``, ``reference.py``) stays the reference; this one must equal it
+(tests/test_compiled.py). Every hyperparameter reaches the compiled function as a 0-D tensor, so a learning-rate
+schedule, or the bias corrections changing every step, never trigger a recompile: the graph depends only on the
+parameter's shape and dtype and on the two codecs (torchao/optim does the same).
 
 Used for groups with ``compile=True`` where the rule is ``adamw``, the parameter is updated in full space
 (projector ``none``) and neither codec draws random numbers (stochastic rounding needs a

@@ -12,15 +12,7 @@ its state tensors and its group's settings are the ones planned (``Plan.matches`
 way the general path sets them (``native.set_scalars``; ``triton_step.run`` reads them at launch) and calls the
 kernel, or queues the launch. Anything else, or anything changed, takes the general path, which plans again.
 
-Planned: a full-space element-wise step (rule adamw, lion or sgdm, no projector) of a contiguous weight whose
-moments the kernel reads and writes in place (fp32, bf16, int8, int4, ternary, factored; on CUDA stochastically
-rounded bf16 too), the weight written to nearest, with a Kahan compensation or stochastically (each run sets the
-step's random streams); and an orthonormal projector's step between refreshes without a residual (GaLore:
-``ProjectedPlan`` on a CPU, ``ProjectedLaunchPlan`` on CUDA; the matrix products run every step, the kernels'
-arguments are kept); and TACO's step at one component a column on CUDA (``TacoLaunchPlan``: the route's checks
-skipped, the launch row made anew each step). Not planned (the general path every step): moments stepped through
-an fp32 buffer on a CPU (stochastically rounded bf16), projected steps with a residual (FRUGAL's svd or random
-projections), coordinate projectors, blocks, TACO on a CPU (one C call a weight already) and Muon.
+Details: docs/modules.md, ``slimopt.optim.routes.kernel_plan``.
 """
 
 from __future__ import annotations

@@ -1,32 +1,9 @@
 """Multi-tensor steps: the parameters of a group whose update is a standard kernel, stepped in one call.
 
-The eager step (``optimizer.py``) updates one tensor at a time in a dozen passes (decode, Adam's arithmetic op by
-op, encode, weight decay, apply). Two of the per-parameter updates slimopt composes are exactly a kernel torch
-already ships, fused over every tensor of a list:
+Some updates slimopt composes are exactly a kernel torch already ships (fused AdamW) or a one-pass kernel of
+slimopt's: one call over a list of tensors replaces a dozen passes per tensor of the eager step.
 
-- **AdamW in full space with moments in the weight's own dtype** (fp32 moments of fp32 weights, bf16 moments of
-  bf16 weights; eps added after the bias correction, torch's placement): ``torch._fused_adamw_``, the kernel behind
-  ``torch.optim.AdamW(fused=True)``. One pass per tensor reads the gradient, the weight and both moments once,
-  computes in fp32 and writes the weight and the moments once; decoupled weight decay is applied to the weight
-  first, as ``rules.apply_update`` does. It covers ``adamw`` and every method's AdamW groups (embeddings, norms
-  and head of GaLore, FRUGAL, BAdam, TACO), and FRUGAL's and BAdam's active blocks.
-- **The state-free residual of an inactive FRUGAL block** (``free_rule`` ``sign`` or ``sgd``): on a CPU with
-  the one-pass kernel (``native.py``), one pass a weight (decay, sign, the fp32 update, one write); otherwise
-  decay for all of them in one foreach call, then ``p -= lr * free_scale * sign(g)`` tensor by tensor, the
-  direction in fp32 as in the eager step (one temporary at a time).
-
-- **The one-pass element-wise step of CUDA weights** (``triton_step.py``): every weight whose step the Triton
-  kernel takes is queued with its table row of addresses, and the weights of one size and one setting (rule,
-  codecs, dtypes, rounding, group, moment age) step in one launch, so that a step launches as many kernels as
-  there are such sizes and settings (LLaMA-1B: about 180 tensors in fewer than ten), not one per tensor. Where a
-  launch fails, each of its weights takes its eager step instead.
-
-The optimizer queues such parameters while it walks the group (``Batch.adamw`` / ``Batch.residual``, after the
-same per-parameter bookkeeping as the eager step: step counters, block turns, moment resets) and runs the queue
-at the end of ``step()`` (``Batch.run``). The state is the eager path's, tensor for tensor, so a run can switch
-paths between steps or across a checkpoint. Versus the eager step: the residual is bit-identical; AdamW differs
-by rounding (the fused kernel multiplies in another order and rounds a bf16 weight once instead of twice):
-tests/test_multi_tensor.py bounds it. ``fused=False`` on a group selects the eager step, which stays the reference.
+Details: docs/modules.md, ``slimopt.optim.routes.multi_tensor``.
 """
 
 from __future__ import annotations

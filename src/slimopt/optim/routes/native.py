@@ -6,29 +6,7 @@ CPU. The C kernel does the same arithmetic in one pass, a few hundred elements (
 stack buffers; its results equal the eager step's (tests/test_native.py: bit for bit on the cases tested, the
 quantized codes exactly where the fp32 moments agree).
 
-Where it applies (``applies``): a CPU parameter of fp32 or bf16 (a bf16 one written with nearest rounding,
-stochastic rounding from the weight's own counter-based stream, or a Kahan compensation), a gradient of fp32 or
-bf16, rule adamw (and TACO's AdamW fallback), lion or sgdm, each moment stored fp32, bf16 (nearest), int8,
-int4, any ternary form (``codecs.TERNARY_SPECS``) or factored (a window of whole rows: row and column means
-read, new row means and fp64 column sums written, as ``codecs.FactoredRows``), or no moments: the state-free
-sign or SGD update (signSGD, FRUGAL's inactive blocks and residual-only weights); stochastically rounded bf16
-moments go through an fp32 buffer around the kernel. TACO's whole step at one component a column
-(``taco_one``) and its candidate search (``column_best``) are the same library's. fp64 weights take the eager
-window step, which stays the reference; CUDA tensors take ``triton_step.py`` where it applies, else the eager
-step; ``fused=False`` on a group selects the eager step everywhere.
-
-A window of at least twice 2^18 elements is split over ``torch.get_num_threads()`` threads, at whole blocks and
-rows that do not depend on their number, so the bits are the same at any thread count.
-
-The kernel targets this machine (``-march=native``): the int8 and int4 maps decode through AVX-512 permutes
-where the processor has them; with AVX2 only, int8 through gathers and int4 through permutes of its map in two
-registers; plain C elsewhere; tests build it without AVX-512 and without ``-march`` too, so that every path
-stays checked against the eager step.
-
-It is built with the system C compiler (``$CC``, else ``cc``) into slimopt's cache folder
-(``slimopt.cache.cache_root``) under a name that hashes the source, the flags and
-the machine, so an edit or another CPU rebuilds it; a failed build (no compiler, say) costs one warning naming
-the reason, and every step then runs eagerly. ``SLIMOPT_NATIVE=0`` turns the kernel off.
+Details: docs/modules.md, ``slimopt.optim.routes.native``.
 """
 
 from __future__ import annotations

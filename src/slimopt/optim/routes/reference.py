@@ -10,10 +10,7 @@ tensor, or this rank's rows of an FSDP2 one),
     resid = g for the state-free rule (work "free")
     p    *= 1 - lr wd;  p -= lr (c d + free_scale free_rule(resid))          (rules.apply_update)
 
-Rows of other ranks enter only where the rule spans them: a factored v's column sums (``RowShardedFactored``),
-Muon's iteration (``muon_sharded``), TACO's column max-loc (``sharded_taco``). Random streams are the parameter's
-one counter-based stream read from the window's first element, so a shard draws what its elements draw in one
-process.
+Details: docs/modules.md, ``slimopt.optim.routes.reference``.
 """
 
 from __future__ import annotations

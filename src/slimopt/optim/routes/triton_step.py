@@ -1,52 +1,9 @@
 """The element-wise step of a set of tensors as one Triton kernel launch: the GPU's counterpart of ``native.py``.
 
-The eager window step (``windowed.py``) launches a dozen kernels per tensor on a GPU (decode, the rule op by op,
-the block absmax, the code search, encode, the weight write), each a full pass over memory. This kernel reads
-the gradient, the weight and each coded moment once and writes the weight and the moments once: one program per
-tile of whole codec blocks, Adam's (or Lion's, or SGD momentum's) arithmetic in registers, the block absmax, the
-nearest code through the same 65,536-range count table as the C kernel and ``quant`` (so codes are quant's
-exactly where the fp32 moment agrees), the packing. One launch steps every tensor of one size and one setting
-(``prepare`` makes a tensor's row of addresses, ``run`` launches a list of them; ``multi_tensor.Batch`` queues
-them during ``step()``), the kernel finding each tensor through a small device table of addresses that is copied
-once and kept while the same tensors step (``_table``). Rules: AdamW (arXiv 1711.05101; eps after or before the bias
-correction), Lion (arXiv 2302.06675), heavy-ball SGD momentum; moments fp32, bf16 (nearest, or stochastically
-rounded from the moment's own counter-based stream, ``noise.py``, hashed in the kernel), int8 or int4 blockwise
-absmax (arXiv 2110.02861, 2309.01507), ternary in every form of ``codecs.TERNARY_SPECS``, and a factored second
-moment (Adafactor, arXiv 1804.04235); and the state-free sign or SGD update (FRUGAL's residual, arXiv 2411.07837,
-an inactive block, signSGD); weights fp32, or bf16 written with nearest rounding, with stochastic rounding (the
-weight's stream) or with a Kahan compensation; gradients fp32 or bf16.
+The eager window step launches a dozen kernels per tensor on a GPU, each a full pass over memory; this kernel
+reads the gradient, the weight and each coded moment once and writes the weight and the moments once.
 
-Two codecs tie elements together across more than a tile of consecutive ones, and take a pass of their own:
-
-- a factored v: the rule's pass runs in a rows layout (a program 16 x 64 elements, down up to 128 rows) and
-  writes the fp64 sums of the new v along each tile row and down each tile column; ``run`` adds them up into the
-  row and column means (``codecs.FactoredCodec``'s arithmetic: fp64 sums divided, rounded to fp32);
-- a ternary m (and the block codes of m beside a factored v): the rule's pass decodes m in place and leaves it;
-  the moment pass (``triton_kernels.moment_step``) then recomputes m' from m and g with the same arithmetic (so
-  the very m' the direction used) and stores it, a ternary one in a layout of five whole blocks of trits, and
-  their bytes, a program.
-
-TACO's step at one component a column has kernels of its own (``triton_taco.py``), batched the same way. Muon and
-the projections' matrix products stay torch operations.
-
-The arithmetic is the C kernel's, which follows torch's CPU kernels operation for operation (explicit fma where
-they fuse, correctly rounded division and square root, bf16 rounding done on the bit pattern): run on CPU tensors
-under ``TRITON_INTERPRET=1`` (how the tests run it: ``SLIMOPT_TRITON_CPU=1`` lets CPU tensors take this path) it
-equals the eager step bit for bit, as the C kernel does. On a GPU torch's own eager kernels contract other
-products into fma, so the eager CUDA step and this kernel agree within rounding, while the kernels, compiled
-without that contraction (``_OPTIONS``), compute the CPU reference's arithmetic; ``benchmarks/gpu_bench.sh``
-compares both with the CPU reference.
-
-The bias corrections and every other scalar come from host-side counters: a step launches kernels and reads no
-device value, so it can be captured in a CUDA graph. A capture holds those scalars as they were (the learning
-rate, the bias corrections, the noise keys) and the host counters advance only while capturing: a replay repeats
-the captured step, so a graph serves one step, not a training loop (that needs the scalars in device memory,
-as torch's capturable optimizers keep them). A kernel that fails to compile or launch (written where no
-GPU can run it) costs one warning naming it and its settings, and that setting falls back to the eager step for
-the rest of the process (``fallbacks()`` lists them); where a step takes two launches, the second is compiled
-and loaded (launched on an empty grid) before the first writes anything, so a failure leaves every tensor as it
-was. ``SLIMOPT_TRITON=0`` turns the kernels off; ``fused=False``
-on a group selects the eager step everywhere.
+Details: docs/modules.md, ``slimopt.optim.routes.triton_step``.
 """
 
 from __future__ import annotations

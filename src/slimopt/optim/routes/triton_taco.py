@@ -11,10 +11,7 @@ found component, stores it (fp8 or int8 code, scale, row) and moves the weight a
 hidden rows (k, n) and the search's keys (k, chunks, n), int64: at most ``triton_step._SCRATCH_BYTES`` a launch
 (``batch_size``), as the element-wise step's.
 
-``column_best`` alone is TACO's search where a step keeps more than one component or none (``taco_routes.search_for``).
-A kernel that fails to compile or launch costs one warning; that setting then runs as tensor operations for the
-rest of the process (``triton_step.fallbacks()`` lists it). The last kernel is compiled before the first writes,
-so that a failure leaves the weights and their state as they were.
+Details: docs/modules.md, ``slimopt.optim.routes.triton_taco``.
 """
 
 from __future__ import annotations

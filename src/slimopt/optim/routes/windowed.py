@@ -9,23 +9,7 @@ fp32 gradient copy, the decoded moments, the direction, quantization buffers) ti
 tensor: at most ``WINDOW_BYTES`` (64 MiB) whatever the tensor's size. A 7B model's embedding (131M elements)
 stepped whole with 8-bit moments allocates 4.3 GB; in windows, 64 MiB.
 
-The result is the whole-tensor step's, bit for bit: every element sees the same arithmetic in the same order
-(the weight decay, the rule, the codecs' blocks, which windows never cut). A factored second moment's column
-means are sums over rows in fp64, which windows add in another order: the same fp32 means but where the exact
-mean lies within about n 2^-53 of an fp32 rounding boundary (``codecs.factored_means``). Stochastic rounding
-reads the parameter's counter-based stream (noise.py) from the window's first element on, so every window draws
-exactly the numbers of the whole-tensor step.
-
-A subspace projector's step between refreshes (GaLore's and FRUGAL's ``svd``, ``randomized_svd``, ``random``,
-``columns``, ``rows``: ``projected``) walks the weight in windows of whole rows or columns: those along the axis
-that the projection does not mix (``projectors.window_axis``), each of which projects on its own. It holds the
-subspace gradient and the direction (m x r or r x n fp32) across its windows, and runs an element-wise rule on
-them in flat windows as above; so it allocates at most WINDOW_BYTES, or what it holds plus an eighth of that (or
-one row, if larger) when it holds more: for a subspace of r directions of a side of d, 8 r / d bytes per element of the weight (4 r / d without a
-residual) on top of the window. The refresh step is the exception: the decomposition needs the whole gradient in
-fp32 and its own workspace. A window's matrix products are not always bit for bit the slices of the whole
-product (BLAS blocks by operand size), so orthonormal projections in windows may differ from a one-window step's
-in the last bits of some entries (up to ~2e-6 of the largest, measured); coordinate projectors are exact.
+Details: docs/modules.md, ``slimopt.optim.routes.windowed``.
 """
 
 from __future__ import annotations
