@@ -335,7 +335,8 @@ def int8_weights(model: nn.Module, embeddings: bool = False) -> list[tuple[str, 
             w = getattr(mod, "weight", None)
             if isinstance(w, nn.Parameter) and w.dim() == 2 and id(w) in names:
                 chosen.setdefault(id(w), (names[id(w)], w))
-    return sorted(chosen.values(), key=lambda item: list(names.values()).index(item[0]))
+    order = {n: k for k, n in enumerate(names.values())}
+    return sorted(chosen.values(), key=lambda item: order[item[0]])
 
 
 def _has_lm_head(model: nn.Module) -> bool:
