@@ -65,6 +65,8 @@ COMMAND = ("slimopt memory --model 7b --method all --layerwise --checkpointing -
            "--gpu-memory 16GB")
 CARDS = ("16GB", "24GB", "80GB")  # GB = 10^9 bytes (slimopt.bench.units.parse_size)
 
+SECOND = "8b"  # a second model's peak at the same setting: LLaMA-3-8B (its 128k vocabulary weighs on the loss)
+
 BENCH = "docs/bench/cpu/bench.json"
 
 
@@ -111,13 +113,17 @@ def plans() -> dict[str, dict]:
 
     s = SETTING
     label, config = planner.load_config(s["model"])
+    label2, config2 = planner.load_config(SECOND)
     out = {}
     for m in METHODS:
         prep = planner.prepare(planner.meta_model(config, s["dtype"]), m, dtype=s["dtype"], label=label,
                                config=config)
         p = prep.plan(s["batch"], s["seq"], s["layerwise"], s["checkpointing"])
+        prep2 = planner.prepare(planner.meta_model(config2, s["dtype"]), m, dtype=s["dtype"], label=label2,
+                                config=config2)
+        p2 = prep2.plan(s["batch"], s["seq"], s["layerwise"], s["checkpointing"])
         out[m] = {"label": label, "params": p.params, "state_bytes_per_param": p.state_bytes_per_param,
-                  "peak": p.peak, "parts": dict(p.peak_parts),
+                  "peak": p.peak, "parts": dict(p.peak_parts), "second": {"label": label2, "peak": p2.peak},
                   "max_batch": {c: prep.max_batch(parse_size(c), s["seq"], s["layerwise"], s["checkpointing"])
                                 for c in CARDS}}
     return out
@@ -204,15 +210,15 @@ def _quality_cell(method: str, q: dict | None) -> str:
 
 
 def table(pl: dict[str, dict], qual: dict[str, dict[str, dict]], steps: dict[str, float]) -> str:
-    head = ("| method | state, B/param | LLaMA-7B peak, GiB | 16 GB | 24 GB | 80 GB | 0.5M pretraining, ppl vs AdamW "
-            "| 135M continued pretraining, ppl vs AdamW | 135M fine-tuning, accuracy vs AdamW "
-            "| CPU step, x torch AdamW | pick it when |")
-    lines = [head, "| :--- | ---: | ---: | :--- | :--- | :--- | ---: | ---: | ---: | ---: | :--- |"]
+    head = ("| method | state, B/param | LLaMA-7B peak, GiB | 16 GB | 24 GB | 80 GB | LLaMA-3-8B peak, GiB "
+            "| 0.5M pretraining, ppl vs AdamW | 135M continued pretraining, ppl vs AdamW "
+            "| 135M fine-tuning, accuracy vs AdamW | CPU step, x torch AdamW | pick it when |")
+    lines = [head, "| :--- | ---: | ---: | :--- | :--- | :--- | ---: | ---: | ---: | ---: | ---: | :--- |"]
     for m, when in METHODS.items():
         p = pl[m]
         step = f"[{steps[m]:.2f}x](docs/bench/cpu/bench.md)" if m in steps else "not measured"
         cells = [f"`{m}`", f"{p['state_bytes_per_param']:.3f}", _gib(p["peak"]),
-                 *(_fits(p["max_batch"][c]) for c in CARDS),
+                 *(_fits(p["max_batch"][c]) for c in CARDS), _gib(p["second"]["peak"]),
                  *(_quality_cell(m, qual[c].get(m)) for c in COLUMNS), step, when]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -232,7 +238,9 @@ def notes(pl: dict[str, dict], qual: dict[str, dict[str, dict]], bench: dict) ->
         f"weight has stepped) and activation checkpointing, as `{COMMAND}` prints it. State: moments and "
         f"projections per parameter (plain Adam moments in bf16, like the weights). A card column says whether the "
         f"peak fits ({budgets}: the rest of a card's memory is left to the CUDA context and the allocator) and, in "
-        f"brackets, the largest batch of {SETTING['seq']:,}-token sequences that does.",
+        f"brackets, the largest batch of {SETTING['seq']:,}-token sequences that does. The "
+        f"{_model_name(p0['second']['label'])} column plans the same step for that model ({SECOND}: its vocabulary "
+        f"of 128,256 makes the loss's logits weigh more).",
         f"- **Quality** against AdamW in the same recorded run, the mean of 3 seeds (AdamW's row: its own figure): "
         f"perplexity in %, lower is better; accuracy in points, higher is better. \"&le; control\": no better than "
         f"the run's control, in which the attention and MLP weights never move. *0.5M pretraining*: a "
@@ -252,8 +260,8 @@ def notes(pl: dict[str, dict], qual: dict[str, dict[str, dict]], bench: dict) ->
 
 
 def _model_name(label: str) -> str:
-    """llama-7b -> LLaMA-7B"""
-    return re.sub(r"^llama-(\w+)$", lambda m: "LLaMA-" + m.group(1).upper(), label)
+    """llama-7b -> LLaMA-7B, llama-3-8b -> LLaMA-3-8B"""
+    return re.sub(r"^llama-([\w-]+)$", lambda m: "LLaMA-" + m.group(1).upper(), label)
 
 
 def figure_data(pl: dict[str, dict]) -> dict:

@@ -62,6 +62,9 @@ def test_planner_figures_are_slimopt_memory_s(rt, plans):
     p = planner.plan(s["model"], "frugal_head", dtype=s["dtype"], batch=s["batch"], seq=s["seq"],
                      layerwise=s["layerwise"], checkpointing=s["checkpointing"])
     assert plans["frugal_head"]["peak"] == p.peak
+    p8 = planner.plan(rt.SECOND, "frugal_head", dtype=s["dtype"], batch=s["batch"], seq=s["seq"],
+                      layerwise=s["layerwise"], checkpointing=s["checkpointing"])
+    assert plans["frugal_head"]["second"]["peak"] == p8.peak and plans["frugal_head"]["second"]["label"] == "llama-3-8b"
     assert plans["frugal_head"]["state_bytes_per_param"] == p.state_bytes_per_param
     assert plans["adamw"]["max_batch"]["16GB"] == 0  # bf16 AdamW's 25 GiB of state fit no 16 GB card
     assert plans["frugal_head"]["max_batch"]["16GB"] == planner.max_batch(
