@@ -31,7 +31,7 @@ import torch
 
 from slimopt import catalog
 from slimopt.train import checkpoint as ckpt
-from slimopt.train import fsdp
+from slimopt.train import fsdp, run_checkpoint
 from slimopt.train.evaluate import evaluate, lm_loss
 from slimopt.train.logger import MemoryProbe, RunLogger, read_jsonl
 from slimopt.train.results import check_out_dir
@@ -382,7 +382,43 @@ def train(config: TrainConfig, callback: Callable[[int, dict], None] | None = No
             dist.destroy_process_group()
 
 
-def _train(c: TrainConfig, d: _Dist, callback, t_start: float, cpu_start: float) -> dict:
+@dataclass
+class _Run:
+    """One run's parts (``_build``) and where it stands: the loop's steps read and advance it."""
+
+    c: TrainConfig
+    d: _Dist
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    total_steps: int
+    tokenizer: Any
+    packed: Any  # data.PackedData
+    val_blocks: torch.Tensor  # [n_val, seq_len]
+    probe: MemoryProbe
+    model: torch.nn.Module
+    baseline_hook: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    sampler: Any
+    peak_lr: float
+    checkpoint: Any  # run_checkpoint.FileCheckpoint or ShardedCheckpoint, None without --out
+    step: int = 0
+    tokens: int = 0
+    train_time: float = 0.0
+    logger: RunLogger | None = None
+    history: dict = field(default_factory=lambda: {"train": [], "eval": []})
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    @property
+    def n_trainable(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+
+def _build(c: TrainConfig, d: _Dist) -> _Run:
+    """Check the settings, read the data, build the model, its optimizer, schedule and sampler (nothing written)."""
     _check_config(c, d.world_size)
     device = _pick_device(c.device, d)
     if c.fsdp:  # one plain process: FSDP over a group of one
@@ -423,219 +459,229 @@ def _train(c: TrainConfig, d: _Dist, callback, t_start: float, cpu_start: float)
         fsdp.shard_model(model, device)
     optimizer = make_optimizer(model, c.method, lr=c.lr, weight_decay=c.weight_decay,
                                **({} if kind == "baseline" else c.opt))
-    peak_lr = resolve_lr(c.method, c.lr)
-    scheduler = build_scheduler(optimizer, total_steps, c.warmup, c.min_lr_ratio)
-    sampler = data_mod.BatchSampler(train_blocks, c.batch_size, seed=c.seed, rank=d.rank, world_size=d.world_size)
-    n_params = sum(p.numel() for p in model.parameters())
-    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return _Run(c, d, device, autocast_dtype, total_steps, tokenizer, packed, val_blocks, probe, model, baseline_hook,
+                optimizer, build_scheduler(optimizer, total_steps, c.warmup, c.min_lr_ratio),
+                data_mod.BatchSampler(train_blocks, c.batch_size, seed=c.seed, rank=d.rank, world_size=d.world_size),
+                resolve_lr(c.method, c.lr), run_checkpoint.for_run(c.out, c.fsdp, d.main))
 
-    # Resume: read the checkpoint (nothing is written yet).
-    start_step, tokens_seen, train_time = 0, 0, 0.0
-    state = None
-    resume_from = (fsdp.find_checkpoint(c.out) if c.fsdp else ckpt.find_checkpoint(c.out)) if c.resume else None
-    if c.resume and resume_from is None and d.main:  # documented: a job script may always pass --resume
+
+def _resume(run: _Run) -> dict | None:
+    """Continue from the checkpoint in --out where --resume asks it (nothing is written yet): the model,
+    optimizer, schedule, sampler and the run's counters restored. Returns the RNG state to set, or None."""
+    c = run.c
+    found = run.checkpoint.find() if c.resume else None
+    if c.resume and found is None and run.d.main:  # documented: a job script may always pass --resume
         print(f"slimopt train: no checkpoint in {c.out} to resume: starting at step 0", file=sys.stderr, flush=True)
-    if resume_from is not None:
-        if c.fsdp:  # a DCP folder: the run's position first, the shards after the settings check
-            state = fsdp.read_train_state(resume_from)
-        else:
-            state = ckpt.load_checkpoint(resume_from, map_location=device)
-        key = _resume_key(c, total_steps)
-        diff = {k: (state["resume_key"].get(k), v) for k, v in key.items() if state["resume_key"].get(k) != v}
-        if diff:
-            raise ValueError(f"cannot resume {c.out}: settings differ from the checkpoint's "
-                             f"(option: checkpoint -> now): {diff}")
-        if c.fsdp:
-            state["rng"] = fsdp.load(resume_from, model, optimizer)
-        else:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        sampler.load_state_dict(state["sampler"])
-        if baseline_hook is not None and "baseline" in state:
-            baseline_hook.load_state_dict(state["baseline"])
-        start_step, tokens_seen, train_time = state["step"], state["tokens"], state["train_time"]
+    if found is None:
+        return None
+    state = run.checkpoint.read(found, run.device)
+    key = _resume_key(c, run.total_steps)
+    diff = {k: (state["resume_key"].get(k), v) for k, v in key.items() if state["resume_key"].get(k) != v}
+    if diff:
+        raise ValueError(f"cannot resume {c.out}: settings differ from the checkpoint's "
+                         f"(option: checkpoint -> now): {diff}")
+    rng = run.checkpoint.restore(found, state, run.model, run.optimizer)
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.sampler.load_state_dict(state["sampler"])
+    if run.baseline_hook is not None and "baseline" in state:
+        run.baseline_hook.load_state_dict(state["baseline"])
+    run.step, run.tokens, run.train_time = state["step"], state["tokens"], state["train_time"]
+    return rng
 
-    # From here on the run writes (rank 0 only).
-    history_before: list[dict] = []
-    out = Path(c.out) if c.out is not None else None
-    logger = RunLogger(out, enabled=d.main, tensorboard=c.tensorboard,
-                       truncate_after_step=start_step if state is not None else None)
-    if state is None:
-        logger.log("config", step=0, config=asdict(c), total_steps=total_steps, peak_lr=peak_lr, params=n_params,
-                   trainable_params=n_trainable, world_size=d.world_size, device_used=str(device),
-                   train_blocks=int(train_blocks.shape[0]), val_blocks=int(val_blocks.shape[0]),
-                   data_meta={k: v for k, v in packed.meta.items() if isinstance(v, (int, float, str))})
-    else:
-        logger.log("resume", step=start_step, tokens=tokens_seen)
-    if state is not None:
-        ckpt.set_rng_state(state["rng"])
-        if logger.enabled:  # curves from before the interruption, as the truncated log has them
-            history_before = read_jsonl(logger.path)
-    del state
 
-    net = model
+def _open_log(run: _Run, rng: dict | None) -> None:
+    """The run's log (rank 0 writes): a fresh run's settings, or a resumed run's log cut back to its checkpoint
+    and its curves read back; a resumed run's random generators set where the checkpoint left them."""
+    c, resumed = run.c, rng is not None
+    run.logger = RunLogger(Path(c.out) if c.out is not None else None, enabled=run.d.main, tensorboard=c.tensorboard,
+                           truncate_after_step=run.step if resumed else None)
+    if not resumed:
+        run.logger.log("config", step=0, config=asdict(c), total_steps=run.total_steps, peak_lr=run.peak_lr,
+                       params=run.n_params, trainable_params=run.n_trainable, world_size=run.d.world_size,
+                       device_used=str(run.device), train_blocks=int(run.packed.train.shape[0]),
+                       val_blocks=int(run.val_blocks.shape[0]),
+                       data_meta={k: v for k, v in run.packed.meta.items() if isinstance(v, (int, float, str))})
+        return
+    run.logger.log("resume", step=run.step, tokens=run.tokens)
+    ckpt.set_rng_state(rng)
+    if run.logger.enabled:  # curves from before the interruption, as the truncated log has them
+        for r in read_jsonl(run.logger.path):
+            if r.get("event") == "train":
+                run.history["train"].append((r["tokens"], r["loss"]))
+            elif r.get("event") == "eval":
+                run.history["eval"].append((r["tokens"], r["val_loss"]))
+
+
+def _evaluate(run: _Run, step: int) -> dict:
+    c, d = run.c, run.d
+    if d.world_size > 1 and not c.fsdp and not _ranks_agree(run.model, run.device):
+        # Fail fast: ranks that drifted apart (different random blocks or subspaces) waste the rest of the run.
+        raise RuntimeError(f"data-parallel ranks hold different parameters at step {step}: the method's "
+                           f"choices (blocks, subspaces, random projections) differ between ranks")
+    # FSDP's forward is a collective: every rank scores every block (the same batches on all ranks)
+    micro = c.batch_size // d.world_size // c.grad_accum
+    r = evaluate(run.model, run.val_blocks, c.eval_batch_size or 2 * micro, run.device, run.autocast_dtype,
+                 *((0, 1) if c.fsdp else (d.rank, d.world_size)))
+    run.logger.log("eval", step=step, tokens=run.tokens, **r)
+    run.history["eval"].append((run.tokens, r["val_loss"]))
+    return r
+
+
+def _save(run: _Run) -> None:
+    position = {"format": 1, "step": run.step, "tokens": run.tokens, "train_time": run.train_time,
+                "resume_key": _resume_key(run.c, run.total_steps), "scheduler": run.scheduler.state_dict(),
+                "sampler": run.sampler.state_dict()}
+    extra = {"baseline": run.baseline_hook.state_dict()} if run.baseline_hook is not None else {}
+    run.checkpoint.save(position, run.model, run.optimizer, extra)
+
+
+def _optimizer_step(run: _Run, net: torch.nn.Module, params: list[torch.Tensor]) -> tuple[float, Any, float]:
+    """One optimizer step on the next global batch: its micro-batches' backward passes (DDP and FSDP2 reduce
+    gradients on the last only), the loss averaged over ranks, clipping, the step and the schedule. Returns
+    (mean loss, gradient norm or None, the lr the step used)."""
+    c, d, model = run.c, run.d, run.model
+    micro = c.batch_size // d.world_size // c.grad_accum
+    ac = torch.autocast(run.device.type, dtype=run.autocast_dtype) if run.autocast_dtype is not None \
+        else nullcontext()
+    batch = run.sampler.next_batch()  # [batch_size // world_size, seq_len]
+    chunks = batch.to(run.device, non_blocking=True).split(micro)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=run.device)
+    for i, x in enumerate(chunks):
+        ctx = (fsdp.no_sync(model) if c.fsdp else net.no_sync()) if d.world_size > 1 and i < len(chunks) - 1 \
+            else nullcontext()
+        with ctx:
+            with ac:
+                loss = lm_loss(net, x)
+            (loss / c.grad_accum).backward()
+        loss_sum += loss.detach().float()
+    loss_mean = loss_sum / c.grad_accum
+    if d.world_size > 1:
+        import torch.distributed as dist
+        dist.all_reduce(loss_mean)  # SUM (gloo has no AVG), then the mean over ranks
+        loss_mean /= d.world_size
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, c.clip) if c.clip > 0 else None
+    lr_now = run.optimizer.param_groups[0]["lr"]
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scheduler.step()
+    if run.baseline_hook is not None:
+        run.baseline_hook.after_step(run.step + 1, run.optimizer)
+    return loss_mean.item(), grad_norm, lr_now  # .item() waits for the device: the step's time is its real one
+
+
+def _loop(run: _Run, callback, bar) -> float:
+    """The steps from where the run stands to the end: logs, evaluations and checkpoints at their intervals.
+    Returns the last step's loss."""
+    c, d = run.c, run.d
+    net = run.model
     if d.world_size > 1 and not c.fsdp:
         net = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
-    model.train()
-    micro = c.batch_size // d.world_size // c.grad_accum
-    eval_bs = c.eval_batch_size or 2 * micro
-    eval_every = c.eval_every if c.eval_every is not None else max(1, math.ceil(total_steps / 8))
+            run.model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
+    run.model.train()
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    eval_every = c.eval_every if c.eval_every is not None else max(1, math.ceil(run.total_steps / 8))
     step_tokens = c.batch_size * c.seq_len
-    ac = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
-    params = [p for p in model.parameters() if p.requires_grad]
-    history = {"train": [], "eval": []}
-    for r in history_before:
-        if r.get("event") == "train":
-            history["train"].append((r["tokens"], r["loss"]))
-        elif r.get("event") == "eval":
-            history["eval"].append((r["tokens"], r["val_loss"]))
+    start_step, loss_val = run.step, float("nan")
+    window_t, window_tokens = time.perf_counter(), 0
+    for step in range(start_step, run.total_steps):
+        t0 = time.perf_counter()
+        loss_val, grad_norm, lr_now = _optimizer_step(run, net, params)
+        run.train_time += time.perf_counter() - t0
+        run.tokens += step_tokens
+        window_tokens += step_tokens
+        run.step = done = step + 1
+        if run.checkpoint is not None and (c.save_every > 0 or c.resume) and d.main and done == start_step + 1 \
+                and not c.fsdp:
+            # Optimizer state is created lazily; once it exists, make sure a resume will be able to load it.
+            bad = ckpt.check_weights_only_safe(run.optimizer.state_dict(), "optimizer state")
+            if bad is not None:
+                raise ValueError(f"method {c.method!r} cannot be checkpointed for a weights_only resume: {bad}; "
+                                 f"run it without --save-every/--resume")
+        rec = {"step": done, "tokens": run.tokens, "loss": loss_val, "lr": lr_now}
+        run.history["train"].append((run.tokens, loss_val))
+        if done % c.log_every == 0 or done == run.total_steps:
+            now = time.perf_counter()
+            tps = window_tokens / max(now - window_t, 1e-9)
+            window_t, window_tokens = now, 0
+            mem = run.probe.now()
+            rec.update(tokens_per_s=tps, mem_bytes=mem,
+                       **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}))
+            run.logger.log("train", **rec)
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tps:,.0f}", mem=f"{mem / 2**20:,.0f}MiB",
+                                refresh=False)
+        if eval_every and done % eval_every == 0 and done != run.total_steps:
+            _evaluate(run, done)
+            window_t = time.perf_counter()  # evaluation time is not training throughput
+        if c.save_every and done % c.save_every == 0 and done != run.total_steps and run.checkpoint is not None:
+            _save(run)
+            window_t = time.perf_counter()
+        if bar is not None:
+            bar.update(1)
+        if not math.isfinite(loss_val):
+            run.logger.log("diverged", step=done, loss=loss_val)
+            break
+        if callback is not None:
+            callback(done, rec)
+    return loss_val
 
-    def run_eval(step: int) -> dict:
-        if d.world_size > 1 and not c.fsdp and not _ranks_agree(model, device):
-            # Fail fast: ranks that drifted apart (different random blocks or subspaces) waste the rest of the run.
-            raise RuntimeError(f"data-parallel ranks hold different parameters at step {step}: the method's "
-                               f"choices (blocks, subspaces, random projections) differ between ranks")
-        # FSDP's forward is a collective: every rank scores every block (the same batches on all ranks)
-        r = evaluate(model, val_blocks, eval_bs, device, autocast_dtype, *((0, 1) if c.fsdp else (d.rank,
-                                                                                                  d.world_size)))
-        logger.log("eval", step=step, tokens=tokens_seen, **r)
-        history["eval"].append((tokens_seen, r["val_loss"]))
-        return r
 
-    def save(step: int) -> None:
-        if c.fsdp and out is not None:  # every rank writes its shards
-            position = {"format": 1, "step": step, "tokens": tokens_seen, "train_time": train_time,
-                        "resume_key": _resume_key(c, total_steps), "scheduler": scheduler.state_dict(),
-                        "sampler": sampler.state_dict()}
-            fsdp.save(out, model, optimizer, position, ckpt.rng_state())
-            return
-        if out is None or not d.main:
-            return
-        st = {"format": 1, "step": step, "tokens": tokens_seen, "train_time": train_time,
-              "resume_key": _resume_key(c, total_steps),
-              "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-              "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(), "rng": ckpt.rng_state()}
-        if baseline_hook is not None:
-            st["baseline"] = baseline_hook.state_dict()
-        ckpt.save_atomic(st, out / ckpt.CHECKPOINT_NAME)
+def _summary(run: _Run, loss_val: float, last_eval: dict, start_eval: dict | None, t_start: float,
+             cpu_start: float) -> dict:
+    c, d = run.c, run.d
+    # with FSDP: the sum over ranks (slimopt.state_nbytes per rank by default)
+    state_bytes = slimopt_state_nbytes(run.optimizer, total=True) if c.fsdp else optimizer_state_nbytes(run.optimizer)
+    n_trainable = run.n_trainable
+    summary = {
+        "method": c.method, "model": c.model, "data": c.data, "params": run.n_params,
+        "trainable_params": n_trainable, "steps": run.step, "tokens": run.tokens, "lr": run.peak_lr,
+        "val_loss": last_eval["val_loss"], "val_ppl": last_eval["val_ppl"], "val_tokens": last_eval["val_tokens"],
+        "start_val_loss": start_eval["val_loss"] if start_eval else None,
+        "start_val_ppl": start_eval["val_ppl"] if start_eval else None,
+        "final_train_loss": loss_val,
+        "state_bytes": state_bytes, "state_bytes_per_param": state_bytes / max(1, n_trainable),
+        "peak_mem_bytes": run.probe.peak_delta(), "peak_mem_kind": run.probe.kind,
+        "tokens_per_s": run.tokens / run.train_time if run.train_time > 0 else float("nan"),
+        "train_time_s": run.train_time, "device": str(run.device), "world_size": d.world_size, "rank": d.rank,
+    }
+    if d.world_size > 1:
+        summary["ranks_agree"] = True  # checked at every evaluation, the last one included
+    summary["wall_time_s"] = time.perf_counter() - t_start
+    summary["cpu_time_s"] = time.process_time() - cpu_start  # all threads of this process; load-independent
+    return summary
 
-    checkpointing = out is not None and (c.save_every > 0 or c.resume)
+
+def _train(c: TrainConfig, d: _Dist, callback, t_start: float, cpu_start: float) -> dict:
+    run = _build(c, d)
+    _open_log(run, _resume(run) if run.checkpoint is not None else None)  # from here on the run writes (rank 0)
     bar = None
     if c.progress and d.main:
         from tqdm.auto import tqdm
-        bar = tqdm(total=total_steps, initial=start_step, desc=c.method, unit="step", dynamic_ncols=True,
+        bar = tqdm(total=run.total_steps, initial=run.step, desc=c.method, unit="step", dynamic_ncols=True,
                    leave=True)
-    window_t, window_tokens = time.perf_counter(), 0
-    loss_val = float("nan")
-    done = start_step
     # a loaded model (not a size built from scratch) starts somewhere worth knowing: continued pretraining is
     # judged by its held-out perplexity before and after
     from slimopt.train.models import LLAMA_SIZES
-    start_eval = run_eval(0) if start_step == 0 and c.model.lower() not in LLAMA_SIZES else None
-    window_t = time.perf_counter()
+    start_eval = _evaluate(run, 0) if run.step == 0 and c.model.lower() not in LLAMA_SIZES else None
     try:
-        for step in range(start_step, total_steps):
-            t0 = time.perf_counter()
-            batch = sampler.next_batch()  # [batch_size // world_size, seq_len]
-            chunks = batch.to(device, non_blocking=True).split(micro)
-            loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-            for i, x in enumerate(chunks):
-                # DDP all-reduces gradients on the last micro-batch only.
-                ctx = (fsdp.no_sync(model) if c.fsdp else net.no_sync()) if d.world_size > 1 and i < len(chunks) - 1 \
-                    else nullcontext()
-                with ctx:
-                    with ac:
-                        loss = lm_loss(net, x)
-                    (loss / c.grad_accum).backward()
-                loss_sum += loss.detach().float()
-            loss_mean = loss_sum / c.grad_accum
-            if d.world_size > 1:
-                import torch.distributed as dist
-                dist.all_reduce(loss_mean)  # SUM (gloo has no AVG), then the mean over ranks
-                loss_mean /= d.world_size
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, c.clip) if c.clip > 0 else None
-            lr_now = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            if baseline_hook is not None:
-                baseline_hook.after_step(step + 1, optimizer)
-            loss_val = loss_mean.item()  # also waits for the device, so dt below is the real step time
-            dt = time.perf_counter() - t0
-            train_time += dt
-            tokens_seen += step_tokens
-            window_tokens += step_tokens
-            done = step + 1
-
-            if checkpointing and d.main and done == start_step + 1 and not c.fsdp:
-                # Optimizer state is created lazily; once it exists, make sure a resume will be able to load it.
-                bad = ckpt.check_weights_only_safe(optimizer.state_dict(), "optimizer state")
-                if bad is not None:
-                    raise ValueError(f"method {c.method!r} cannot be checkpointed for a weights_only resume: {bad}; "
-                                     f"run it without --save-every/--resume")
-            rec = {"step": done, "tokens": tokens_seen, "loss": loss_val, "lr": lr_now}
-            history["train"].append((tokens_seen, loss_val))
-            if done % c.log_every == 0 or done == total_steps:
-                now = time.perf_counter()
-                tps = window_tokens / max(now - window_t, 1e-9)
-                window_t, window_tokens = now, 0
-                mem = probe.now()
-                rec.update(tokens_per_s=tps, mem_bytes=mem,
-                           **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}))
-                logger.log("train", **rec)
-                if bar is not None:
-                    bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tps:,.0f}", mem=f"{mem / 2**20:,.0f}MiB",
-                                    refresh=False)
-            if eval_every and done % eval_every == 0 and done != total_steps:
-                run_eval(done)
-                window_t = time.perf_counter()  # evaluation time is not training throughput
-            if c.save_every and done % c.save_every == 0 and done != total_steps:
-                save(done)
-                window_t = time.perf_counter()
-            if bar is not None:
-                bar.update(1)
-            if not math.isfinite(loss_val):
-                logger.log("diverged", step=done, loss=loss_val)
-                break
-            if callback is not None:
-                callback(done, rec)
+        loss_val = _loop(run, callback, bar)
         if bar is not None:
             bar.close()
             bar = None
-
-        last_eval = run_eval(done)
-        if checkpointing:
-            save(done)
-        # with FSDP: the sum over ranks (slimopt.state_nbytes per rank by default)
-        state_bytes = slimopt_state_nbytes(optimizer, total=True) if c.fsdp else optimizer_state_nbytes(optimizer)
-        peak = probe.peak_delta()
-        summary = {
-            "method": c.method, "model": c.model, "data": c.data, "params": n_params,
-            "trainable_params": n_trainable, "steps": done, "tokens": tokens_seen, "lr": peak_lr,
-            "val_loss": last_eval["val_loss"], "val_ppl": last_eval["val_ppl"], "val_tokens": last_eval["val_tokens"],
-            "start_val_loss": start_eval["val_loss"] if start_eval else None,
-            "start_val_ppl": start_eval["val_ppl"] if start_eval else None,
-            "final_train_loss": loss_val,
-            "state_bytes": state_bytes, "state_bytes_per_param": state_bytes / max(1, n_trainable),
-            "peak_mem_bytes": peak, "peak_mem_kind": probe.kind,
-            "tokens_per_s": tokens_seen / train_time if train_time > 0 else float("nan"),
-            "train_time_s": train_time, "device": str(device), "world_size": d.world_size, "rank": d.rank,
-        }
-        if d.world_size > 1:
-            summary["ranks_agree"] = True  # checked at every evaluation, the last one included
-        summary["wall_time_s"] = time.perf_counter() - t_start
-        summary["cpu_time_s"] = time.process_time() - cpu_start  # all threads of this process; load-independent
-        logger.log("final", step=done, **summary)
+        last_eval = _evaluate(run, run.step)
+        if run.checkpoint is not None and (c.save_every > 0 or c.resume):
+            _save(run)
+        summary = _summary(run, loss_val, last_eval, start_eval, t_start, cpu_start)
+        run.logger.log("final", step=run.step, **summary)
     finally:
         if bar is not None:
             bar.close()
-        logger.close()
-    full = fsdp.full_model_state_dict(model) if c.fsdp and out is not None and c.save_model else None
+        run.logger.close()
+    out = Path(c.out) if c.out is not None else None
+    full = fsdp.full_model_state_dict(run.model) if c.fsdp and out is not None and c.save_model else None
     if out is not None and d.main and c.save_model:
-        target = baseline_hook.export(model) if baseline_hook is not None else model
+        target = run.baseline_hook.export(run.model) if run.baseline_hook is not None else run.model
         target.save_pretrained(out / "final", **({"state_dict": full} if full is not None else {}))
-        tokenizer.save_pretrained(out / "final")
-    summary["history"] = history
+        run.tokenizer.save_pretrained(out / "final")
+    summary["history"] = run.history
     return summary
