@@ -14,3 +14,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """(corpus, cache): the first KJV chapters as a local .txt file and a cache folder, once per test module (the
+    pretraining, comparison and checkpoint tests' small real corpus: pretrain_helpers.write_corpus)."""
+    from pretrain_helpers import write_corpus
+    folder = tmp_path_factory.mktemp("corpus")
+    return write_corpus(folder), folder / "cache"

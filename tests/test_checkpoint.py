@@ -14,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from pretrain_helpers import fast_config, write_corpus
+from pretrain_helpers import fast_config
 
 import slimopt
 from slimopt.cli import main
@@ -22,12 +22,6 @@ from slimopt.optim.distributed import distcheckpoint
 from slimopt.train import checkpoint as ckpt
 from slimopt.train.logger import read_jsonl
 from slimopt.train.loop import known_methods, train
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("ckpt")
-    return write_corpus(folder), folder / "cache"
 
 
 # ------------------------------------------------------------------------------------------------ atomic writes

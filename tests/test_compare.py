@@ -9,7 +9,7 @@ from dataclasses import replace
 import matplotlib.image
 import numpy as np
 import pytest
-from pretrain_helpers import VOCAB, fast_config, write_corpus
+from pretrain_helpers import VOCAB, fast_config
 
 from slimopt.cli import main
 from slimopt.train.compare import (
@@ -21,12 +21,6 @@ from slimopt.train.compare import (
     scaled_schedule_opts,
 )
 from slimopt.train.logger import read_jsonl
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("compare")
-    return write_corpus(folder), folder / "cache"
 
 
 def _non_white_fraction(png) -> float:

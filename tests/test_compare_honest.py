@@ -13,7 +13,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 import torch
-from pretrain_helpers import VOCAB, fast_config, write_corpus
+from pretrain_helpers import VOCAB, fast_config
 
 from slimopt import baselines
 from slimopt.cli import main
@@ -35,12 +35,6 @@ from slimopt.train.compare_analysis import (
     ranking_text,
 )
 from slimopt.train.loop import make_optimizer, train
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("honest")
-    return write_corpus(folder), folder / "cache"
 
 
 def _table(md: str) -> dict[str, list[str]]:

@@ -7,7 +7,7 @@ import math
 from dataclasses import replace
 
 import pytest
-from pretrain_helpers import VOCAB, fast_config, write_corpus
+from pretrain_helpers import VOCAB, fast_config
 
 from slimopt.cli import main
 from slimopt.train.compare import (
@@ -18,12 +18,6 @@ from slimopt.train.compare import (
     run_compare,
     scaled_schedule_opts,
 )
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("traps")
-    return write_corpus(folder), folder / "cache"
 
 
 @pytest.fixture()

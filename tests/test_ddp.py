@@ -10,17 +10,11 @@ import sys
 import pytest
 import torch
 from helpers import run_torchrun
-from pretrain_helpers import VOCAB, fast_config, write_corpus
+from pretrain_helpers import VOCAB, fast_config
 from safetensors.torch import load_file
 
 from slimopt.train.logger import read_jsonl
 from slimopt.train.loop import train
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("ddp")
-    return write_corpus(folder), folder / "cache"
 
 
 

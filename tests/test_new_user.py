@@ -11,15 +11,9 @@ import sys
 import time
 
 import pytest
-from pretrain_helpers import VOCAB, write_corpus
+from pretrain_helpers import VOCAB
 
 from slimopt.cli import main
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("new-user")
-    return write_corpus(folder, chapters=60), folder / "cache"
 
 
 def _train_args(corpus, cache, out, *extra):

@@ -9,19 +9,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from pretrain_helpers import VOCAB, fast_config, write_corpus
+from pretrain_helpers import VOCAB, fast_config
 
 from slimopt.cli import main
 from slimopt.train import models
 from slimopt.train.evaluate import evaluate, lm_loss
 from slimopt.train.loop import known_methods, train
 from slimopt.train.schedule import WarmupCosine, build_scheduler, resolve_warmup
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("pretrain")
-    return write_corpus(folder), folder / "cache"
 
 
 # ------------------------------------------------------------------------------------------------ schedule
