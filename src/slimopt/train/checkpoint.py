@@ -12,13 +12,16 @@ holding Python objects (written by an optimizer that keeps them in its state).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import random
 import re
+import signal
+import threading
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -34,11 +37,39 @@ CHECKPOINT_NAME = "checkpoint.pt"
 
 
 def save_atomic(obj: Any, path: str | os.PathLike) -> Path:
-    """Write `obj` with `torch.save` to `path` so that `path` is always either the old or the new file."""
+    """Write `obj` with `torch.save` to `path` so that `path` is always either the old or the new file.
+
+    A Ctrl-C during the write takes effect once the file is in place (a second one at once, the write abandoned):
+    torch's zip writer, interrupted, raises an error of its own that hides the interrupt, and the run would stop
+    with a traceback instead of naming the checkpoint it can resume from."""
     path = Path(path)
-    with atomic_file(path, "wb") as f:  # fsync-ed before the rename; an interrupted write removes its temporary
-        torch.save(obj, f)
+    with _interrupts_after():
+        with atomic_file(path, "wb") as f:  # fsync-ed before the rename; an interrupted write removes its temporary
+            torch.save(obj, f)
     return path
+
+
+@contextlib.contextmanager
+def _interrupts_after() -> Iterator[None]:
+    """Hold a SIGINT that arrives inside the block until it ends, then raise KeyboardInterrupt; a second SIGINT
+    raises at once. Only the main thread receives signals: elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+
+    def hold(signum, frame):
+        if pending:
+            raise KeyboardInterrupt
+        pending.append(signum)
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:  # None: a handler not set from Python, for which Python's own stands in
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+    if pending:
+        raise KeyboardInterrupt
 
 
 class CheckpointError(ValueError):
