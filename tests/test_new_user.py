@@ -166,3 +166,12 @@ def test_ctrl_c_during_a_checkpoint_write_takes_effect_once_the_file_is_whole(tm
     assert torch.equal(ckpt.load_checkpoint(tmp_path / "c.pt")["x"], torch.arange(3.0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("command", [["memory", "--model", "7b", "--method", "adamw"],
+                                     ["bench", "--model", "tiny", "--methods", "adamw", "--steps", "1"]])
+def test_memory_and_bench_out_under_a_file_stop_before_any_work(tmp_path, capsys, command):
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    err = _error([*command, "--out", str(afile / "sub")], capsys)
+    assert "--out" in err and "is a file" in err and afile.read_text() == "keep me"

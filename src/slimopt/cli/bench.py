@@ -164,8 +164,12 @@ def run(args) -> int:
 
     from slimopt.bench.harness import CHECK_METHODS, BenchConfig, check_planner, planned_goal_bytes, run_bench
     from slimopt.bench.plots import bench_chart
+    from slimopt.atomic import write_atomic
     from slimopt.options import parse_method_opts
+    from slimopt.train.results import check_out_dir
 
+    if args.out:
+        check_out_dir(args.out)  # before the benchmark runs, not after
     methods = None if args.methods.strip() == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
     if methods == []:
         raise ValueError("--methods needs at least one method name, or 'all'")
@@ -195,8 +199,8 @@ def run(args) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "bench.md").write_text(text)
-        (out / "bench.json").write_text(json.dumps({**result, "command": command}, indent=1, default=str) + "\n")
+        write_atomic(out / "bench.md", text)
+        write_atomic(out / "bench.json", json.dumps({**result, "command": command}, indent=1, default=str) + "\n")
         bench_chart(result["rows"], out / "bench.png",
                     title=f"{args.model} {args.dtype} on {result['environment']['device']}")
         print(f"wrote {out / 'bench.md'}, {out / 'bench.json'}, {out / 'bench.png'}", file=sys.stderr)

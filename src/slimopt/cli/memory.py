@@ -92,8 +92,12 @@ def run(args) -> int:
     from slimopt.bench.plots import memory_chart
     from slimopt.bench.tables import memory_table
     from slimopt.bench.units import parse_size
+    from slimopt.atomic import write_atomic
     from slimopt.options import parse_method_opts
+    from slimopt.train.results import check_out_dir
 
+    if args.out:
+        check_out_dir(args.out)
     budget = parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory is not None else None
     if args.batch is not None and args.seq is None:
         raise ValueError("--batch needs --seq (the tokens per sequence)")
@@ -148,11 +152,11 @@ def run(args) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "memory.md").write_text(text)
+        write_atomic(out / "memory.md", text)
         payload = {"model": label, "settings": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                    "budget_bytes": budget, "max_batch": max_batches, "host_memory": host_note,
                    "plans": [p.to_dict() for p in plans]}
-        (out / "memory.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+        write_atomic(out / "memory.json", json.dumps(payload, indent=1, default=str) + "\n")
         memory_chart(plans, out / "memory.png", budget, title=f"{label}: {mode}")
         print(f"\nwrote {out / 'memory.md'}, {out / 'memory.json'}, {out / 'memory.png'}")
     return 0
