@@ -555,6 +555,9 @@ CASES = [
     bench_case("bench-cpu-routes-ab", "slimopt bench --model small --vocab-size 8192 --steps 5 --warmup 2 --threads 1 "
                "--methods torch-adamw-fused,adamw,adamw8bit,adamw4bit,ternary_adamw,galore,frugal,taco --no-refresh"),
     bench_case("bench-cpu-help", "slimopt bench --model small --vocab-size 8192 --steps 3 --warmup 1"),
+    bench_case("bench-cpu-kernel-ab", "slimopt bench --model small --methods adamw4bit,galore8bit,adamw8bit,"
+               "ternary_adamw,torch-adamw-fused --device cpu --dtype bf16 --steps 15 --warmup 2 --vocab-size 8192 "
+               "--threads 1 --no-refresh"),
     bench_case("bench-tiny-no-refresh", "slimopt bench --model tiny --methods adamw,adamw8bit,torch-adamw-fused,"
                "bnb-adamw8bit --no-refresh", slow=True),  # bitsandbytes' import compiles kernels
     bench_case("bench-gpu", "slimopt bench --model 1b --device cuda --steps 20 --warmup 3 --out $OUT/bench",
