@@ -781,11 +781,33 @@ int slimopt_elementwise_step(step_t *s) {
     if (threads > groups) threads = groups > 1 ? groups : 1;  /* an empty window (a rank's empty shard) too */
     if (!factored && threads == 1) return step_range(s, tile, 0, s->n);
 
+    /* one thread: a group's column sums in one buffer, added into col_sum before the next group (the same sums in
+     * the same order as below, without a buffer for every group) */
+    const int64_t buffered = threads == 1 ? 1 : groups;
     double *parts[2] = {NULL, NULL};
     for (int k = 0; k < s->n_codecs; k++) {
         if (s->codecs[k].kind != C_FACTORED) continue;
-        parts[k] = (double *)calloc((size_t)(groups * s->codecs[k].cols), sizeof(double));
+        parts[k] = (double *)calloc((size_t)(buffered * s->codecs[k].cols), sizeof(double));
         if (parts[k] == NULL) { free(parts[0]); return -1; }
+    }
+    if (threads == 1) {
+        step_t one = *s;  /* its own running row sums, as a thread's copy */
+        int rc = 0;
+        for (int64_t g = 0; g < groups && rc == 0; g++) {
+            for (int k = 0; k < s->n_codecs; k++)
+                if (parts[k] != NULL) {
+                    memset(parts[k], 0, sizeof(double) * (size_t)s->codecs[k].cols);
+                    one.codecs[k].col_sum = parts[k];
+                }
+            const int64_t lo = g * group, hi = lo + group < s->n ? lo + group : s->n;
+            rc = step_range(&one, tile, lo, hi);
+            for (int k = 0; k < s->n_codecs; k++)
+                if (parts[k] != NULL)
+                    for (int64_t c = 0; c < s->codecs[k].cols; c++) s->codecs[k].col_sum[c] += parts[k][c];
+        }
+        free(parts[0]);
+        free(parts[1]);
+        return rc;
     }
     part_t jobs[MAX_THREADS];
     pthread_t ids[MAX_THREADS];
