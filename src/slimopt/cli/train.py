@@ -153,8 +153,8 @@ def interrupted_message(out: str | None, argv: list[str]) -> str:
     """What `slimopt train` says on Ctrl-C: where the last checkpoint is and the command that continues from it."""
     import shlex
 
-    from slimopt.train.loop import checkpoint_step
-    step = checkpoint_step(out) if out is not None else None
+    from slimopt.train.run_checkpoint import last_step
+    step = last_step(out) if out is not None else None
     if step is None:
         why = "no --out" if out is None else f"no checkpoint in {out}"
         return (f"slimopt train: interrupted; {why}, so nothing to resume (--out DIR --save-every N writes a "

@@ -210,19 +210,6 @@ def _check_config(c: TrainConfig, world_size: int) -> None:
                          f"resume it the same way")
 
 
-def checkpoint_step(out: str | os.PathLike) -> int | None:
-    """The step of the checkpoint in a run's folder (plain or FSDP2), or None when it holds none that loads."""
-    for found, read in ((ckpt.find_checkpoint(out), lambda p: torch.load(p, map_location="cpu", weights_only=True,
-                                                                         mmap=True)),
-                        (fsdp.find_checkpoint(out), fsdp.read_train_state)):
-        if found is not None:
-            try:
-                return int(read(found)["step"])
-            except Exception:  # damaged: a resume says how, with the file's name
-                return None
-    return None
-
-
 def _check_model_name(name: str) -> None:
     from slimopt.train import models
     if not isinstance(name, str) or not name:

@@ -8,6 +8,7 @@ restore the model and optimizer, and save; ``for_run`` picks the strategy once.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from slimopt.train import checkpoint as ckpt
 from slimopt.train import fsdp
 
-__all__ = ["FileCheckpoint", "ShardedCheckpoint", "for_run"]
+__all__ = ["FileCheckpoint", "ShardedCheckpoint", "for_run", "last_step"]
 
 
 class FileCheckpoint:
@@ -31,6 +32,10 @@ class FileCheckpoint:
     def read(self, path: Path, device: torch.device) -> dict[str, Any]:
         """The checkpoint's contents (the position with the model and optimizer in it)."""
         return ckpt.load_checkpoint(path, map_location=device)
+
+    def step(self, path: Path) -> int:
+        """The checkpoint's step, its tensors mapped from the file rather than read."""
+        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"])
 
     def restore(self, path: Path, state: dict[str, Any], model: torch.nn.Module,
                 optimizer: torch.optim.Optimizer) -> dict:
@@ -60,6 +65,9 @@ class ShardedCheckpoint:
         """The position only: the shards are read after the settings check (``restore``)."""
         return fsdp.read_train_state(path)
 
+    def step(self, path: Path) -> int:
+        return int(fsdp.read_train_state(path)["step"])
+
     def restore(self, path: Path, state: dict[str, Any], model: torch.nn.Module,
                 optimizer: torch.optim.Optimizer) -> dict:
         return fsdp.load(path, model, optimizer)
@@ -74,3 +82,16 @@ def for_run(out: str | None, sharded: bool, main: bool) -> FileCheckpoint | Shar
     if out is None:
         return None
     return ShardedCheckpoint(Path(out)) if sharded else FileCheckpoint(Path(out), main)
+
+
+def last_step(out: str | os.PathLike) -> int | None:
+    """The step of the checkpoint in a run's folder, plain or FSDP2, or None where none loads (a damaged one: a
+    resume says how, naming the file)."""
+    for strategy in (FileCheckpoint(Path(out), main=True), ShardedCheckpoint(Path(out))):
+        found = strategy.find()
+        if found is not None:
+            try:
+                return strategy.step(found)
+            except Exception:
+                return None
+    return None
