@@ -1,90 +1,12 @@
 """The memory planner: what a training step of a model needs, per method, before anything is allocated.
 
-For a model config (a LLaMA size name, tiny to 70b: ``size_names()``, or a local folder holding any Hugging Face
-config.json, read offline), a method (every slimopt method, and the peers torch AdamW, bitsandbytes, torchao and
-galore-torch) and a dtype, the planner builds the model on the meta device (no memory, no weights), enumerates its
-parameters and gives:
-
-- weights: every parameter and buffer, in the model's dtype;
-- gradients: one per trainable parameter in its dtype, or, with layer-wise (optimizer-in-backward) updates, only
-  the largest one, since each is freed right after its parameter steps;
-- optimizer state, exact: for slimopt methods the optimizer that ``slimopt train`` builds is constructed over the
-  meta parameters (same partition, same recipe, same default rank), and each parameter's state is sized with the
-  optimizer's own helpers: its layout (``SlimOptimizer._layout``), subspace side and rank
-  (``projectors.side_for`` / ``subspace_rank``), the moment shape (``projectors.subspace_shape``), the moment codecs
-  it would pick (``SlimOptimizer._moment_codecs``) and their exact ``nbytes``, TACO's ``taco.state_nbytes``, and
-  the block schedule (``SlimOptimizer._block_active``). It equals ``slimopt.state_nbytes`` of the real optimizer
-  (tests/test_planner.py checks it for every method and codec). Peers' states come from ``peer_state``;
-- projections: the part of the state that is a subspace basis (``proj``) or coordinate set (``proj_index``);
-- activations for a batch of B sequences of T tokens (``activations.py`` documents the formula);
-- the peak of a step (below), and the largest batch that fits a memory budget.
-
-Blocks that hold moments only while active (FRUGAL's blockwise selection, BAdam) make the state depend on the
-step. ``step=None`` (the default) reports the schedule's maximum: the largest state over one period of the
-deterministic block orders (ascending / descending, exact for the recipes' single block group), or the k largest
-blocks for ``block_order="random"`` (a bound that a draw can reach). ``step=s`` reports the state right after
-optimizer step s, as ``state_nbytes`` would measure it.
-
-The peak of a step. With W the weights, S the optimizer state, A the activations saved by the forward pass, H
-the part of A that the loss and output layer hold, L the loss's gradient temporaries at the start of the backward
-pass (8 V bytes per token: two fp32 logit-sized tensors), R one recomputed layer (activation checkpointing only),
-G all gradients, and X the update's scratch (below), the peak is the largest of what is alive at these moments:
-
-    start of the backward pass     W + S + A + L
-    a checkpointed layer's rerun   W + S + A - H + R
-    the optimizer step             W + S + G + X                 (activations are gone, every gradient exists)
-    layer-wise updates instead:    W + S + A - H + g_p + X_p     (parameter p steps inside the backward pass)
-
-The backward pass frees a layer's activations as it creates that layer's gradients, so in between the sum stays
-below its two ends when a layer's activations outweigh its gradients (the usual case at training batch sizes).
-X is what the update allocates: slimopt and galore-torch update one parameter at a time in fp32, at a
-per-element cost that depends on the codec (20 bytes per element for plain moments, 33 for 8-bit, measured on CPU
-with torch's MemTracker; ``windowed.SCRATCH_PER_ELEMENT``). slimopt's element-wise updates (AdamW, Lion, SGDM in
-full space or on a block, every state-free update) walk the tensor in windows of at most 64 MiB of that scratch
-(``windowed.py``), so X is at most 64 MiB for them. Projected updates (GaLore, FRUGAL's subspaces) walk it in
-windows of rows or columns between refreshes: they hold the subspace gradient and direction (8 r / d bytes per
-element of a weight whose side d keeps r directions, 4 r / d without a residual) and the basis's fp32 copy, plus a
-window (``windowed.projected_scratch``); a refresh step's decomposition (the whole gradient in fp32 and the SVD's
-workspace) is not in X. TACO's fused step searches row windows (``taco_routes.scratch_bytes``), its dense reference step
-pays per element of the tensor; galore-torch pays it on the largest parameter. Fused kernels (torch fused AdamW,
-bitsandbytes, and slimopt's multi-tensor path where it applies: ``multi_tensor.py``, CPU weights) allocate
-nothing, but for one sign() of an inactive block's gradient; torch's foreach AdamW one state-sized temporary for
-all parameters at once. A model on the meta device (a config only) is planned as the GPU runs it.
-On CPU, against MemTracker's count of every tensor, this peak is within a few percent for LLaMA models with and
-without checkpointing and layer-wise updates (tests/test_planner.py).
-
-Weights below bf16 and host offload (issue 46). Two settings change where the bytes live; these are plans of a
-design, not measurements of an implementation:
-
-- ``weight_format``: ``"dtype"`` (every weight in the model's dtype, as above) or ``"int8"``: each ``nn.Linear``
-  weight of the model's body (a decoder's attention and MLP projections; ``int8_weights``) in symmetric int8 with
-  one fp32 scale per output row (``int8_group=0``) or per group of ``int8_group`` elements of a row
-  (``int8_nbytes``: numel + rows * groups * 4 bytes). Embeddings, output layer, norms and biases stay in the
-  model's dtype unless ``int8_embeddings=True`` (embedding and output layer in int8, one scale per row). Gradients
-  stay in the compute dtype. A layer dequantizes its int8 weight for each matmul: the largest such copy, in the
-  compute dtype, is counted (``temporaries``) while a layer runs.
-- ``offload``: ``"none"`` (all on the device) or ``"host"``: the master copy (``master``: ``"fp32"``, 4 bytes per
-  trainable parameter; ``"bf16+int8"``, 3 bytes, bf16 plus an 8-bit residual as FlashOptim, arXiv 2602.23349,
-  keeps it; ``"bf16"``, 2 bytes) and all optimizer state (moments and projections, sized on parameters in the
-  master's dtype: fp32, or bf16 for the other two) live in pinned host memory and the update runs there.
-  Gradients leave the device as the backward pass completes each one (a post-accumulate-grad hook and a copy on a
-  side stream), so the device holds ``grads_in_flight`` of them (default 2: the one the backward pass is writing
-  and the one leaving over PCIe; the largest sum of that many consecutive gradients, output side first). Two is
-  enough while PCIe moves a gradient faster than the backward pass makes the next one.
-
-With ``offload="host"`` the device holds W' + A + L at the start of the backward pass and
-W' + A - H + R + G_k + D while a layer runs backward (W': the weights in their device format, G_k: the gradients
-in flight, D: the dequantized copy); no optimizer state and no update temporaries. The host holds
-``host_parts``: master + optimizer state + projections + pinned gradients (one buffer per trainable parameter, in
-the compute dtype) + pinned weights (the device format of every trainable weight, written by the host step and
-copied back; none when the master is that format, bf16 master for bf16 weights as torchao's
-CPUOffloadOptimizer) + the host step's temporaries (X above). PCIe per step (``pcie_parts``): every gradient out
-in the compute dtype, and every trainable weight back in its device format (int8 + scales, or the dtype).
-
-``weight_format="int8"`` without offload is the device-only design of Q-GaLore (arXiv 2407.08296): no master copy,
-state on the device, the int8 weight rounded stochastically by its update; that update adds
-``REQUANT_PER_ELEMENT`` (9) bytes per element of the weight it writes (its fp32 dequantized value, fp32 rounding
-noise and the new int8 data) to X.
+For a model config (a LLaMA size name or a local Hugging Face config.json, read offline), a method (every slimopt
+method and the peers) and a dtype, the model is built on the meta device and its parameters enumerated: weights,
+gradients, the exact optimizer state (sized with the optimizer's own helpers, equal to ``slimopt.state_nbytes``),
+projections, activations for B x T tokens, the peak of a step and the largest batch that fits a budget. With
+``weight_format="int8"`` and ``offload="host"`` it plans int8 device weights with the master copy and the state on
+the host (device, host and PCIe bytes). How each part is counted, the peak's formula and the offload plan:
+docs/modules.md, section slimopt.bench.planner.
 """
 
 from __future__ import annotations
