@@ -1,0 +1,64 @@
+"""Which weights a model holds in int8 on the device, and the conversion of a model to that form.
+
+The choice is the planner's (``slimopt memory --weights int8``) and the trainer's alike: every ``nn.Linear`` of
+the model's body (a decoder's attention and MLP projections), not the output layer; norms, biases and embeddings
+stay in the model's dtype. ``to_int8`` swaps each chosen layer for an ``Int8Linear`` whose master copy is the
+trainable parameter an optimizer steps.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from slimopt.weights.int8_linear import Int8Linear
+
+__all__ = ["int8_weights", "to_int8"]
+
+
+def int8_weights(model: nn.Module, embeddings: bool = False) -> list[tuple[str, nn.Parameter]]:
+    """The weights held in int8, as (name, parameter) in the model's order: every ``nn.Linear`` weight of the
+    model's body (``base_model_prefix``), not the output layer; with `embeddings` (planned only), the input and
+    output embeddings too."""
+    prefix = getattr(model, "base_model_prefix", "")
+    body = getattr(model, prefix, None) if prefix else None
+    body = body if isinstance(body, nn.Module) else model
+    get_out = getattr(model, "get_output_embeddings", None)
+    get_in = getattr(model, "get_input_embeddings", None)
+    out_emb = get_out() if callable(get_out) else None
+    in_emb = get_in() if callable(get_in) else None
+    chosen: dict[int, tuple[str, nn.Parameter]] = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for mod in body.modules():
+        if isinstance(mod, nn.Linear) and mod is not out_emb and id(mod.weight) in names:
+            chosen.setdefault(id(mod.weight), (names[id(mod.weight)], mod.weight))
+    if embeddings:
+        for mod in (in_emb, out_emb):
+            w = getattr(mod, "weight", None)
+            if isinstance(w, nn.Parameter) and w.dim() == 2 and id(w) in names:
+                chosen.setdefault(id(w), (names[id(w)], w))
+    order = {n: k for k, n in enumerate(names.values())}
+    return sorted(chosen.values(), key=lambda item: order[item[0]])
+
+
+def to_int8(model: nn.Module, group: int = 0, master_dtype: torch.dtype = torch.float32,
+            master_device: torch.device | str = "cpu") -> list[tuple[str, nn.Parameter]]:
+    """Replace every layer ``int8_weights`` chooses by an ``Int8Linear`` (in place) and return the masters as
+    (weight name, parameter) in the model's order: what an optimizer steps in place of those weights. A weight
+    shared by two modules (tied) is refused: its master would have two gradient sinks."""
+    chosen = {id(p): name for name, p in int8_weights(model)}
+    uses: dict[int, int] = {}
+    for mod in model.modules():
+        if isinstance(mod, nn.Linear) and id(mod.weight) in chosen:
+            uses[id(mod.weight)] = uses.get(id(mod.weight), 0) + 1
+    tied = [chosen[i] for i, n in uses.items() if n > 1]
+    if tied:
+        raise ValueError(f"int8 weights: {', '.join(tied)} is shared by several modules (tied); untie it first")
+    masters: dict[str, nn.Parameter] = {}
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and id(child.weight) in chosen:
+                layer = Int8Linear.from_linear(child, group, master_dtype, master_device)
+                setattr(parent, child_name, layer)
+                masters[chosen[id(child.weight)]] = layer.master
+    return [(name, masters[name]) for name in chosen.values()]  # int8_weights' order
