@@ -24,12 +24,15 @@ __all__ = ["Int8Linear"]
 
 class _Int8Matmul(torch.autograd.Function):
     """y = x W^T + b with W dequantized from its codes in each pass. Only x (as nn.Linear saves it) and the codes
-    and scales (already held) are kept for the backward pass. The master is an input only so that the output
-    requires grad whenever the master does (a first layer on inputs that do not); its gradient is delivered, not
-    returned, so that autograd never copies it across devices on the backward pass's thread."""
+    and scales (already held) are kept for the backward pass. The weight's gradient is delivered to the module,
+    not returned: autograd would copy it to the master's device on the backward pass's thread. In its place the
+    layer's token (a scalar leaf on the device) gets a zero gradient, so that the output requires grad whenever
+    the master does (a first layer on inputs that do not) and the token's AccumulateGrad runs once, after every
+    use of the layer in the backward pass (re-entrant calls, recomputed checkpoints): the moment its weight's
+    gradient is complete."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, codes: Tensor, scale: Tensor, bias: Tensor | None, master: Tensor | None,
+    def forward(ctx, x: Tensor, codes: Tensor, scale: Tensor, bias: Tensor | None, token: Tensor | None,
                 module: "Int8Linear") -> Tensor:
         ctx.save_for_backward(x, codes, scale)
         ctx.module = module
@@ -43,11 +46,13 @@ class _Int8Matmul(torch.autograd.Function):
         grad_x = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = grad_out @ int8_weight.dequantize(codes, scale, module.group, grad_out.dtype)
+        grad_token = None
         if ctx.needs_input_grad[4]:
             module.deliver(flat_out.t() @ x.reshape(-1, x.shape[-1]))  # (out, in) in the compute dtype
+            grad_token = torch.zeros((), dtype=torch.float32, device=grad_out.device)
         if ctx.needs_input_grad[3]:
             grad_b = flat_out.sum(0)
-        return grad_x, None, None, grad_b, None, None
+        return grad_x, None, None, grad_b, grad_token, None
 
 
 class Int8Linear(nn.Module):
@@ -67,6 +72,8 @@ class Int8Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
         self.grad_sink: Callable[[Tensor], None] | None = None
         object.__setattr__(self, "_master", None)  # bypasses nn.Module's registration on purpose
+        object.__setattr__(self, "_token", None)
+        self._token_hooks: list[Callable[[Tensor], None]] = []
 
     @property
     def master(self) -> nn.Parameter | None:
@@ -122,7 +129,26 @@ class Int8Linear(nn.Module):
             master.grad.add_(grad)
 
     def forward(self, x: Tensor) -> Tensor:
-        return _Int8Matmul.apply(x, self.weight_codes, self.weight_scale, self.bias, self.master, self)
+        return _Int8Matmul.apply(x, self.weight_codes, self.weight_scale, self.bias, self.grad_token(), self)
+
+    def grad_token(self) -> Tensor | None:
+        """The layer's token on its device (created on first use; None while the master needs no gradient). A
+        post-accumulate-grad hook on it runs when this layer's weight gradient is complete."""
+        master = self.master
+        if master is None or not master.requires_grad:
+            return None
+        token = self._token
+        if token is None or token.device != self.weight_codes.device:
+            token = torch.zeros((), dtype=torch.float32, device=self.weight_codes.device, requires_grad=True)
+            for hook in self._token_hooks:
+                token.register_post_accumulate_grad_hook(hook)
+            object.__setattr__(self, "_token", token)
+        return token
+
+    def on_grad_complete(self, hook: Callable[[Tensor], None]) -> None:
+        """Call hook(token) each time the backward pass has delivered every gradient of this layer's weight."""
+        self._token_hooks.append(hook)
+        object.__setattr__(self, "_token", None)  # the next forward makes a token that carries every hook
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

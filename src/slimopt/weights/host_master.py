@@ -1,0 +1,199 @@
+"""Training with the master weights and the optimizer state on the host: the device keeps int8 (or its dtype's)
+weights, activations and the gradients in flight.
+
+Every trainable parameter gets a master copy on the host (fp32 by default) that a ``SlimOptimizer`` steps with the
+partition and settings ``slimopt.build`` would give the model: the optimizer never sees a device tensor. A weight's
+gradient leaves the device as soon as the backward pass has completed it (the Int8Linear's token, or the
+parameter's post-accumulate-grad hook), its host step starts at once in a worker thread while the backward pass
+goes on with the layers below, and the new value is written back (requantized for an int8 layer, cast for the
+rest) before the next forward pass reaches that module: each module waits only for its own updates. The plan of
+the bytes: ``slimopt memory --weights int8 --offload host``; how it works: docs/modules.md, slimopt.weights.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from slimopt.optim.optimizer import SlimOptimizer
+from slimopt.optim.recipes import param_groups
+from slimopt.weights.convert import int8_weights, to_int8
+from slimopt.weights.int8_linear import Int8Linear
+
+__all__ = ["HostMaster"]
+
+
+class HostMaster:
+    """Host masters and a host optimizer for `model`, stepped during its backward pass.
+
+    Args:
+        model: the model on its device; its chosen Linear layers become ``Int8Linear`` in place (``int8=True``).
+        method, build_settings: as ``slimopt.build(model, method, **build_settings)``.
+        int8: hold the body's Linear weights in int8 on the device (else in their dtype).
+        int8_group: 0 for one scale a row, else the elements of a row that share one.
+        master_dtype: the masters' dtype (fp32: the updates are what a device run in fp32 would make).
+        accumulation_steps: backward passes per update; scale the loss by 1 / accumulation_steps as usual.
+        overlap: step in a worker thread while the backward pass runs (False: in the backward pass's thread,
+            each step finished before the next layer's gradient is computed).
+
+    Attributes: optimizer (the host SlimOptimizer over the masters), masters ({parameter name: master}),
+    steps (updates made), events (when ``record=True``: (seconds, what, name) of every gradient arrival, step
+    start and end, and forward wait, for checking the overlap).
+    """
+
+    def __init__(self, model: nn.Module, method: str = "adamw", *, int8: bool = True, int8_group: int = 0,
+                 master_dtype: torch.dtype = torch.float32, accumulation_steps: int = 1, overlap: bool = True,
+                 record: bool = False, **build_settings: Any) -> None:
+        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be an integer >= 1, got {accumulation_steps!r}")
+        if master_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"master_dtype must be torch.float32 or torch.bfloat16; got {master_dtype}")
+        groups = param_groups(model, method, **build_settings)  # the partition of the model as it is
+        int8_names = {name for name, _ in int8_weights(model)} if int8 else set()
+        names = {id(p): n for n, p in model.named_parameters()}
+        int8_masters = dict(to_int8(model, int8_group, master_dtype)) if int8 else {}
+        self.masters: dict[str, nn.Parameter] = {}
+        self._device_param: dict[str, Tensor] = {}  # name -> the device tensor a non-int8 master is written to
+        for group in groups:
+            masters = []
+            for p in group["params"]:
+                name = names[id(p)]
+                if name in int8_names:
+                    master = int8_masters[name]
+                else:
+                    master = nn.Parameter(p.detach().to("cpu", master_dtype, copy=True))
+                    self._device_param[name] = p
+                self.masters[name] = master
+                masters.append(master)
+            group["params"] = masters
+        self._name_of = {id(p): n for n, p in self._device_param.items()}  # a tied parameter under either module
+        self.optimizer = SlimOptimizer(groups)
+        self.accumulation_steps, self.overlap, self.record = accumulation_steps, overlap, record
+        self.steps = self.micro_steps = 0
+        self.events: list[tuple[float, str, str]] = []
+        self._t0 = time.perf_counter()
+        self._lock = threading.Lock()
+        self._pending: dict[str, Future] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimopt-host-step") if overlap else None
+        self._task = -1
+        self._layers: dict[str, Int8Linear] = {}
+        self._hooks = []
+        self._attach(model)
+
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _attach(self, model: nn.Module) -> None:
+        """Gradient hooks on every master's device side, and a forward pre-hook on every module holding one."""
+        hooked: set[str] = set()
+        for module_name, module in model.named_modules():
+            waits: list[str] = []
+            if isinstance(module, Int8Linear) and module.master is not None:
+                name = f"{module_name}.weight" if module_name else "weight"
+                self._layers[name] = module
+                module.grad_sink = lambda grad, name=name: self._arrive(name, grad)
+                module.on_grad_complete(lambda token, name=name: self._complete(name, token))
+                waits.append(name)
+            for p in module.parameters(recurse=False):
+                name = self._name_of.get(id(p))
+                if name is not None and name not in hooked:
+                    hooked.add(name)
+                    self._hooks.append(p.register_post_accumulate_grad_hook(
+                        lambda p, name=name: self._arrive_whole(name, p)))
+                if name is not None:
+                    waits.append(name)
+            if waits:
+                self._hooks.append(module.register_forward_pre_hook(lambda m, args, waits=tuple(waits):
+                                                                    self._wait(waits)))
+
+    def _log(self, what: str, name: str) -> None:
+        if self.record:
+            with self._lock:
+                self.events.append((time.perf_counter() - self._t0, what, name))
+
+    def _arrive(self, name: str, grad: Tensor) -> None:
+        """A gradient (or a micro-batch's part of it) leaves the device: added into the master's .grad."""
+        if grad is None:
+            return
+        self._wait((name,))  # a step of this master still running reads its .grad
+        master = self.masters[name]
+        host = grad.detach().to(device=master.device, dtype=master.dtype)
+        if master.grad is None:
+            master.grad = host
+        else:
+            master.grad.add_(host)
+        self._log("grad", name)
+
+    def _arrive_whole(self, name: str, p: Tensor) -> None:
+        """A parameter's gradient for this backward pass, complete at once (its post-accumulate-grad hook)."""
+        self._arrive(name, p.grad)
+        self._complete(name, p)
+
+    def _complete(self, name: str, device_tensor: Tensor) -> None:
+        """Every gradient of `name` in this backward pass is in: at the window's last pass, step it."""
+        device_tensor.grad = None  # the device copy dies here (the token's zero, a parameter's gradient)
+        task = torch._C._current_graph_task_id()
+        if task != self._task:  # the first completion of this backward pass
+            self._task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if (self.micro_steps + 1) % self.accumulation_steps == 0:
+            self._submit(name)
+
+    def _submit(self, name: str) -> None:
+        if self._pool is None:
+            self._step(name)
+        else:
+            self._pending[name] = self._pool.submit(self._step, name)
+
+    @torch.no_grad()
+    def _step(self, name: str) -> None:
+        master = self.masters[name]
+        if master.grad is None:
+            return
+        self._log("step", name)
+        self.optimizer.step_param(master)
+        master.grad = None
+        if name in self._layers:
+            self._layers[name].load_weight(master)
+        else:
+            self._device_param[name].copy_(master)
+        self._log("done", name)
+
+    def _wait(self, names: tuple[str, ...]) -> None:
+        """Block until the updates of `names` have landed (the forward pass of their module is next)."""
+        for name in names:
+            future = self._pending.pop(name, None)
+            if future is not None:
+                if not future.done():
+                    self._log("wait", name)
+                future.result()  # re-raises a failed step here, in the training loop's thread
+
+    def _end_of_backward(self) -> None:
+        self._task = -1
+        self.micro_steps += 1
+        if self.micro_steps % self.accumulation_steps == 0:
+            for name, master in self.masters.items():  # a master whose gradient came early in the window
+                if master.grad is not None and name not in self._pending:
+                    self._submit(name)
+            self.steps += 1
+
+    # ------------------------------------------------------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Wait for every update in flight (before reading the masters, the state or the device weights)."""
+        self._wait(tuple(self._pending))
+
+    def close(self) -> None:
+        """Finish the updates in flight, remove the hooks and stop the worker."""
+        self.synchronize()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        for layer in self._layers.values():
+            layer.grad_sink = None
+        if self._pool is not None:
+            self._pool.shutdown()
