@@ -4,12 +4,10 @@ run on the same global batch, and the ranks stay identical (same blocks, same su
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import run_torchrun
+from launch import run_python, run_torchrun
 from pretrain_helpers import VOCAB, fast_config
 from safetensors.torch import load_file
 
@@ -86,8 +84,7 @@ print(sorted(open(f).read().strip() for f in glob.glob("/proc/self/task/*/comm")
 def test_destroyed_group_leaves_no_gloo_thread():
     # A group still referenced after destroy_process_group keeps gloo's worker threads running into interpreter
     # shutdown, where one can abort the process (slimopt.train.process_group); destroyed, none is left.
-    out = subprocess.run([sys.executable, "-c", _GROUP_FREED], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = run_python("-c", _GROUP_FREED, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     threads = out.stdout.strip().splitlines()[-1]
     assert "gloo" not in threads, threads

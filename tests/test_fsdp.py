@@ -10,18 +10,15 @@ About two and a half minutes on 2 busy CPU cores.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import warnings
 
 import pytest
 import torch
-from helpers import run_torchrun
+from launch import read_report, run_worker
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "distributed", "fsdp_worker.py")
-DEFAULTS_WORKER = os.path.join(HERE, "distributed", "defaults_worker.py")
 sys.path.insert(0, os.path.join(HERE, "distributed"))
 
 import common as C  # noqa: E402
@@ -33,21 +30,15 @@ from slimopt.optim.distributed import distcheckpoint  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
-
-def _torchrun(nproc: int, phase: str | None, out: str, worker: str = WORKER) -> str:
-    return run_torchrun(nproc, worker, *(["--phase", phase] if phase else []), "--out", out)
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("fsdp"))
-    _torchrun(2, "save", out)
+    run_worker(2, "fsdp_worker.py", out, phase="save")
     return out
 
 
 def test_two_ranks_match_one_process_count_their_collectives_and_resume(saved):
-    with open(os.path.join(saved, "report_save_2.json")) as f:
-        report = json.load(f)
+    report = read_report(saved, "report_save_2.json")
     assert sorted(report) == sorted(C.CASES)
     for case, r in report.items():
         assert r["agreed_tensors"] > 0
@@ -80,7 +71,7 @@ def test_two_rank_checkpoint_resumes_in_one_process(saved, case):
 
 
 def test_four_ranks_resume_the_two_rank_checkpoints_and_hsdp_matches_one_process(saved):
-    text = _torchrun(4, "load", saved)
+    text = run_worker(4, "fsdp_worker.py", saved, phase="load")
     assert sum(line.endswith("): ok") for line in text.splitlines()) == len(C.CASES)
     assert "mixed_a under HSDP: ok" in text and "mixed_b under HSDP: ok" in text
     assert "layer-wise: 8 cases equal" in text
@@ -88,8 +79,7 @@ def test_four_ranks_resume_the_two_rank_checkpoints_and_hsdp_matches_one_process
 
 def test_layerwise_updates_under_fsdp2_equal_the_ordinary_step(saved):
     # 2 ranks here; the 4-rank launch above checks it again
-    with open(os.path.join(saved, "report_layerwise_2.json")) as f:
-        report = json.load(f)
+    report = read_report(saved, "report_layerwise_2.json")
     assert report == {f"{case}/{accumulation}": "equal" for case in ("adamw8bit", "galore", "frugal", "taco")
                       for accumulation in (1, 2)}
 
@@ -99,9 +89,8 @@ def test_every_method_at_its_defaults_equals_one_process(world, tmp_path):
     """The fast routes (fused=True) on row shards: every named method under FSDP2 ends within 1e-6 of one process
     on exact gradients (tests/distributed/defaults_worker.py), each through the route it takes in one process."""
     import slimopt
-    _torchrun(world, None, str(tmp_path), DEFAULTS_WORKER)
-    with open(tmp_path / f"defaults_{world}.json") as f:
-        report = json.load(f)
+    run_worker(world, "defaults_worker.py", tmp_path)
+    report = read_report(tmp_path, f"defaults_{world}.json")
     assert sorted(report) == sorted(slimopt.methods())
     for method, r in report.items():
         assert r["max_diff"] <= 1e-6 and r["col_diff"] <= 1e-6, (method, r)

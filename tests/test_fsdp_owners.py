@@ -9,16 +9,13 @@ the first rank decomposes every refresh); the checks are the ones the owner sche
 
 from __future__ import annotations
 
-import json
 import math
-import os
 
 import pytest
-from test_fsdp import _torchrun  # one launcher for the FSDP workers
+from launch import read_report, run_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed", "owners_worker.py")
 MUON, GALORE = ("muon_fp32", "muon_bf16"), ("galore", "galore_rsvd")
 REFRESHES = (1, 3)  # update_gap 2
 
@@ -27,9 +24,8 @@ REFRESHES = (1, 3)  # update_gap 2
 def report(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"owners{world}")
-    _torchrun(world, None, str(out), WORKER)
-    with open(out / f"owners_{world}.json") as f:
-        return world, json.load(f)
+    run_worker(world, "owners_worker.py", out)
+    return world, read_report(out, f"owners_{world}.json")
 
 
 def test_each_matrix_is_iterated_once_spread_over_the_ranks(report):

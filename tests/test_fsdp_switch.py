@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
 import os
 import sys
 import warnings
@@ -19,12 +18,12 @@ import weakref
 
 import pytest
 import torch
-from helpers import backward, batches, run_torchrun, tiny_llama
+from helpers import backward, batches, tiny_llama
+from launch import read_report, run_worker
 
 import slimopt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "distributed", "switch_worker.py")
 sys.path.insert(0, os.path.join(HERE, "distributed"))
 
 pytest.importorskip("accelerate")
@@ -154,9 +153,8 @@ def test_a_parameter_switched_for_another_shape_starts_afresh_with_a_warning():
 def test_fsdp2_every_method_switched_to_shards_equals_built_after_sharding(tmp_path):
     """One launch at 2 ranks (about 40 s on 2 busy cores) runs every method (tests/distributed/switch_worker.py);
     any failed check there fails the launch."""
-    run_torchrun(2, WORKER, "--out", str(tmp_path))
-    with open(tmp_path / "switch_2.json") as f:
-        report = json.load(f)
+    run_worker(2, "switch_worker.py", tmp_path)
+    report = read_report(tmp_path, "switch_2.json")
     assert sorted(report) == sorted(slimopt.methods())
     for method, r in report.items():
         assert r["before_diff"] <= 1e-6 and r["after_diff"] <= 1e-6, (method, r)

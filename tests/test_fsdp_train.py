@@ -5,18 +5,16 @@ run without FSDP on the same global batch, to float rounding."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
-from helpers import run_torchrun
+from launch import run_torchrun, run_worker
 from pretrain_helpers import fast_config, write_corpus
 from safetensors.torch import load_file
 
 from slimopt.train.logger import read_jsonl
 from slimopt.train.loop import train
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed", "train_worker.py")
 
 
 
@@ -24,8 +22,8 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed",
 def test_fsdp_training_resumes_exactly_and_equals_one_process(tmp_path):
     corpus, cache = write_corpus(tmp_path), tmp_path / "cache"
     method, opt = "frugal", {"update_gap": 2, "density": 0.5}  # blocks switch between the checkpoint and resume
-    text = run_torchrun(2, WORKER, "--corpus", str(corpus), "--cache", str(cache), "--out", str(tmp_path / "fsdp"),
-                        "--method", method, *[a for k, v in opt.items() for a in ("--opt", f"{k}={v}")])
+    text = run_worker(2, "train_worker.py", tmp_path / "fsdp", "--corpus", str(corpus), "--cache", str(cache),
+                      "--method", method, *[a for k, v in opt.items() for a in ("--opt", f"{k}={v}")])
     assert "resume: ok" in text, text[-3000:]
     summary = json.loads((tmp_path / "fsdp" / "summary.json").read_text())
     assert summary["full"]["world_size"] == 2 and summary["full"]["steps"] == 6

@@ -5,10 +5,10 @@ from anyone (transformers', datasets', the hub's), and the libraries' own settin
 
 import logging
 import os
-import subprocess
 import sys
 
 import pytest
+from launch import run_python
 
 from slimopt import peer_logs
 from slimopt.hushed import progress_bars_off
@@ -18,8 +18,8 @@ BAR_MARKS = ("%|", "it/s", "s/it")  # what every tqdm bar draws, finished or not
 PEER_MODULES = ("torch", "torchao", "bitsandbytes", "galore_torch", "apollo_torch", "transformers")
 
 
-def _python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+def _python(code: str):
+    return run_python("-c", code, timeout=300)
 
 
 def test_methods_imports_no_torch_and_no_peer():

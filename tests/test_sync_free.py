@@ -4,7 +4,7 @@ recorded (tests/sync_free_worker.py, in a process of its own). On a GPU, benchma
 under torch.cuda.set_sync_debug_mode("error")."""
 
 import pytest
-from helpers import interpreted_worker
+from launch import interpreted_worker
 
 import slimopt
 

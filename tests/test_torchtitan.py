@@ -7,14 +7,10 @@ torchtitan_worker.py says what each launch checks). Skipped where torchtitan is 
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 
 import pytest
-from helpers import run_torchrun
+from launch import read_report, run_worker
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "distributed", "torchtitan_worker.py")
 CASES = ["adamw", "adamw8bit", "galore8bit", "frugal", "frugal_head", "taco", "muon8bit"]
 
 pytestmark = [
@@ -25,9 +21,8 @@ pytestmark = [
 
 
 def _launch(nproc: int | None, phase: str, out: str, *extra: str) -> dict:
-    run_torchrun(nproc, WORKER, "--phase", phase, "--out", out, *extra)
-    with open(os.path.join(out, f"report_{phase}_{nproc or 1}.json")) as f:
-        return json.load(f)
+    run_worker(nproc, "torchtitan_worker.py", out, *extra, phase=phase)
+    return read_report(out, f"report_{phase}_{nproc or 1}.json")
 
 
 def test_the_job_configs_select_slimopt_and_take_command_line_settings(tmp_path):

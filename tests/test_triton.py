@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from helpers import interpreted_worker
+from launch import interpreted_worker
 
 import slimopt
 from slimopt.optim.routes import triton_step
