@@ -16,7 +16,7 @@ import time
 import torch
 
 import slimopt
-from slimopt.optim.routes import native
+from slimopt.optim.routes.cpu import native
 from slimopt.train.models import build_model
 
 

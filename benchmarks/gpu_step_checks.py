@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import slimopt
-from slimopt.optim.routes import triton_step
+from slimopt.optim.routes.triton import triton_step
 
 METHODS = ["adamw", "adamw8bit", "adamw4bit", "ternary_adamw", "frugal", "frugal_ternary", "taco", "galore",
            "lion8bit", "frugal_head"]  # frugal_head: the 7B recipe's stochastic-rounding weight write

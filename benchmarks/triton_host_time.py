@@ -29,7 +29,9 @@ os.environ["SLIMOPT_TRITON_CPU"] = "1"
 import torch  # noqa: E402
 
 import slimopt  # noqa: E402
-from slimopt.optim.routes import multi_tensor, native, triton_step  # noqa: E402
+from slimopt.optim.routes.cpu import native  # noqa: E402
+from slimopt.optim.routes.torch import multi_tensor  # noqa: E402
+from slimopt.optim.routes.triton import triton_step  # noqa: E402
 from slimopt.train.models import build_model  # noqa: E402
 from slimopt.train.process_group import init_process_group  # noqa: E402
 

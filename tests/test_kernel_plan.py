@@ -7,7 +7,9 @@ import torch
 
 import slimopt
 from slimopt.optim.algorithm import budget
-from slimopt.optim.routes import kernel_plan, multi_tensor, native
+from slimopt.optim.routes import kernel_plan
+from slimopt.optim.routes.cpu import native
+from slimopt.optim.routes.torch import multi_tensor
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="the C kernel could not be built here")
 

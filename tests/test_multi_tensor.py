@@ -7,7 +7,7 @@ import torch
 from helpers import save_and_load
 
 import slimopt
-from slimopt.optim.routes import multi_tensor
+from slimopt.optim.routes.torch import multi_tensor
 
 SHAPES = [(64, 80), (96, 64), (80,), (48, 48)]  # 5120, 6144, 80 (fp32 moments: below 4096), 2304 elements
 
@@ -83,7 +83,7 @@ def test_adamw_equals_the_eager_step(dtype, settings):
 def test_inactive_block_residual_is_bit_identical(monkeypatch, dtype, free_rule, free_scale, path):
     """Density 0 (FRUGAL's state-free extreme): every block is inactive, every step is the residual's, through the
     one-pass C kernel or torch's foreach and per-tensor ops."""
-    from slimopt.optim.routes import native
+    from slimopt.optim.routes.cpu import native
 
     if path == "torch" or native.library() is None:
         monkeypatch.setitem(native._state, "lib", None)

@@ -20,7 +20,7 @@ from helpers import assert_continues_identically, backward, batches, save_and_lo
 import slimopt
 from slimopt.optim.algorithm import muon
 from slimopt.optim.algorithm.partition import classify
-from slimopt.optim.routes import multi_tensor
+from slimopt.optim.routes.torch import multi_tensor
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -365,7 +365,7 @@ def test_scratch_estimate_bounds_what_the_step_allocates(shape, dtype, ns_dtype,
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the queued step (routes/muon_batch.py): same-shape matrices stacked, a step's matrices iterated together
+# the queued step (routes/torch/muon_batch.py): same-shape matrices stacked, a step's matrices iterated together
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -417,7 +417,8 @@ def test_the_queued_step_equals_the_eager_reference(method, hp, ns_dtype, dtype)
 
 
 def test_a_full_queue_runs_early_alike(monkeypatch):
-    from slimopt.optim.routes import muon_batch, whole_queue
+    from slimopt.optim.routes import whole_queue
+    from slimopt.optim.routes.torch import muon_batch
 
     a, b = twins(hidden=64)
     whole, early = slimopt.build(a, "muon"), slimopt.build(b, "muon")

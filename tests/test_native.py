@@ -17,7 +17,7 @@ from helpers import assert_state_close, save_and_load
 import slimopt
 from slimopt.optim.algorithm import budget
 from slimopt.optim.algorithm import quant as Q
-from slimopt.optim.routes import native
+from slimopt.optim.routes.cpu import native
 
 SHAPES = [(40, 300), (5000,), (30,)]  # 2-D (partial last blocks, several tiles), 1-D, small (always fp32)
 LRS = [1e-2, 8e-3, 6e-3, 4e-3]

@@ -195,7 +195,7 @@ def test_proj_dtype_grad_fused_step_equals_the_eager_step(free_rule, rounding, m
     # rules.apply_update: the same fp32 values, so the same weights and states bit for bit. SGD momentum in the
     # subspace (no square root, no lerp): the two paths' directions then agree on every processor, so what is
     # compared is the write (with Adam, torch's CPU square root may round otherwise than the kernel's elsewhere)
-    from slimopt.optim.routes import native
+    from slimopt.optim.routes.cpu import native
     lifted = []
     add_update = native.add_update
     monkeypatch.setattr(native, "add_update", lambda p, d, *a, **k: (lifted.append(d.dtype), add_update(p, d, *a, **k)))

@@ -5,7 +5,7 @@ import pytest
 from helpers import backward, batches, tiny_llama
 
 import slimopt
-from slimopt.optim.routes import compiled
+from slimopt.optim.routes.torch import compiled
 from slimopt.train.loop import make_optimizer
 
 

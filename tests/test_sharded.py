@@ -212,7 +212,7 @@ def test_taco_row_shards_step_as_one_weight(dtype, blocks):
     bit for bit, the stored component the same on every shard, over steps that move it."""
     from slimopt.optim.algorithm import taco
     from slimopt.optim.distributed.shardcomm import Rows
-    from slimopt.optim.routes import native
+    from slimopt.optim.routes.cpu import native
     if native.library() is None:
         pytest.skip("the C kernel could not be built here")
     m, n = sum(blocks), 24

@@ -343,7 +343,7 @@ def test_every_cache_shares_one_root(tmp_path, monkeypatch):
     # the tokenizers, the packed data, the converted SmolLM2 and the C kernel all live under slimopt.cache's root
     import slimopt.pretrained
     from slimopt.cache import cache_root
-    from slimopt.optim.routes import native
+    from slimopt.optim.routes.cpu import native
     from slimopt.train import data as D
 
     assert T.cache_root is D.cache_root is slimopt.pretrained.cache_root is native.cache_root is cache_root

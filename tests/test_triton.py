@@ -14,7 +14,7 @@ import torch
 from launch import interpreted_worker
 
 import slimopt
-from slimopt.optim.routes import triton_step
+from slimopt.optim.routes.triton import triton_step
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

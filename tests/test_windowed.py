@@ -186,7 +186,7 @@ def test_taco_candidates_in_row_windows_equal_the_whole_search(k, dtype, monkeyp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_taco_one_pass_search_nan_and_hidden_rows_as_the_torch_search(dtype):
     from slimopt.optim.algorithm import taco
-    from slimopt.optim.routes import native
+    from slimopt.optim.routes.cpu import native
 
     if native.library() is None:
         pytest.skip("the kernel cannot be built here (no C compiler)")

@@ -20,7 +20,7 @@ def compile_all():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from slimopt.optim.routes import triton_step
+    from slimopt.optim.routes.triton import triton_step
 
     kernels = triton_step._triton()
     target = GPUTarget("cuda", int(os.environ.get("SLIMOPT_COMPILE_ARCH", "90")), 32)

@@ -1,4 +1,4 @@
-"""The Triton kernels (slimopt/optim/routes/triton_step.py) on CPU tensors under the interpreter, against the eager step.
+"""The Triton kernels (slimopt/optim/routes/triton/triton_step.py) on CPU tensors under the interpreter, against the eager step.
 
 Run by tests/test_triton.py in a process of its own, with TRITON_INTERPRET=1 and SLIMOPT_TRITON_CPU=1 set before
 triton is imported (the interpreter is chosen when a kernel is defined); prints one JSON object: per case whether
@@ -20,7 +20,10 @@ import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import slimopt  # noqa: E402
-from slimopt.optim.routes import kernel_plan, multi_tensor, native, triton_step, triton_taco  # noqa: E402
+from slimopt.optim.routes import kernel_plan  # noqa: E402
+from slimopt.optim.routes.cpu import native  # noqa: E402
+from slimopt.optim.routes.torch import multi_tensor  # noqa: E402
+from slimopt.optim.routes.triton import triton_step, triton_taco  # noqa: E402
 
 # 2-D with partial last blocks (the kernel), 1-D and small (fp32 moments: the kernel for bf16 weights, torch's fused
 # AdamW for fp32 ones, whose v may differ by an ulp from the eager step's)

@@ -195,11 +195,12 @@ def refresh_owner_bytes(opt, world: int, step: int, rank: int = 0) -> int:
 
 def muon_owner_bytes(opt, world: int, step: int, rank: int = 0) -> int:
     """What `rank` sends to the other ranks for Muon's iterations by owner ranks at `step`
-    (``routes.muon_batch``, ``distributed.exchange``): its rows to each matrix's owner, and from each matrix it
+    (``routes.torch.muon_batch``, ``distributed.exchange``): its rows to each matrix's owner, and from each matrix it
     owns the others' rows of the result."""
     from slimopt.optim.distributed.exchange import sent_bytes
     from slimopt.optim.distributed.owners import muon_cost
-    from slimopt.optim.routes import muon_batch, whole_queue
+    from slimopt.optim.routes import whole_queue
+    from slimopt.optim.routes.torch import muon_batch
 
     if world <= 1:
         return 0

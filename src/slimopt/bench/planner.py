@@ -319,10 +319,10 @@ def _muon_scratch(p: torch.Tensor, group: dict, codecs) -> int:
 
 
 def _queued_muon(opt, base: list[tuple]) -> dict[int, int]:
-    """Muon's queued step (``routes.muon_batch``) iterates several matrices at once in an ordinary step (one at a
-    time in a layer-wise one): {id of each queued weight: its queue's peak scratch}, the waiting iterates and the
+    """Muon's queued step (``routes.torch.muon_batch``) iterates several matrices at once in an ordinary step (one
+    at a time in a layer-wise one): {id of each queued weight: its queue's peak scratch}, the waiting iterates and the
     largest same-shape stack (``muon_batch.peak_bytes``)."""
-    from slimopt.optim.routes import muon_batch
+    from slimopt.optim.routes.torch import muon_batch
 
     matrices = muon_batch.queued_matrices(opt, 1)
     params = {opt._where[p][2]: p for p in opt._where}
@@ -348,7 +348,9 @@ def _slim_param(opt, p: torch.Tensor, group: dict) -> tuple[str, int, int, int]:
     from slimopt.optim.algorithm import taco
     from slimopt.optim.algorithm.projectors import subspace_shape as state_shape
     from slimopt.optim.algorithm.rules import ELEMENTWISE_RULES, rounding_of
-    from slimopt.optim.routes import multi_tensor, native, taco_routes, windowed
+    from slimopt.optim.routes import taco_routes, windowed
+    from slimopt.optim.routes.cpu import native
+    from slimopt.optim.routes.torch import multi_tensor
 
     layout = opt._layout(p, group)
     if layout in ("none", "block"):

@@ -151,7 +151,7 @@ def lr_ratio(adjust_lr_fn: str | None, shape) -> float:
 # What the step of one A x B weight allocates on top of its weight, gradient and state (k = min(A, B)), measured with
 # torch's MemTracker on CPU (square, 1:2, 1:4, 1:8 and 1:16 shapes, tall and wide; fp32 and bf16 weights, every m
 # codec, both iteration dtypes; tests/test_muon.py checks the planner's peak against it). The step stores the
-# momentum first, then iterates (routes/muon_batch.py):
+# momentum first, then iterates (routes/torch/muon_batch.py):
 # - the iteration: the matrix waiting in the iteration's dtype, the iterate before and after a step and the two
 #   k x k products: 8 A B + 8 k^2 bytes in fp32, max(4 A B, 2 A B + 4 k^2) in bf16; plus 4 A B for a decoded momentum
 #   that is not the stored tensor (of an fp32 weight: every codec but fp32); a bf16 weight, whose momentum is decoded

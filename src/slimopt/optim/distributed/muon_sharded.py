@@ -5,7 +5,7 @@ rows of U are all-gathered in the iteration's dtype (2 bytes a value for bf16; 4
 iteration on the whole matrix and keeps its rows: the same step as one process, bit for bit. The bytes are those
 of the all-gather, A x B x 2 (bf16) per matrix and step; every rank repeats the iteration. The eager step's
 scheme (the reference), and Muon's in a row-split subspace; the fast step orthogonalizes each matrix once, on an
-owner rank (``exchange.py``, ``routes/muon_batch.py``).
+owner rank (``exchange.py``, ``routes/torch/muon_batch.py``).
 """
 
 from __future__ import annotations

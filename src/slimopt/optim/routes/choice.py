@@ -20,7 +20,9 @@ from torch import Tensor
 
 from slimopt.optim.algorithm.rules import ELEMENTWISE_RULES, rounding_of
 from slimopt.optim.distributed.sharded import RowShardedFactored, Target, moment_codecs
-from slimopt.optim.routes import compiled, multi_tensor, native, triton_step, triton_taco
+from slimopt.optim.routes.cpu import native
+from slimopt.optim.routes.torch import compiled, multi_tensor
+from slimopt.optim.routes.triton import triton_step, triton_taco
 
 __all__ = ["ROUTES", "WORKS", "choose", "subspace_rule", "lifted_write"]
 

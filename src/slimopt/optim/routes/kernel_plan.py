@@ -26,7 +26,9 @@ from slimopt.optim.algorithm import projectors as P
 from slimopt.optim.algorithm.codecs import FactoredRows
 from slimopt.optim.algorithm.noise import CounterStream
 from slimopt.optim.algorithm.rules import PARAM_STREAM, Counter, apply_update, comp_of, rounding_of
-from slimopt.optim.routes import choice, native, taco_routes, triton_step, triton_taco, windowed
+from slimopt.optim.routes import choice, taco_routes, windowed
+from slimopt.optim.routes.cpu import native
+from slimopt.optim.routes.triton import triton_step, triton_taco
 
 __all__ = ["Plan", "CpuPlan", "LaunchPlan", "ProjectedPlan", "ProjectedLaunchPlan", "TacoLaunchPlan",
            "build_launch", "build_cpu", "build_projected", "build_taco"]

@@ -31,18 +31,11 @@ from slimopt.optim.distributed.sharded import (
     space_of,
     target_of,
 )
-from slimopt.optim.routes import (
-    choice,
-    compiled,
-    kernel_plan,
-    muon_batch,
-    reference,
-    refresh_batch,
-    taco_routes,
-    windowed,
-)
-from slimopt.optim.routes.multi_tensor import Batch  # what a step queues: the optimizer's, run at its end
+from slimopt.optim.routes import choice, kernel_plan, refresh_batch, taco_routes, windowed
+from slimopt.optim.routes.reference import reference
 from slimopt.optim.routes.subspace import count_moment_step, init_moments, refresh_if_due, refresh_phase
+from slimopt.optim.routes.torch import compiled, muon_batch
+from slimopt.optim.routes.torch.multi_tensor import Batch  # what a step queues: the optimizer's, run at its end
 
 __all__ = ["step", "group_key", "work_of", "explain", "Route", "ROUTE_SETTINGS", "Batch"]
 

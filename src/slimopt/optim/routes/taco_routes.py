@@ -22,7 +22,8 @@ from slimopt.optim.algorithm.budget import ROUNDING_SCRATCH, window_elems
 from slimopt.optim.algorithm.rules import rounding_of
 from slimopt.optim.distributed import sharded_taco
 from slimopt.optim.distributed.shardcomm import Rows
-from slimopt.optim.routes import native, triton_taco
+from slimopt.optim.routes.cpu import native
+from slimopt.optim.routes.triton import triton_taco
 
 __all__ = ["search_for", "scratch_bytes", "c_kernel_step", "queue_triton", "sparse_step", "sharded_step"]
 

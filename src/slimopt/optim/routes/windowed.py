@@ -39,7 +39,9 @@ from slimopt.optim.algorithm.budget import (  # noqa: F401
 )
 from slimopt.optim.algorithm.noise import CounterStream
 from slimopt.optim.algorithm.rules import PARAM_STREAM, apply_update, comp_of, direction, rounding_of
-from slimopt.optim.routes import choice, native, triton_step
+from slimopt.optim.routes import choice
+from slimopt.optim.routes.cpu import native
+from slimopt.optim.routes.triton import triton_step
 
 __all__ = ["WINDOW_BYTES", "SCRATCH_PER_ELEMENT", "ROUNDING_SCRATCH", "kind", "scratch_per_element",
            "window_elems", "launch", "in_windows", "projected", "directions"]

@@ -3,7 +3,7 @@
 Some updates slimopt composes are exactly a kernel torch already ships (fused AdamW) or a one-pass kernel of
 slimopt's: one call over a list of tensors replaces a dozen passes per tensor of the eager step.
 
-Details: docs/modules.md, ``slimopt.optim.routes.multi_tensor``.
+Details: docs/modules.md, ``slimopt.optim.routes.torch.multi_tensor``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from torch import Tensor
 
 from slimopt.optim.algorithm.codecs import Bf16Codec, Fp32Codec
 from slimopt.optim.algorithm.rules import decay_factor
-from slimopt.optim.routes import native, triton_step, triton_taco
+from slimopt.optim.routes.cpu import native
+from slimopt.optim.routes.triton import triton_step, triton_taco
 from slimopt.optim.routes.whole_queue import WholeQueue
 
 __all__ = ["adamw_declines", "adamw_applies", "residual_declines", "residual_applies", "adamw_kernel_declines",

@@ -24,7 +24,7 @@ from slimopt.optim.algorithm.rules import apply_update, comp_of, rounding_of
 from slimopt.optim.distributed.exchange import Part, exchange
 from slimopt.optim.distributed.owners import muon_cost
 from slimopt.optim.distributed.sharded import Target, moment_codecs
-from slimopt.optim.routes import reference
+from slimopt.optim.routes.reference import reference
 from slimopt.optim.routes.subspace import count_moment_step
 from slimopt.optim.routes.whole_queue import Pending, WholeQueue, key_of, runs
 

@@ -3,7 +3,7 @@
 The eager window step launches a dozen kernels per tensor on a GPU, each a full pass over memory; this kernel
 reads the gradient, the weight and each coded moment once and writes the weight and the moments once.
 
-Details: docs/modules.md, ``slimopt.optim.routes.triton_step``.
+Details: docs/modules.md, ``slimopt.optim.routes.triton.triton_step``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import Tensor
 
 from slimopt.optim.algorithm.codecs import Bf16Codec, BlockCodec, FactoredCodec, Fp32Codec, TernaryCodec
 from slimopt.optim.algorithm.noise import CounterStream
-from slimopt.optim.routes import native
+from slimopt.optim.routes.cpu import native
 
 __all__ = ["available", "declines", "applies", "prepare", "run", "finish", "column_means", "failed", "fallbacks"]
 
@@ -54,7 +54,7 @@ def _triton():
         try:
             import triton  # noqa: F401
 
-            from slimopt.optim.routes import triton_kernels
+            from slimopt.optim.routes.triton import triton_kernels
             _state["triton"] = triton_kernels
         except Exception as exc:  # ImportError, or a triton too old for the kernels' language
             _state["triton"] = None

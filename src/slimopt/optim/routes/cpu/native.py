@@ -6,7 +6,7 @@ CPU. The C kernel does the same arithmetic in one pass, a few hundred elements (
 stack buffers; its results equal the eager step's (tests/test_native.py: bit for bit on the cases tested, the
 quantized codes exactly where the fp32 moments agree).
 
-Details: docs/modules.md, ``slimopt.optim.routes.native``.
+Details: docs/modules.md, ``slimopt.optim.routes.cpu.native``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ tensor, or this rank's rows of an FSDP2 one),
     resid = g for the state-free rule (work "free")
     p    *= 1 - lr wd;  p -= lr (c d + free_scale free_rule(resid))          (rules.apply_update)
 
-Details: docs/modules.md, ``slimopt.optim.routes.reference``.
+Details: docs/modules.md, ``slimopt.optim.routes.reference.reference``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ found component, stores it (fp8 or int8 code, scale, row) and moves the weight a
 hidden rows (k, n) and the search's keys (k, chunks, n), int64: at most ``triton_step._SCRATCH_BYTES`` a launch
 (``batch_size``), as the element-wise step's.
 
-Details: docs/modules.md, ``slimopt.optim.routes.triton_taco``.
+Details: docs/modules.md, ``slimopt.optim.routes.triton.triton_taco``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slimopt.optim.routes import native, triton_step
-from slimopt.optim.routes.triton_step import (
+from slimopt.optim.routes.cpu import native
+from slimopt.optim.routes.triton import triton_step
+from slimopt.optim.routes.triton.triton_step import (
     _COMPILED,
     _DTYPES,
     _OPTIONS,
