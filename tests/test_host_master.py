@@ -113,3 +113,85 @@ def test_no_device_tensor_reaches_the_optimizer():
     assert all(id(p) not in device for g in host.optimizer.param_groups for p in g["params"])
     assert sum(p.numel() for p in host.masters.values()) == sum(p.numel() for p in tiny_llama(seed=0).parameters())
     host.close()
+
+
+def _clipped_reference(data, clip, mode):
+    """adamw with host masters stepped after backward, the gradients clipped as each mode says."""
+    model = tiny_llama(seed=0)
+    host = HostMaster(model, "adamw", overlap=False)
+    host.close()  # hooks off: this reference moves the gradients and steps by hand
+    masters, layers, device = host.masters, host._layers, host._device_param
+    previous = None
+    for ids in data:
+        model(input_ids=ids, labels=ids).loss.backward()
+        for name, p in device.items():
+            masters[name].grad, p.grad = p.grad.float(), None
+        for name, layer in layers.items():
+            masters[name].grad = masters[name].grad  # delivered by the layer's default sink
+        ordered = list(masters.values())
+        if mode == "hold" or previous is None:
+            norm = float(torch.nn.utils.clip_grad_norm_(ordered, clip))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(m.grad, dtype=torch.float32) for m in ordered])))
+            coef = min(1.0, clip / (previous + 1e-6))
+            for m in ordered:
+                m.grad.mul_(coef) if coef < 1.0 else None
+        previous = norm
+        host.optimizer.step()
+        host.optimizer.zero_grad()
+        with torch.no_grad():
+            for name, master in masters.items():
+                layers[name].load_weight(master) if name in layers else device[name].copy_(master)
+    return masters
+
+
+@pytest.mark.parametrize("mode", ["hold", "previous"])
+def test_clipping_modes(mode):
+    data = batches(3, seed=8)
+    ref = _clipped_reference(data, 0.5, mode)
+    model = tiny_llama(seed=0)
+    host = HostMaster(model, "adamw", clip=0.5, clip_mode=mode)
+    for ids in data:
+        model(input_ids=ids, labels=ids).loss.backward()
+    host.synchronize()
+    assert host.last_grad_norm > 0.5  # the limit bites
+    for name, master in host.masters.items():
+        torch.testing.assert_close(master, ref[name], rtol=0, atol=1e-6 if mode == "previous" else 0)
+    host.close()
+
+
+def test_resume_continues_identically(tmp_path):
+    data = batches(4, seed=9)
+    model = tiny_llama(seed=0)
+    host = HostMaster(model, "adamw8bit", clip=1.0)
+    for ids in data[:2]:
+        model(input_ids=ids, labels=ids).loss.backward()
+    torch.save(host.state_dict(), tmp_path / "host.pt")
+    for ids in data[2:]:
+        model(input_ids=ids, labels=ids).loss.backward()
+    host.synchronize()
+
+    fresh = tiny_llama(seed=1)  # other weights: the checkpoint's masters must overwrite them
+    resumed = HostMaster(fresh, "adamw8bit", clip=1.0)
+    resumed.load_state_dict(torch.load(tmp_path / "host.pt", weights_only=True))
+    for ids in data[2:]:
+        fresh(input_ids=ids, labels=ids).loss.backward()
+    resumed.synchronize()
+    assert resumed.steps == host.steps == 4
+    assert all(torch.equal(m, host.masters[n]) for n, m in resumed.masters.items())
+    for (name, a), (_, b) in zip(fresh.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="masters do not match"):
+        HostMaster(tiny_llama(seed=0, layers=1), "adamw8bit").load_state_dict(host.state_dict())
+    host.close()
+    resumed.close()
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="clip_mode"):
+        HostMaster(tiny_llama(seed=0), "adamw", clip=1.0, clip_mode="later")
+    with pytest.raises(ValueError, match="clip must be"):
+        HostMaster(tiny_llama(seed=0), "adamw", clip=-1)
+    with pytest.raises(ValueError, match="accumulation_steps"):
+        HostMaster(tiny_llama(seed=0), "adamw", accumulation_steps=0)

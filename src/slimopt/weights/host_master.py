@@ -25,7 +25,9 @@ from slimopt.optim.recipes import param_groups
 from slimopt.weights.convert import int8_weights, to_int8
 from slimopt.weights.int8_linear import Int8Linear
 
-__all__ = ["HostMaster"]
+__all__ = ["CLIP_MODES", "HostMaster"]
+
+CLIP_MODES = ("hold", "previous")
 
 
 class HostMaster:
@@ -40,6 +42,10 @@ class HostMaster:
         accumulation_steps: backward passes per update; scale the loss by 1 / accumulation_steps as usual.
         overlap: step in a worker thread while the backward pass runs (False: in the backward pass's thread,
             each step finished before the next layer's gradient is computed).
+        clip: the global gradient norm limit (as ``torch.nn.utils.clip_grad_norm_`` over every master), or None.
+        clip_mode: ``"hold"`` (exact: the window's steps wait for the end of its backward pass, when the norm is
+            known; the updates still overlap the next forward pass) or ``"previous"`` (each gradient scaled as
+            the previous window's norm asks, stepped at once; the first window holds).
 
     Attributes: optimizer (the host SlimOptimizer over the masters), masters ({parameter name: master}),
     steps (updates made), events (when ``record=True``: (seconds, what, name) of every gradient arrival, step
@@ -48,7 +54,12 @@ class HostMaster:
 
     def __init__(self, model: nn.Module, method: str = "adamw", *, int8: bool = True, int8_group: int = 0,
                  master_dtype: torch.dtype = torch.float32, accumulation_steps: int = 1, overlap: bool = True,
-                 record: bool = False, **build_settings: Any) -> None:
+                 clip: float | None = None, clip_mode: str = "hold", record: bool = False,
+                 **build_settings: Any) -> None:
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
+            raise ValueError(f"clip must be None or a number > 0, got {clip!r}")
+        if clip_mode not in CLIP_MODES:
+            raise ValueError(f"clip_mode must be one of {', '.join(CLIP_MODES)}; got {clip_mode!r}")
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be an integer >= 1, got {accumulation_steps!r}")
         if master_dtype not in (torch.float32, torch.bfloat16):
@@ -74,7 +85,10 @@ class HostMaster:
         self._name_of = {id(p): n for n, p in self._device_param.items()}  # a tied parameter under either module
         self.optimizer = SlimOptimizer(groups)
         self.accumulation_steps, self.overlap, self.record = accumulation_steps, overlap, record
+        self.clip, self.clip_mode = None if clip is None else float(clip), clip_mode
+        self.last_grad_norm: float | None = None  # the unclipped global norm of the last window (with clip)
         self.steps = self.micro_steps = 0
+        self._sq_norm, self._previous_coef = 0.0, 1.0
         self.events: list[tuple[float, str, str]] = []
         self._t0 = time.perf_counter()
         self._lock = threading.Lock()
@@ -96,7 +110,7 @@ class HostMaster:
                 name = f"{module_name}.weight" if module_name else "weight"
                 self._layers[name] = module
                 module.grad_sink = lambda grad, name=name: self._arrive(name, grad)
-                module.on_grad_complete(lambda token, name=name: self._complete(name, token))
+                self._hooks.append(module.on_grad_complete(lambda token, name=name: self._complete(name, token)))
                 waits.append(name)
             for p in module.parameters(recurse=False):
                 name = self._name_of.get(id(p))
@@ -135,26 +149,41 @@ class HostMaster:
 
     def _complete(self, name: str, device_tensor: Tensor) -> None:
         """Every gradient of `name` in this backward pass is in: at the window's last pass, step it."""
-        device_tensor.grad = None  # the device copy dies here (the token's zero, a parameter's gradient)
+        device_tensor.grad = None  # the device copy dies here
         task = torch._C._current_graph_task_id()
         if task != self._task:  # the first completion of this backward pass
             self._task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        if (self.micro_steps + 1) % self.accumulation_steps == 0:
-            self._submit(name)
+        if (self.micro_steps + 1) % self.accumulation_steps == 0 and not self._holding():
+            self._submit(name, self._scale_by_previous(name))
 
-    def _submit(self, name: str) -> None:
+    def _holding(self) -> bool:
+        """Whether this window's steps wait for its global gradient norm."""
+        return self.clip is not None and (self.clip_mode == "hold" or self.last_grad_norm is None)
+
+    def _scale_by_previous(self, name: str) -> float | None:
+        """In "previous" mode: add the gradient's part of this window's norm; the scale the last window set."""
+        if self.clip is None:
+            return None
+        grad = self.masters[name].grad
+        if grad is not None:
+            self._sq_norm += float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
+        return self._previous_coef
+
+    def _submit(self, name: str, coef: float | None = None) -> None:
         if self._pool is None:
-            self._step(name)
+            self._step(name, coef)
         else:
-            self._pending[name] = self._pool.submit(self._step, name)
+            self._pending[name] = self._pool.submit(self._step, name, coef)
 
     @torch.no_grad()
-    def _step(self, name: str) -> None:
+    def _step(self, name: str, coef: float | None = None) -> None:
         master = self.masters[name]
         if master.grad is None:
             return
         self._log("step", name)
+        if coef is not None and coef < 1.0:
+            master.grad.mul_(coef)
         self.optimizer.step_param(master)
         master.grad = None
         if name in self._layers:
@@ -175,17 +204,59 @@ class HostMaster:
     def _end_of_backward(self) -> None:
         self._task = -1
         self.micro_steps += 1
-        if self.micro_steps % self.accumulation_steps == 0:
-            for name, master in self.masters.items():  # a master whose gradient came early in the window
-                if master.grad is not None and name not in self._pending:
-                    self._submit(name)
-            self.steps += 1
+        if self.micro_steps % self.accumulation_steps:
+            return
+        held = self._holding()
+        if held:  # every gradient is in: clip them all as torch does, then step
+            with_grads = [m for m in self.masters.values() if m.grad is not None]
+            norm = float(torch.nn.utils.clip_grad_norm_(with_grads, self.clip)) if with_grads else 0.0
+        for name, master in self.masters.items():  # held steps, and a master whose gradient came early
+            if master.grad is not None and name not in self._pending:
+                self._submit(name, 1.0 if held else self._scale_by_previous(name))
+        if self.clip is not None:
+            self._close_window(norm if held else self._sq_norm ** 0.5)
+        self.steps += 1
+
+    def _close_window(self, norm: float) -> None:
+        """Record the window's unclipped norm; the scale the next window's gradients take in "previous" mode."""
+        self.last_grad_norm = norm
+        self._previous_coef = min(1.0, self.clip / (norm + 1e-6))
+        self._sq_norm = 0.0
 
     # ------------------------------------------------------------------------------------------------------------
 
     def synchronize(self) -> None:
         """Wait for every update in flight (before reading the masters, the state or the device weights)."""
         self._wait(tuple(self._pending))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The masters, the host optimizer's state and the counters: tensors and plain values only, so that
+        ``torch.load(weights_only=True)`` reads it. The device weights are not in it: they are the masters'."""
+        self.synchronize()
+        return {"masters": {n: m.detach() for n, m in self.masters.items()},
+                "optimizer": self.optimizer.state_dict(),
+                "counters": {"steps": self.steps, "micro_steps": self.micro_steps,
+                             "last_grad_norm": self.last_grad_norm, "previous_coef": self._previous_coef}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the masters and the optimizer state as saved, and the device weights written from them."""
+        self.synchronize()
+        masters = state["masters"]
+        if set(masters) != set(self.masters):
+            missing, extra = sorted(set(self.masters) - set(masters)), sorted(set(masters) - set(self.masters))
+            raise ValueError(f"this checkpoint's masters do not match the model: missing {missing[:5]}, "
+                             f"unexpected {extra[:5]}")
+        for name, master in self.masters.items():
+            master.copy_(masters[name])
+            if name in self._layers:
+                self._layers[name].load_weight(master)
+            else:
+                self._device_param[name].copy_(master)
+        self.optimizer.load_state_dict(state["optimizer"])
+        counters = state["counters"]
+        self.steps, self.micro_steps = int(counters["steps"]), int(counters["micro_steps"])
+        self.last_grad_norm, self._previous_coef = counters["last_grad_norm"], float(counters["previous_coef"])
 
     def close(self) -> None:
         """Finish the updates in flight, remove the hooks and stop the worker."""

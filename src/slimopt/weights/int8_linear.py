@@ -10,12 +10,14 @@ slimopt.bench.planner.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 from slimopt.optim.algorithm import int8_weight
 
@@ -73,7 +75,7 @@ class Int8Linear(nn.Module):
         self.grad_sink: Callable[[Tensor], None] | None = None
         object.__setattr__(self, "_master", None)  # bypasses nn.Module's registration on purpose
         object.__setattr__(self, "_token", None)
-        self._token_hooks: list[Callable[[Tensor], None]] = []
+        self._token_hooks: dict[int, Callable[[Tensor], None]] = OrderedDict()  # weak-referenceable
 
     @property
     def master(self) -> nn.Parameter | None:
@@ -140,15 +142,21 @@ class Int8Linear(nn.Module):
         token = self._token
         if token is None or token.device != self.weight_codes.device:
             token = torch.zeros((), dtype=torch.float32, device=self.weight_codes.device, requires_grad=True)
-            for hook in self._token_hooks:
-                token.register_post_accumulate_grad_hook(hook)
+            token.register_post_accumulate_grad_hook(self._grad_complete)
             object.__setattr__(self, "_token", token)
         return token
 
-    def on_grad_complete(self, hook: Callable[[Tensor], None]) -> None:
-        """Call hook(token) each time the backward pass has delivered every gradient of this layer's weight."""
-        self._token_hooks.append(hook)
-        object.__setattr__(self, "_token", None)  # the next forward makes a token that carries every hook
+    def _grad_complete(self, token: Tensor) -> None:
+        token.grad = None
+        for hook in list(self._token_hooks.values()):
+            hook(token)
+
+    def on_grad_complete(self, hook: Callable[[Tensor], None]) -> RemovableHandle:
+        """Call hook(token) each time the backward pass has delivered every gradient of this layer's weight;
+        the handle's ``remove()`` takes it off."""
+        handle = RemovableHandle(self._token_hooks)
+        self._token_hooks[handle.id] = hook
+        return handle
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
