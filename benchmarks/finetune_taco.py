@@ -60,7 +60,8 @@ import numpy as np
 import torch
 
 import slimopt
-from slimopt.finetune.data import load_offline_classifier, load_task
+from slimopt.finetune.data import load_task
+from slimopt.models.minilm import load_offline_classifier
 from slimopt.optim.layerwise import enable_layerwise
 
 # name -> (method or "lora", lr, extra settings, layer-wise). Learning rates from a sweep on this task at 60 steps

@@ -17,12 +17,12 @@ import torch
 
 import slimopt
 from slimopt.optim.routes.cpu import native
-from slimopt.train.models import build_model
+from slimopt.models.llama import build_model
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="small", help="a model config of slimopt.train.models (default small)")
+    ap.add_argument("--model", default="small", help="a model config of slimopt.models.llama (default small)")
     ap.add_argument("--projector", default="svd", help="FRUGAL's projector: svd, random, columns or rows")
     ap.add_argument("--steps", type=int, default=30, help="timed steps of each write (default 30)")
     args = ap.parse_args()

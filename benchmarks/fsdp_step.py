@@ -41,11 +41,11 @@ import torch.multiprocessing as mp
 METHODS = ("adamw", "adamw8bit", "frugal", "galore", "taco", "ternary_adamw")
 
 
-MODEL = {"name": "small"}  # --model: a size of slimopt.train.models, set in every rank by _rank
+MODEL = {"name": "small"}  # --model: a size of slimopt.models.llama, set in every rank by _rank
 
 
 def _model(device: str):
-    from slimopt.train.models import build_model
+    from slimopt.models.llama import build_model
     return build_model(MODEL["name"], 8192, 64, dtype=torch.bfloat16, seed=0, device=torch.device(device))
 
 
@@ -188,7 +188,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=15, help="timed pairs a method (default 15; medians are kept)")
     ap.add_argument("--runs", type=int, default=1, help="repeat the whole comparison (default 1)")
     ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl, one GPU a rank)")
-    ap.add_argument("--model", default="small", help="a model size of slimopt.train.models (default small)")
+    ap.add_argument("--model", default="small", help="a model size of slimopt.models.llama (default small)")
     ap.add_argument("--json", default=None, help="write the measurements here")
     args = ap.parse_args()
     methods = [m for m in args.methods.split(",") if m]

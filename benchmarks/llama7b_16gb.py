@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     from slimopt.bench.units import parse_size
     from slimopt.optim.layerwise import enable_layerwise
     from slimopt.train.loop import make_optimizer
-    from slimopt.train.models import build_model
+    from slimopt.models.llama import build_model
 
     a = _args(argv)
     out = Path(a.out)

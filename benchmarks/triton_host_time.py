@@ -32,7 +32,7 @@ import slimopt  # noqa: E402
 from slimopt.optim.routes.cpu import native  # noqa: E402
 from slimopt.optim.routes.torch import multi_tensor  # noqa: E402
 from slimopt.optim.routes.triton import triton_step  # noqa: E402
-from slimopt.train.models import build_model  # noqa: E402
+from slimopt.models.llama import build_model  # noqa: E402
 from slimopt.train.process_group import init_process_group  # noqa: E402
 
 
@@ -102,7 +102,7 @@ def _sharded(model) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("method", help="a slimopt method (slimopt.build), e.g. adamw8bit, frugal, adamw")
-    ap.add_argument("--model", default="small", help="a model config of slimopt.train.models (default small)")
+    ap.add_argument("--model", default="small", help="a model config of slimopt.models.llama (default small)")
     ap.add_argument("--steps", type=int, default=20, help="timed steps (default 20; the median is printed)")
     ap.add_argument("--fsdp", action="store_true", help="step FSDP2 shards (see above)")
     args = ap.parse_args()

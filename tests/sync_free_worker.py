@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import slimopt  # noqa: E402
-from slimopt.train.models import build_model  # noqa: E402
+from slimopt.models.llama import build_model  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from triton_host_time import _Launches, route_as_cuda  # noqa: E402  (a stub counting its launches)

@@ -664,7 +664,7 @@ class Resources:
     def _tiny_bert(self, path: Path) -> Path:  # a 2-layer BERT with the offline MiniLM's tokenizer
         from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-        from slimopt.finetune.data import offline_model_path
+        from slimopt.models.minilm import offline_model_path
 
         tok = AutoTokenizer.from_pretrained(str(offline_model_path()))
         torch.manual_seed(0)
@@ -749,7 +749,7 @@ def test_documented_invocation(case, resources, tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("case", NEEDS_HUB, ids=lambda c: c.id)
 def test_documented_invocation_needing_the_hub(case, tmp_path, monkeypatch, capsys):
-    from slimopt.train.tokenizer import hub_offline
+    from slimopt.models.hub import hub_offline
 
     if not hub_offline():
         pytest.skip("the Hugging Face hub is reachable: this invocation would download")

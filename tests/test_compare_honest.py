@@ -18,7 +18,7 @@ from pretrain_helpers import VOCAB, fast_config
 from slimopt import baselines
 from slimopt.cli import main
 from slimopt.optim.algorithm.partition import classify
-from slimopt.train import models
+from slimopt.models import llama as models
 from slimopt.train.compare import CompareConfig, read_results, run_compare
 from slimopt.train.compare_analysis import (
     MIN_CONTROL_MARGIN,

@@ -18,7 +18,7 @@ def tiny_model_dir(tmp_path_factory):
     """A local model folder: a randomly initialised 2-layer BERT with the MiniLM tokenizer (any HF path works)."""
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from slimopt.finetune.data import offline_model_path
+    from slimopt.models.minilm import offline_model_path
 
     path = tmp_path_factory.mktemp("tiny-bert")
     tokenizer = AutoTokenizer.from_pretrained(str(offline_model_path()))
@@ -221,7 +221,7 @@ def test_bad_arguments_fail_before_training(tmp_path, capsys, args, message):
 
 
 def test_hub_model_offline_is_a_clear_error(tmp_path, capsys, monkeypatch):
-    from slimopt.train.tokenizer import hub_offline
+    from slimopt.models.hub import hub_offline
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hub_offline.cache_clear()  # decided once per process; decide again under the variable

@@ -7,14 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from slimopt.finetune.data import (
-    BUILTIN_TASKS,
-    GLUE_TASKS,
-    TaskSpec,
-    load_offline_classifier,
-    load_task,
-    offline_model_path,
-)
+from slimopt.finetune.data import BUILTIN_TASKS, GLUE_TASKS, TaskSpec, load_task
+from slimopt.models.minilm import load_offline_classifier, offline_model_path
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

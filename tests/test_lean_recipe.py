@@ -10,7 +10,7 @@ import torch
 
 import slimopt
 from slimopt.bench import planner
-from slimopt.train.models import build_model
+from slimopt.models.llama import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import transformers
 
-from slimopt.train import models as M
-from slimopt.train import tokenizer as T
+from slimopt.models import hub
+from slimopt.models import llama as M
 
 # Analytic counts at vocab 32000, untied embeddings (GaLore's / FRUGAL's nominal sizes in the comments).
 EXPECTED = {
@@ -113,12 +113,12 @@ def test_bad_names_raise_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="config.json"):
         M.build_model(str(tmp_path / "empty"), None, 64)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    T.hub_offline.cache_clear()
+    hub.hub_offline.cache_clear()
     try:
         with pytest.raises(ValueError, match=r"'llama-70m'.*built-in size.*tiny, small, 60m"):
             M.build_model("llama-70m", None, 64)
     finally:
-        T.hub_offline.cache_clear()
+        hub.hub_offline.cache_clear()
     with pytest.raises(ValueError, match="seq_len"):
         M.build_model("tiny", 100, 0)
     with pytest.raises(ValueError, match="vocab_size"):

@@ -296,7 +296,7 @@ def test_galore_7b_setting():
                                                ("34b", "codellama-34b", 33_743_970_304),
                                                ("70b", "llama-2-70b", 68_976_648_192)])
 def test_large_llama_sizes_count_their_published_parameters(size, label, params):
-    from slimopt.train.models import llama_param_count
+    from slimopt.models.llama import llama_param_count
 
     name, config = planner.load_config(size)
     assert name == label and config.vocab_size == 32000 and not config.tie_word_embeddings

@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from slimopt.bench import planner
 from slimopt.cli import main
 from slimopt.cli import memory as memory_cli
-from slimopt.train.models import llama_param_count
+from slimopt.models.llama import llama_param_count
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

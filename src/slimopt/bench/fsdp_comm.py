@@ -229,7 +229,7 @@ def volume_table(size: str = "1b", world: int = 8, methods: dict[str, dict[str, 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from slimopt.train.loop import make_optimizer
-    from slimopt.train.models import LLAMA_SIZES
+    from slimopt.models.llama import LLAMA_SIZES
 
     cfg = LlamaConfig(vocab_size=vocab, tie_word_embeddings=False, **LLAMA_SIZES[size])
     with torch.device("meta"):

@@ -225,7 +225,7 @@ def bench_method(method: str, model: torch.nn.Module, grads: list[torch.Tensor],
 def _build(cfg: BenchConfig):
     from slimopt.bench.planner import DTYPES, load_config
     from slimopt.optim.algorithm.partition import classify
-    from slimopt.train.models import build_model
+    from slimopt.models.llama import build_model
 
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {cfg.dtype!r}")
@@ -328,7 +328,7 @@ def check_planner(model: str, methods: list[str], batch: int, seq: int, device: 
     from slimopt.bench.planner import DTYPES, plan
     from slimopt.peers import available_peers
     from slimopt.train.loop import make_optimizer
-    from slimopt.train.models import build_model
+    from slimopt.models.llama import build_model
 
     dev = torch.device(device)
     out = []

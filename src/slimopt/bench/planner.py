@@ -162,7 +162,7 @@ def _dtype(name: str) -> torch.dtype:
 
 def size_names() -> list[str]:
     """Every LLaMA size name ``load_config`` knows, smallest first."""
-    from slimopt.train.models import LLAMA_SIZES
+    from slimopt.models.llama import LLAMA_SIZES
 
     return [*LLAMA_SIZES, *PLANNING_SIZES]
 
@@ -172,7 +172,7 @@ def load_config(model: str, vocab_size: int | None = None):
     (read offline)."""
     import transformers
 
-    from slimopt.train.models import DEFAULT_VOCAB_SIZE, LLAMA_SIZES, llama_config
+    from slimopt.models.llama import DEFAULT_VOCAB_SIZE, LLAMA_SIZES, llama_config
 
     sizes = ", ".join(size_names())
     if not isinstance(model, str) or not model:
@@ -180,7 +180,7 @@ def load_config(model: str, vocab_size: int | None = None):
     if model.lower() in LLAMA_SIZES:
         # rotary positions have no parameters: the sequence length only matters for activations
         return f"llama-{model.lower()}", llama_config(model, vocab_size=vocab_size, seq_len=4096)
-    from slimopt.pretrained import SMOLLM2, smollm2_config
+    from slimopt.models.smollm2 import SMOLLM2, smollm2_config
 
     if model.lower() == SMOLLM2:  # its architecture is known: planned without the model file
         config = smollm2_config()

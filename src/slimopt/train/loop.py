@@ -211,7 +211,7 @@ def _check_config(c: TrainConfig, world_size: int) -> None:
 
 
 def _check_model_name(name: str) -> None:
-    from slimopt.train import models
+    from slimopt.models import llama as models
     if not isinstance(name, str) or not name:
         raise ValueError(f"--model must be a size ({', '.join(models.LLAMA_SIZES)}), a local directory or a "
                          f"Hugging Face name; got {name!r}")
@@ -281,7 +281,7 @@ def _model_dtype(name: str) -> tuple[torch.dtype, torch.dtype | None]:
 def tokenizer_name(c: TrainConfig) -> str | None:
     """The tokenizer a run reads: the one named, a pretrained model's own (its ids are what the model knows), or
     None: a byte-level BPE of c.vocab_size trained on the training documents."""
-    from slimopt.pretrained import SMOLLM2
+    from slimopt.models.smollm2 import SMOLLM2
     return c.tokenizer if c.tokenizer is not None or c.model != SMOLLM2 else SMOLLM2
 
 
@@ -425,7 +425,7 @@ def _build(c: TrainConfig, d: _Dist) -> _Run:
     val_blocks = torch.from_numpy(np.asarray(packed.val[:n_val], dtype=np.int64))  # [n_val, seq_len]
 
     from slimopt.train import data as data_mod
-    from slimopt.train import models
+    from slimopt.models import llama as models
     probe = MemoryProbe(device)
     probe.start()
     model = models.build_model(c.model, packed.vocab_size, c.seq_len, dtype=weight_dtype, seed=c.seed,
@@ -648,7 +648,7 @@ def _train(c: TrainConfig, d: _Dist, callback, t_start: float, cpu_start: float)
                    leave=True)
     # a loaded model (not a size built from scratch) starts somewhere worth knowing: continued pretraining is
     # judged by its held-out perplexity before and after
-    from slimopt.train.models import LLAMA_SIZES
+    from slimopt.models.llama import LLAMA_SIZES
     start_eval = _evaluate(run, 0) if run.step == 0 and c.model.lower() not in LLAMA_SIZES else None
     try:
         loss_val = _loop(run, callback, bar)

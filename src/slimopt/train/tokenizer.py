@@ -11,22 +11,19 @@ Cache root: the `cache_dir` argument, else ``slimopt.cache.cache_root()``.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import hashlib
 import json
-import os
-import socket
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from urllib.parse import urlparse
 
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from slimopt.atomic import write_atomic
 from slimopt.cache import cache_root
+from slimopt.models.hub import from_hub
+from slimopt.models.smollm2 import SMOLLM2, load_smollm2_tokenizer
 
 EOS_TOKEN = "<|endoftext|>"
 # Training text beyond this many characters adds little to a BPE vocabulary of <= 64k and costs minutes.
@@ -34,47 +31,6 @@ DEFAULT_MAX_CHARS = 64 * 2**20
 _FORMAT = "slimopt-bpe-v1"  # bump when the trained tokenizer's recipe changes, so stale caches are not reused
 
 Texts = Iterable[str] | Callable[[], Iterable[str]]
-
-
-@functools.lru_cache(maxsize=1)
-def hub_offline() -> bool:
-    """True when the Hugging Face hub cannot be reached, so loaders use only the local cache.
-
-    Without this, an offline `from_pretrained` retries for about 50 s before failing. Honours HF_HUB_OFFLINE;
-    behind a proxy the hub is assumed reachable (the local DNS lookup says nothing then).
-    """
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}:
-        return True
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
-        return False
-    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
-    try:
-        socket.getaddrinfo(host, 443)
-    except OSError:
-        return True
-    return False
-
-
-@contextlib.contextmanager
-def hub_calls_offline(offline: bool):
-    """Make every Hugging Face hub lookup inside the block local-only when `offline`.
-
-    `local_files_only=True` alone is not enough: transformers' adapter lookup in from_pretrained ignores it and
-    retries the network; huggingface_hub's own offline flag covers all calls.
-    """
-    if not offline:
-        yield
-        return
-    from huggingface_hub import constants
-
-    saved = constants.HF_HUB_OFFLINE
-    constants.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        constants.HF_HUB_OFFLINE = saved
 
 
 def tokenizer_fingerprint(tokenizer: transformers.PreTrainedTokenizerFast) -> str:
@@ -122,10 +78,8 @@ def load_tokenizer(
 
 
 def _load_named(name: str) -> transformers.PreTrainedTokenizerFast:
-    from slimopt.pretrained import SMOLLM2, load_smollm2_tokenizer
-
     path = Path(name).expanduser()
-    if name == SMOLLM2:  # the offline pretrained decoder's own tokenizer (slimopt.pretrained)
+    if name == SMOLLM2:  # the offline pretrained decoder's own tokenizer (slimopt.models.smollm2)
         tok = load_smollm2_tokenizer()
     elif path.is_file():
         if path.suffix != ".json":
@@ -138,14 +92,10 @@ def _load_named(name: str) -> transformers.PreTrainedTokenizerFast:
     elif name.startswith((".", "/", "~")):
         raise FileNotFoundError(f"tokenizer path {name!r} does not exist")
     else:
-        offline = hub_offline()
-        try:
-            with hub_calls_offline(offline):
-                tok = transformers.AutoTokenizer.from_pretrained(name, local_files_only=offline)
-        except (OSError, ValueError) as err:
-            where = "the local Hugging Face cache (the hub is unreachable)" if offline else "the Hugging Face hub"
-            raise ValueError(f"tokenizer {name!r} is not a local path and could not be loaded from {where}; "
-                             f"pass no tokenizer name to train a byte-level BPE on the corpus ({err})") from err
+        tok = from_hub(
+            lambda offline: transformers.AutoTokenizer.from_pretrained(name, local_files_only=offline),
+            lambda where, err: f"tokenizer {name!r} is not a local path and could not be loaded from {where}; "
+                               f"pass no tokenizer name to train a byte-level BPE on the corpus ({err})")
     if not isinstance(tok, transformers.PreTrainedTokenizerFast):
         raise ValueError(f"tokenizer {name!r} has no fast (Rust tokenizers) implementation, which packing needs")
     if tok.eos_token is None:

@@ -12,7 +12,7 @@ dependencies and only its folder is read:
 The weights are the 4-bit file's values, not the original bf16 checkpoint's: a fine-tuning start point close to
 it (every weight within its block's quantization step), the same for every method compared.
 
-Details: docs/modules.md, ``slimopt.pretrained``.
+Details: docs/modules.md, ``slimopt.models.smollm2``.
 """
 
 from __future__ import annotations

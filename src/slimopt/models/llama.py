@@ -5,9 +5,9 @@ The named sizes are the LLaMA configurations used to compare memory-lean optimiz
 (the t5-base tokenizer), untied input/output embeddings, SwiGLU MLP, RMSNorm, rotary positions. Two tiny sizes
 train in seconds on a CPU. Every size builds from a config alone, so nothing is downloaded.
 
-`build_model` resolves, in order: a size name in `LLAMA_SIZES`; a local directory holding a config.json
-(weights loaded when present, else random init from that config); any other string is passed to
-`AutoModelForCausalLM.from_pretrained`, which needs the Hugging Face hub or its local cache.
+`build_model` resolves, in order: a size name in `LLAMA_SIZES`; ``smollm2-135m`` (``slimopt.models.smollm2``); a
+local directory holding a config.json (weights loaded when present, else random init from that config); any other
+string is passed to `AutoModelForCausalLM.from_pretrained`, which needs the Hugging Face hub or its local cache.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from slimopt.train.tokenizer import hub_calls_offline, hub_offline
+from slimopt.models.hub import from_hub
+from slimopt.models.smollm2 import SMOLLM2, load_smollm2
 
 # hidden / intermediate (SwiGLU) / attention heads / layers; vocab 32000 unless the caller passes another.
 # "tiny" (~1.5M parameters at vocab 4096) and "small" (~7.5M at vocab 8192, ~20M at 32000) are for CPU runs.
@@ -135,12 +136,10 @@ def build_model(
     if int(seq_len) < 1:
         raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
 
-    from slimopt.pretrained import SMOLLM2, load_smollm2
-
     if name_or_path.lower() in LLAMA_SIZES:
         config = llama_config(name_or_path, vocab_size=vocab_size, seq_len=seq_len)
         model = _init_from_config(config, seed, device)
-    elif name_or_path == SMOLLM2:  # pretrained, offline (slimopt.pretrained): continued pretraining
+    elif name_or_path == SMOLLM2:  # pretrained, offline (slimopt.models.smollm2): continued pretraining
         model = load_smollm2()
         if device is not None:
             model = model.to(device)
@@ -181,14 +180,8 @@ def _looks_like_path(s: str) -> bool:
 
 
 def _from_hub(name: str, dtype, device) -> torch.nn.Module:
-    offline = hub_offline()
-    try:
-        with hub_calls_offline(offline):
-            model = transformers.AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=offline)
-    except (OSError, ValueError) as err:
-        where = "the local Hugging Face cache (the hub is unreachable)" if offline else "the Hugging Face hub"
-        raise ValueError(
-            f"model {name!r} is not a built-in size ({_sizes_text()}), not a local directory with config.json, "
-            f"and could not be loaded from {where}: {err}"
-        ) from err
+    model = from_hub(
+        lambda offline: transformers.AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=offline),
+        lambda where, err: f"model {name!r} is not a built-in size ({_sizes_text()}), not a local directory with "
+                           f"config.json, and could not be loaded from {where}: {err}")
     return model.to(device) if device is not None else model
