@@ -93,7 +93,8 @@ class Int8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, group: int = 0, master_dtype: torch.dtype = torch.float32,
                     master_device: torch.device | str = "cpu") -> "Int8Linear":
         """The int8 form of `linear` on its device, with a master copy of its weight (`master_dtype` on
-        `master_device`; pinned when that is the CPU and a CUDA device exists, for asynchronous copies)."""
+        `master_device`; pinned when that is the CPU and a CUDA device exists, for asynchronous copies; on the
+        meta device, a master that holds nothing, for weights stepped in place)."""
         w = linear.weight.detach()
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group, w.device, w.dtype)
         if linear.bias is not None:
@@ -102,7 +103,7 @@ class Int8Linear(nn.Module):
         if master.device.type == "cpu" and torch.cuda.is_available():
             master = master.pin_memory()
         layer.set_master(nn.Parameter(master, requires_grad=linear.weight.requires_grad))
-        layer.load_weight(master)
+        layer.load_weight(w if master.device.type == "meta" else master)  # the codes are the master's rounding
         return layer
 
     @torch.no_grad()

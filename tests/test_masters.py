@@ -1,4 +1,4 @@
-"""Host masters stepped during the backward pass (slimopt.weights.host_master): on a CPU, where the device is the
+"""Host masters stepped during the backward pass (slimopt.weights.masters): on a CPU, where the device is the
 host, the run equals the same model stepped after its backward pass by one optimizer over the same masters, bit
 for bit, for every kind of state; the event log shows steps starting before the backward pass is over."""
 
@@ -9,7 +9,7 @@ from helpers import batches, tiny_llama
 from slimopt.optim.recipes import param_groups
 from slimopt.optim.optimizer import SlimOptimizer
 from slimopt.weights.convert import to_int8
-from slimopt.weights.host_master import HostMaster
+from slimopt.weights.masters import MasterWeights
 from slimopt.weights.int8_linear import Int8Linear
 
 METHODS = {
@@ -59,9 +59,10 @@ def _reference(method, settings, data, accumulation=1):
     return model, masters, losses
 
 
-def _offloaded(method, settings, data, accumulation=1, overlap=True, record=False):
+def _offloaded(method, settings, data, accumulation=1, overlap=True, record=False, master="fp32"):
     model = tiny_llama(seed=0)
-    host = HostMaster(model, method, accumulation_steps=accumulation, overlap=overlap, record=record, **settings)
+    host = MasterWeights(model, method, accumulation_steps=accumulation, overlap=overlap, record=record,
+                         master=master, **settings)
     losses = []
     for ids in data:
         loss = model(input_ids=ids, labels=ids).loss / accumulation
@@ -108,7 +109,7 @@ def test_steps_start_while_the_backward_pass_runs():
 
 def test_no_device_tensor_reaches_the_optimizer():
     model = tiny_llama(seed=0)
-    host = HostMaster(model, "galore", rank=4)
+    host = MasterWeights(model, "galore", rank=4)
     device = {id(p) for p in model.parameters()}
     assert all(id(p) not in device for g in host.optimizer.param_groups for p in g["params"])
     assert sum(p.numel() for p in host.masters.values()) == sum(p.numel() for p in tiny_llama(seed=0).parameters())
@@ -118,7 +119,7 @@ def test_no_device_tensor_reaches_the_optimizer():
 def _clipped_reference(data, clip, mode):
     """adamw with host masters stepped after backward, the gradients clipped as each mode says."""
     model = tiny_llama(seed=0)
-    host = HostMaster(model, "adamw", overlap=False)
+    host = MasterWeights(model, "adamw", overlap=False)
     host.close()  # hooks off: this reference moves the gradients and steps by hand
     masters, layers, device = host.masters, host._layers, host._device_param
     previous = None
@@ -151,7 +152,7 @@ def test_clipping_modes(mode):
     data = batches(3, seed=8)
     ref = _clipped_reference(data, 0.5, mode)
     model = tiny_llama(seed=0)
-    host = HostMaster(model, "adamw", clip=0.5, clip_mode=mode)
+    host = MasterWeights(model, "adamw", clip=0.5, clip_mode=mode)
     for ids in data:
         model(input_ids=ids, labels=ids).loss.backward()
     host.synchronize()
@@ -164,7 +165,7 @@ def test_clipping_modes(mode):
 def test_resume_continues_identically(tmp_path):
     data = batches(4, seed=9)
     model = tiny_llama(seed=0)
-    host = HostMaster(model, "adamw8bit", clip=1.0)
+    host = MasterWeights(model, "adamw8bit", clip=1.0)
     for ids in data[:2]:
         model(input_ids=ids, labels=ids).loss.backward()
     torch.save(host.state_dict(), tmp_path / "host.pt")
@@ -173,7 +174,7 @@ def test_resume_continues_identically(tmp_path):
     host.synchronize()
 
     fresh = tiny_llama(seed=1)  # other weights: the checkpoint's masters must overwrite them
-    resumed = HostMaster(fresh, "adamw8bit", clip=1.0)
+    resumed = MasterWeights(fresh, "adamw8bit", clip=1.0)
     resumed.load_state_dict(torch.load(tmp_path / "host.pt", weights_only=True))
     for ids in data[2:]:
         fresh(input_ids=ids, labels=ids).loss.backward()
@@ -183,15 +184,65 @@ def test_resume_continues_identically(tmp_path):
     for (name, a), (_, b) in zip(fresh.state_dict().items(), model.state_dict().items()):
         assert torch.equal(a, b), name
     with pytest.raises(ValueError, match="masters do not match"):
-        HostMaster(tiny_llama(seed=0, layers=1), "adamw8bit").load_state_dict(host.state_dict())
+        MasterWeights(tiny_llama(seed=0, layers=1), "adamw8bit").load_state_dict(host.state_dict())
     host.close()
     resumed.close()
 
 
 def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="clip_mode"):
-        HostMaster(tiny_llama(seed=0), "adamw", clip=1.0, clip_mode="later")
+        MasterWeights(tiny_llama(seed=0), "adamw", clip=1.0, clip_mode="later")
     with pytest.raises(ValueError, match="clip must be"):
-        HostMaster(tiny_llama(seed=0), "adamw", clip=-1)
+        MasterWeights(tiny_llama(seed=0), "adamw", clip=-1)
     with pytest.raises(ValueError, match="accumulation_steps"):
-        HostMaster(tiny_llama(seed=0), "adamw", accumulation_steps=0)
+        MasterWeights(tiny_llama(seed=0), "adamw", accumulation_steps=0)
+
+
+def test_in_place_int8_keeps_no_wide_copy_and_trains():
+    """master="none": the int8 weight is its own master; between steps its parameter holds one element."""
+    model, host, losses = _offloaded("adamw", {"lr": 3e-3}, [batches(1, seed=3)[0]] * 25, master="none")
+    layers = host._layers
+    assert layers and all(host.masters[n].stride() == (0, 0) for n in layers)
+    assert all(host.masters[n].untyped_storage().nbytes() == 4 for n in layers)
+    assert all(host.optimizer.state[host.masters[n]]["exp_avg"].shape == host.masters[n].shape for n in layers)
+    assert losses[-1] < losses[0] - 0.3
+    again = _offloaded("adamw", {"lr": 3e-3}, [batches(1, seed=3)[0]] * 25, master="none")[0]
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    host.close()
+
+
+def test_in_place_rounding_is_stochastic_so_small_updates_survive():
+    """Updates far below half a code step: nearest rounding would never move the int8 weight; stochastic
+    rounding moves it by the updates on average (Q-GaLore's reason, arXiv 2407.08296). Column 0 holds each row's
+    absmax and gets no gradient, so the scales stay fixed."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False))
+    with torch.no_grad():
+        model[0].weight[:, 0] = 0.5
+    host = MasterWeights(model, "adamw", master="none", lr=1e-4, weight_decay=0.0)
+    layer = host._layers["0.weight"]
+    before, scale = layer.dequantized_weight(), layer.weight_scale.clone()
+    x = torch.randn(16, 64)
+    x[:, 0] = 0
+    for _ in range(20):
+        layer(x).sum().backward()  # the same gradient each step: Adam moves every weight by lr a step
+    assert torch.equal(layer.weight_scale, scale) and 1e-4 < 0.1 * scale.min().item()
+    moved = (layer.dequantized_weight() - before)[:, 1:].abs().mean().item()
+    assert 0.5 * 20 * 1e-4 < moved < 2 * 20 * 1e-4
+    host.close()
+
+
+def test_in_place_resume_continues_identically(tmp_path):
+    data = batches(4, seed=10)
+    model, host, _ = _offloaded("adamw8bit", {}, data[:2], master="none")
+    torch.save(host.state_dict(), tmp_path / "s.pt")
+    for ids in data[2:]:
+        model(input_ids=ids, labels=ids).loss.backward()
+    fresh = tiny_llama(seed=3)
+    resumed = MasterWeights(fresh, "adamw8bit", master="none")
+    resumed.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
+    for ids in data[2:]:
+        fresh(input_ids=ids, labels=ids).loss.backward()
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    host.close()
+    resumed.close()

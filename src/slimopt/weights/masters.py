@@ -1,7 +1,8 @@
-"""Training with the master weights and the optimizer state on the host: the device keeps int8 (or its dtype's)
-weights, activations and the gradients in flight.
+"""Where the trainable copy of each weight lives: on the host (master="fp32" or "bf16"), the device keeping int8
+(or its dtype's) weights, activations and the gradients in flight; or nowhere (master="none"), an int8 weight
+stepped in place on the device with stochastic rounding (Q-GaLore's way, arXiv 2407.08296).
 
-Every trainable parameter gets a master copy on the host (fp32 by default) that a ``SlimOptimizer`` steps with the
+With a master, every trainable parameter gets a copy on the host that a ``SlimOptimizer`` steps with the
 partition and settings ``slimopt.build`` would give the model: the optimizer never sees a device tensor. A weight's
 gradient leaves the device as soon as the backward pass has completed it (the Int8Linear's token, or the
 parameter's post-accumulate-grad hook), its host step starts at once in a worker thread while the backward pass
@@ -20,25 +21,30 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from slimopt.optim.algorithm import int8_weight
+from slimopt.optim.algorithm.noise import CounterStream, mix_seed
 from slimopt.optim.optimizer import SlimOptimizer
 from slimopt.optim.recipes import param_groups
 from slimopt.weights.convert import int8_weights, to_int8
 from slimopt.weights.int8_linear import Int8Linear
 
-__all__ = ["CLIP_MODES", "HostMaster"]
+__all__ = ["CLIP_MODES", "MASTERS", "MasterWeights"]
 
 CLIP_MODES = ("hold", "previous")
+MASTERS = {"fp32": torch.float32, "bf16": torch.bfloat16, "none": None}
 
 
-class HostMaster:
-    """Host masters and a host optimizer for `model`, stepped during its backward pass.
+class MasterWeights:
+    """Master weights and their optimizer for `model`, stepped during its backward pass.
 
     Args:
         model: the model on its device; its chosen Linear layers become ``Int8Linear`` in place (``int8=True``).
         method, build_settings: as ``slimopt.build(model, method, **build_settings)``.
         int8: hold the body's Linear weights in int8 on the device (else in their dtype).
         int8_group: 0 for one scale a row, else the elements of a row that share one.
-        master_dtype: the masters' dtype (fp32: the updates are what a device run in fp32 would make).
+        master: "fp32" (the updates are what an fp32 run would make) or "bf16": host copies in that dtype; "none":
+            no copy, the optimizer and its state on the device, each int8 weight dequantized to fp32 for its step
+            and rounded back stochastically (needs ``int8=True``; the other parameters step in place).
         accumulation_steps: backward passes per update; scale the loss by 1 / accumulation_steps as usual.
         overlap: step in a worker thread while the backward pass runs (False: in the backward pass's thread,
             each step finished before the next layer's gradient is computed).
@@ -53,7 +59,7 @@ class HostMaster:
     """
 
     def __init__(self, model: nn.Module, method: str = "adamw", *, int8: bool = True, int8_group: int = 0,
-                 master_dtype: torch.dtype = torch.float32, accumulation_steps: int = 1, overlap: bool = True,
+                 master: str = "fp32", accumulation_steps: int = 1, overlap: bool = True,
                  clip: float | None = None, clip_mode: str = "hold", record: bool = False,
                  **build_settings: Any) -> None:
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
@@ -62,29 +68,21 @@ class HostMaster:
             raise ValueError(f"clip_mode must be one of {', '.join(CLIP_MODES)}; got {clip_mode!r}")
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be an integer >= 1, got {accumulation_steps!r}")
-        if master_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"master_dtype must be torch.float32 or torch.bfloat16; got {master_dtype}")
+        if master not in MASTERS:
+            raise ValueError(f"master must be one of {', '.join(MASTERS)}; got {master!r}")
+        if master == "none" and not int8:
+            raise ValueError("master='none' steps int8 weights in place; with int8=False use slimopt.build")
+        self.in_place = master == "none"
         groups = param_groups(model, method, **build_settings)  # the partition of the model as it is
-        int8_names = {name for name, _ in int8_weights(model)} if int8 else set()
-        names = {id(p): n for n, p in model.named_parameters()}
-        int8_masters = dict(to_int8(model, int8_group, master_dtype)) if int8 else {}
         self.masters: dict[str, nn.Parameter] = {}
         self._device_param: dict[str, Tensor] = {}  # name -> the device tensor a non-int8 master is written to
-        for group in groups:
-            masters = []
-            for p in group["params"]:
-                name = names[id(p)]
-                if name in int8_names:
-                    master = int8_masters[name]
-                else:
-                    master = nn.Parameter(p.detach().to("cpu", master_dtype, copy=True))
-                    self._device_param[name] = p
-                self.masters[name] = master
-                masters.append(master)
-            group["params"] = masters
+        self._place_masters(model, groups, int8, int8_group, MASTERS[master])
         self._name_of = {id(p): n for n, p in self._device_param.items()}  # a tied parameter under either module
+        self._index = {name: k for k, name in enumerate(self.masters)}
         self.optimizer = SlimOptimizer(groups)
-        self.accumulation_steps, self.overlap, self.record = accumulation_steps, overlap, record
+        self.seed = int(groups[0].get("seed", 0)) if groups else 0
+        self.accumulation_steps, self.record = accumulation_steps, record
+        self.overlap = overlap and not self.in_place  # on the device the step is queued on its stream already
         self.clip, self.clip_mode = None if clip is None else float(clip), clip_mode
         self.last_grad_norm: float | None = None  # the unclipped global norm of the last window (with clip)
         self.steps = self.micro_steps = 0
@@ -93,13 +91,41 @@ class HostMaster:
         self._t0 = time.perf_counter()
         self._lock = threading.Lock()
         self._pending: dict[str, Future] = {}
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimopt-host-step") if overlap else None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimopt-host-step") if self.overlap else None
         self._task = -1
         self._layers: dict[str, Int8Linear] = {}
         self._hooks = []
         self._attach(model)
 
     # ------------------------------------------------------------------------------------------------------------
+
+    def _place_masters(self, model: nn.Module, groups: list[dict[str, Any]], int8: bool, int8_group: int,
+                       dtype: torch.dtype | None) -> None:
+        """Swap each group's parameters for their masters (in place: the device parameter itself, and for an int8
+        layer a stand-in that holds a weight only while it steps)."""
+        int8_names = {name for name, _ in int8_weights(model)} if int8 else set()
+        names = {id(p): n for n, p in model.named_parameters()}
+        # in place, a master on the meta device holds no memory until its stand-in replaces it
+        int8_masters = dict(to_int8(model, int8_group, dtype or torch.float32,
+                                    "meta" if dtype is None else "cpu")) if int8 else {}
+        layers = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, Int8Linear)}
+        for group in groups:
+            masters = []
+            for p in group["params"]:
+                name = names[id(p)]
+                if name in int8_names:
+                    master = int8_masters[name]
+                    if dtype is None:  # set_data cannot leave the meta device: a new parameter, on the layer's
+                        master = nn.Parameter(_stand_in(master, layers[name].weight_codes.device))
+                        layers[name].set_master(master)
+                elif dtype is None:
+                    master = p
+                else:
+                    master = nn.Parameter(p.detach().to("cpu", dtype, copy=True))
+                    self._device_param[name] = p
+                self.masters[name] = master
+                masters.append(master)
+            group["params"] = masters
 
     def _attach(self, model: nn.Module) -> None:
         """Gradient hooks on every master's device side, and a forward pre-hook on every module holding one."""
@@ -110,7 +136,7 @@ class HostMaster:
                 name = f"{module_name}.weight" if module_name else "weight"
                 self._layers[name] = module
                 module.grad_sink = lambda grad, name=name: self._arrive(name, grad)
-                self._hooks.append(module.on_grad_complete(lambda token, name=name: self._complete(name, token)))
+                self._hooks.append(module.on_grad_complete(lambda token, name=name: self._complete(name)))
                 waits.append(name)
             for p in module.parameters(recurse=False):
                 name = self._name_of.get(id(p))
@@ -144,12 +170,13 @@ class HostMaster:
 
     def _arrive_whole(self, name: str, p: Tensor) -> None:
         """A parameter's gradient for this backward pass, complete at once (its post-accumulate-grad hook)."""
-        self._arrive(name, p.grad)
-        self._complete(name, p)
+        if self.masters[name] is not p:  # stepped in place: the gradient is where the step reads it
+            self._arrive(name, p.grad)
+            p.grad = None  # the device copy dies here
+        self._complete(name)
 
-    def _complete(self, name: str, device_tensor: Tensor) -> None:
+    def _complete(self, name: str) -> None:
         """Every gradient of `name` in this backward pass is in: at the window's last pass, step it."""
-        device_tensor.grad = None  # the device copy dies here
         task = torch._C._current_graph_task_id()
         if task != self._task:  # the first completion of this backward pass
             self._task = task
@@ -184,13 +211,32 @@ class HostMaster:
         self._log("step", name)
         if coef is not None and coef < 1.0:
             master.grad.mul_(coef)
-        self.optimizer.step_param(master)
+        if self.in_place and name in self._layers:
+            self._step_in_place(name, master)
+        else:
+            self.optimizer.step_param(master)
+            self._write(name, master)
         master.grad = None
+        self._log("done", name)
+
+    def _step_in_place(self, name: str, master: nn.Parameter) -> None:
+        """An int8 weight without a master: dequantized to fp32 for its step, rounded back stochastically (a hash
+        of the seed, the weight and the step picks each element's noise), the fp32 copy dropped."""
+        layer = self._layers[name]
+        master.data = layer.dequantized_weight(torch.float32)
+        self.optimizer.step_param(master)
+        stream = CounterStream(mix_seed(self.seed, self._index[name], self.steps, _WEIGHT_STREAM))
+        codes, scale = int8_weight.quantize(master.detach(), layer.group, noise=stream)
+        layer.weight_codes.copy_(codes)
+        layer.weight_scale.copy_(scale)
+        master.data = _stand_in(master, master.device)
+
+    def _write(self, name: str, master: Tensor) -> None:
+        """The device copy of a master after its step (or a load): requantized, or cast and copied."""
         if name in self._layers:
             self._layers[name].load_weight(master)
-        else:
+        elif name in self._device_param:
             self._device_param[name].copy_(master)
-        self._log("done", name)
 
     def _wait(self, names: tuple[str, ...]) -> None:
         """Block until the updates of `names` have landed (the forward pass of their module is next)."""
@@ -233,7 +279,9 @@ class HostMaster:
         """The masters, the host optimizer's state and the counters: tensors and plain values only, so that
         ``torch.load(weights_only=True)`` reads it. The device weights are not in it: they are the masters'."""
         self.synchronize()
-        return {"masters": {n: m.detach() for n, m in self.masters.items()},
+        held = {n: (self._layers[n].weight_codes, self._layers[n].weight_scale) if self.in_place and n in self._layers
+                else m.detach() for n, m in self.masters.items()}  # in place, an int8 weight is its own master
+        return {"masters": held,
                 "optimizer": self.optimizer.state_dict(),
                 "counters": {"steps": self.steps, "micro_steps": self.micro_steps,
                              "last_grad_norm": self.last_grad_norm, "previous_coef": self._previous_coef}}
@@ -248,11 +296,13 @@ class HostMaster:
             raise ValueError(f"this checkpoint's masters do not match the model: missing {missing[:5]}, "
                              f"unexpected {extra[:5]}")
         for name, master in self.masters.items():
+            if name in self._layers and self.in_place:
+                layer, (codes, scale) = self._layers[name], masters[name]
+                layer.weight_codes.copy_(codes)
+                layer.weight_scale.copy_(scale)
+                continue
             master.copy_(masters[name])
-            if name in self._layers:
-                self._layers[name].load_weight(master)
-            else:
-                self._device_param[name].copy_(master)
+            self._write(name, master)
         self.optimizer.load_state_dict(state["optimizer"])
         counters = state["counters"]
         self.steps, self.micro_steps = int(counters["steps"]), int(counters["micro_steps"])
@@ -268,3 +318,12 @@ class HostMaster:
             layer.grad_sink = None
         if self._pool is not None:
             self._pool.shutdown()
+
+
+_WEIGHT_STREAM = 0x5EED_1D8  # keeps the weights' rounding noise apart from the optimizer state's streams
+
+
+def _stand_in(master: Tensor, device: torch.device) -> Tensor:
+    """A tensor of the master's shape and dtype on `device` that holds no memory (one element, zero strides):
+    what an in-place int8 weight's parameter holds between its steps, so the optimizer keeps seeing one shape."""
+    return torch.zeros((), dtype=master.dtype, device=device).expand(master.shape)
