@@ -109,8 +109,9 @@ class Int8Linear(nn.Module):
     @torch.no_grad()
     def load_weight(self, weight: Tensor) -> None:
         """Write `weight` (out, in), any float dtype and device, as this layer's codes and scales (nearest
-        rounding)."""
-        codes, scale = int8_weight.quantize(weight.to(self.weight_codes.device), self.group)
+        rounding). Rounded where the weight is (a host master: the host), so only the int8 codes and the scales
+        cross to the layer's device."""
+        codes, scale = int8_weight.quantize(weight, self.group)
         self.weight_codes.copy_(codes)
         self.weight_scale.copy_(scale)
 
