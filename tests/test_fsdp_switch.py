@@ -18,7 +18,7 @@ import weakref
 
 import pytest
 import torch
-from helpers import backward, batches, tiny_llama
+from helpers import assert_same_models, backward, batches, run, tiny_llama
 from launch import read_report, run_worker
 
 import slimopt
@@ -41,20 +41,6 @@ def _build(model, method):
     return slimopt.build(model, method, **settings(method))
 
 
-def _steps(model, opt, data):
-    for ids in data:
-        backward(model, ids)
-        opt.step()
-
-
-def _assert_same(model, opt, twin, twin_opt):
-    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-        assert torch.equal(p, q), name
-        assert sorted(opt.state[p]) == sorted(twin_opt.state[q]), name
-        for key, v in opt.state[p].items():
-            assert torch.equal(v, twin_opt.state[q][key]), f"{name}.{key}"
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_switched_before_the_first_step_steps_as_built_on_the_new_parameters(method):
     model = tiny_llama()
@@ -66,22 +52,22 @@ def test_switched_before_the_first_step_steps_as_built_on_the_new_parameters(met
     twin = copy.deepcopy(model)
     twin_opt = _build(twin, method)
     data = batches(3)
-    _steps(model, opt, data)
-    _steps(twin, twin_opt, data)
-    _assert_same(model, opt, twin, twin_opt)
+    run(model, opt, data)
+    run(twin, twin_opt, data)
+    assert_same_models(model, opt, twin, twin_opt)
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_state_continues_across_a_switch_after_steps(method):
+def test_state_continues_across_a_switch_afterrun(method):
     model, twin = tiny_llama(), tiny_llama()
     opt, twin_opt = _build(model, method), _build(twin, method)
     data = batches(4)
-    _steps(model, opt, data[:2])
+    run(model, opt, data[:2])
     old = [weakref.ref(p) for p in model.parameters()]
     model = switch_like_accelerate(model, opt, copy.deepcopy)
-    _steps(model, opt, data[2:])
-    _steps(twin, twin_opt, data)
-    _assert_same(model, opt, twin, twin_opt)  # the moments went on where they were, not from zero
+    run(model, opt, data[2:])
+    run(twin, twin_opt, data)
+    assert_same_models(model, opt, twin, twin_opt)  # the moments went on where they were, not from zero
     gc.collect()
     assert all(r() is None for r in old)  # nothing keeps the parameters that left
 
@@ -90,8 +76,8 @@ def test_state_dict_right_after_a_switch_holds_the_moved_state():
     model, twin = tiny_llama(), tiny_llama()
     opt, twin_opt = _build(model, "adamw8bit"), _build(twin, "adamw8bit")
     data = batches(2)
-    _steps(model, opt, data)
-    _steps(twin, twin_opt, data)
+    run(model, opt, data)
+    run(twin, twin_opt, data)
     model = switch_like_accelerate(model, opt, copy.deepcopy)
     sd, want = opt.state_dict(), twin_opt.state_dict()  # torch's state_dict finds state by the groups' parameters
     assert sorted(sd["state"]) == sorted(want["state"])
@@ -103,15 +89,15 @@ def test_step_param_follows_a_switch():
     model, twin = tiny_llama(), tiny_llama()
     opt, twin_opt = _build(model, "adamw8bit"), _build(twin, "adamw8bit")
     data = batches(3)
-    _steps(model, opt, data[:1])
-    _steps(twin, twin_opt, data[:1])
+    run(model, opt, data[:1])
+    run(twin, twin_opt, data[:1])
     model = switch_like_accelerate(model, opt, copy.deepcopy)
     for ids in data[1:]:
         for m, o in ((model, opt), (twin, twin_opt)):
             backward(m, ids)
             for p in m.parameters():  # what layer-wise updates call, one parameter at a time
                 o.step_param(p)
-    _assert_same(model, opt, twin, twin_opt)
+    assert_same_models(model, opt, twin, twin_opt)
 
 
 def test_an_optimizer_built_on_meta_parameters_steps_on_the_real_ones():
@@ -126,9 +112,9 @@ def test_an_optimizer_built_on_meta_parameters_steps_on_the_real_ones():
         model = switch_like_accelerate(meta, opt, lambda m: copy.deepcopy(real))
         twin = copy.deepcopy(real)
         twin_opt = _build(twin, method)
-        _steps(model, opt, data)
-        _steps(twin, twin_opt, data)
-        _assert_same(model, opt, twin, twin_opt)
+        run(model, opt, data)
+        run(twin, twin_opt, data)
+        assert_same_models(model, opt, twin, twin_opt)
 
 
 def test_a_parameter_switched_for_another_shape_starts_afresh_with_a_warning():

@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import assert_state_close
+from helpers import assert_state_close, random_grads, random_params, run_steps
 
 import slimopt
 
@@ -40,14 +40,9 @@ def _settings(rule: str, codec: str, projector: int) -> dict:
     return kw
 
 
-def _run(params, opt):
-    for t in range(STEPS):
-        gen = torch.Generator().manual_seed(100 + t)
-        for p in params:
-            p.grad = (torch.randn(p.shape, generator=gen) * 0.1).to(p.dtype)
-        for group in opt.param_groups:
-            group["lr"] = LRS[t]
-        opt.step()
+def _run(params, opt):  # step t's gradients drawn from seed 100 + t
+    shapes, dtype = [p.shape for p in params], params[0].dtype
+    run_steps(params, opt, [random_grads(shapes, dtype, 1, seed=100 + t, scale=0.1)[0] for t in range(STEPS)], LRS)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -55,11 +50,10 @@ def _run(params, opt):
                          ids=[f"{r}-{c}-{PROJECTORS[p].get('projector', 'none')}" for r, c, p in GRID])
 def test_the_fused_step_equals_the_eager_reference(rule, codec, projector, dtype):
     kw = _settings(rule, codec, projector)
-    gen = torch.Generator().manual_seed(0)
     # a 2-D weight of 12,000 elements (projected, partial codec blocks), a 1-D one of 5,000 and two of one shape,
     # so that blocks turn between them
     shapes = [(40, 300), (5000,), (64, 80), (64, 80)]
-    a = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+    a = random_params(shapes, dtype)
     b = [torch.nn.Parameter(p.detach().clone()) for p in a]
     fused, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
     _run(a, fused)

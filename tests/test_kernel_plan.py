@@ -2,8 +2,11 @@
 what it was prepared for changes: the learning rate and betas from step to step, the gradient's dtype, the
 weight's storage, the state tensors (a state_dict load), the group's settings."""
 
+from functools import partial
+
 import pytest
 import torch
+from helpers import assert_same_state, fill_grads, random_params
 
 import slimopt
 from slimopt.optim.algorithm import budget
@@ -16,14 +19,7 @@ pytestmark = pytest.mark.skipif(native.library() is None, reason="the C kernel c
 SHAPES = [(64, 96), (1000,), (48, 64)]  # a 1-D weight with a ragged last block of 256 (int8) and of 128 (int4)
 
 
-def _weights(dtype):
-    gen = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
-
-
-def _grads(step, dtype):
-    gen = torch.Generator().manual_seed(100 + step)
-    return [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
+_weights = partial(random_params, SHAPES)
 
 
 def _run(settings, dtype, steps, planned, monkeypatch, grad_dtypes=None, between=None):
@@ -41,8 +37,7 @@ def _run(settings, dtype, steps, planned, monkeypatch, grad_dtypes=None, between
         opt = slimopt.SlimOptimizer(ws, **settings)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))  # lr moves every step
         for step in range(steps):
-            for w, g in zip(ws, _grads(step, (grad_dtypes or {}).get(step, dtype))):
-                w.grad = g
+            fill_grads(ws, 100 + step, dtype=(grad_dtypes or {}).get(step, dtype))
             opt.step()
             sched.step()
             if between is not None:
@@ -60,9 +55,7 @@ def _assert_same(a, b):
     for x, y in zip(wa, wb):
         assert torch.equal(x, y)
     for x, y in zip(sa, sb):
-        assert x.keys() == y.keys()
-        for k in x:
-            assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), k
+        assert_same_state(x, y)
 
 
 CASES = [
@@ -164,8 +157,7 @@ def test_a_weight_that_is_not_planned_is_not_asked_again_every_step(monkeypatch)
     ws = _weights(torch.bfloat16)
     opt = slimopt.SlimOptimizer(ws, lr=1e-2, codec="bf16_sr")  # the 64 x 96 weight: not planned
     for step in range(4):
-        for w, g in zip(ws, _grads(step, torch.bfloat16)):
-            w.grad = g
+        fill_grads(ws, 100 + step)
         opt.step()
     assert len(calls) == len(SHAPES)
     assert not opt._routes[ws[0]].plan.replays and opt._routes[ws[1]].plan.replays

@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import batches, twins
+from helpers import assert_same_models, batches, twins
 
 import slimopt
 from slimopt.optim.layerwise import LayerwiseUpdates, enable_layerwise
@@ -52,14 +52,6 @@ def _layerwise(model, opt, data, accum, check_grads=True, sched=None, **kw):
     return lw
 
 
-def _assert_same(a, b, opt_a, opt_b):
-    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
-        assert torch.equal(pa, pb), n
-        assert set(opt_a.state[pa]) == set(opt_b.state[pb]), n
-        for key, va in opt_a.state[pa].items():
-            assert torch.equal(va, opt_b.state[pb][key]), (n, key)
-
-
 @pytest.mark.parametrize("accum", [1, 3])
 @pytest.mark.parametrize("method", list(METHODS))
 def test_layerwise_equals_the_ordinary_step(method, accum):
@@ -68,7 +60,7 @@ def test_layerwise_equals_the_ordinary_step(method, accum):
     opt_a, opt_b = slimopt.build(a, method, **METHODS[method]), slimopt.build(b, method, **METHODS[method])
     _ordinary(a, opt_a, data, accum)
     _layerwise(b, opt_b, data, accum)
-    _assert_same(a, b, opt_a, opt_b)
+    assert_same_models(a, opt_a, b, opt_b)
 
 
 @pytest.mark.parametrize("mode", ["per_param", "per_param_scaled"])
@@ -93,7 +85,7 @@ def test_per_parameter_clipping_equals_clipping_each_gradient_by_hand(mode):
         _loss(b, ids, 0.5).backward()
         if i == 1:
             assert lw.last_grad_norm == pytest.approx(global_norm, rel=1e-5)
-    _assert_same(a, b, opt_a, opt_b)
+    assert_same_models(a, opt_a, b, opt_b)
 
 
 def test_scheduler_lr_is_read_at_each_boundary_and_no_warning():
@@ -107,7 +99,7 @@ def test_scheduler_lr_is_read_at_each_boundary_and_no_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # torch warns if scheduler.step() seems to precede optimizer.step()
         _layerwise(b, opt_b, data, 2, sched=sched_b)
-    _assert_same(a, b, opt_a, opt_b)
+    assert_same_models(a, opt_a, b, opt_b)
     assert opt_b.param_groups[0]["lr"] == pytest.approx(1e-2 * lam(3))
     # a different schedule gives different parameters: the lr really is read
     c, _ = twins(seed=4)

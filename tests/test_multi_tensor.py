@@ -2,9 +2,12 @@
 parameters equal to rounding (AdamW through torch's fused kernel) or bit for bit (an inactive block's residual);
 mixed paths in one group, a path switch across a checkpoint, and layer-wise stepping."""
 
+from functools import partial
+
 import pytest
 import torch
-from helpers import save_and_load
+from helpers import assert_same_state, random_grads, random_params, save_and_load
+from helpers import run_steps as _run
 
 import slimopt
 from slimopt.optim.routes.torch import multi_tensor
@@ -12,24 +15,8 @@ from slimopt.optim.routes.torch import multi_tensor
 SHAPES = [(64, 80), (96, 64), (80,), (48, 48)]  # 5120, 6144, 80 (fp32 moments: below 4096), 2304 elements
 
 
-def _params(dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
-
-
-def _grads(dtype, steps, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return [[torch.randn(s, generator=gen).to(dtype) for s in SHAPES] for _ in range(steps)]
-
-
-def _run(params, opt, grads, lrs=None):
-    for i, gs in enumerate(grads):
-        for p, g in zip(params, gs):
-            p.grad = g.clone()
-        if lrs:
-            for group in opt.param_groups:
-                group["lr"] = lrs[i]
-        opt.step()
+_params = partial(random_params, SHAPES)
+_grads = partial(random_grads, SHAPES)
 
 
 def _twins(dtype, **settings):
@@ -39,11 +26,7 @@ def _twins(dtype, **settings):
 
 def _assert_state_equal(opt_a, opt_b, a, b, **tol):
     for pa, pb in zip(a, b):
-        sa, sb = opt_a.state[pa], opt_b.state[pb]
-        assert sorted(sa) == sorted(sb)
-        for key in sa:
-            assert sa[key].dtype == sb[key].dtype and sa[key].shape == sb[key].shape, key
-            torch.testing.assert_close(sa[key].float(), sb[key].float(), **tol)
+        assert_same_state(opt_a.state[pa], opt_b.state[pb], **tol)
 
 
 LRS = [1e-2, 8e-3, 6e-3, 4e-3, 2e-3]  # a schedule

@@ -9,10 +9,11 @@ Windows, a path switch across a weights_only checkpoint, the count tables, and t
 import os
 import shutil
 import warnings
+from functools import partial
 
 import pytest
 import torch
-from helpers import assert_state_close, save_and_load
+from helpers import assert_same_state, assert_state_close, random_grads, random_params, run_steps, save_and_load
 
 import slimopt
 from slimopt.optim.algorithm import budget
@@ -23,23 +24,9 @@ SHAPES = [(40, 300), (5000,), (30,)]  # 2-D (partial last blocks, several tiles)
 LRS = [1e-2, 8e-3, 6e-3, 4e-3]
 
 
-def _params(dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
-
-
-def _grads(dtype, steps, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return [[(torch.randn(s, generator=gen) * 0.1).to(dtype) for s in SHAPES] for _ in range(steps)]
-
-
-def _run(params, opt, grads, lrs=LRS):
-    for i, gs in enumerate(grads):
-        for p, g in zip(params, gs):
-            p.grad = g.clone()
-        for group in opt.param_groups:
-            group["lr"] = lrs[i % len(lrs)]
-        opt.step()
+_params = partial(random_params, SHAPES)
+_grads = partial(random_grads, SHAPES, scale=0.1)
+_run = partial(run_steps, lrs=LRS)
 
 
 class _Counting:
@@ -179,10 +166,7 @@ def test_stochastic_and_kahan_weight_writes_equal_the_eager_step(counted, monkey
             continue
         for pa, pb in zip(a, b):
             assert torch.equal(pa.view(torch.int16), pb.view(torch.int16))
-            sa, sb = fast.state[pa], eager.state[pb]
-            assert sorted(sa) == sorted(sb)
-            for key in sa:
-                assert torch.equal(sa[key].reshape(-1).view(torch.uint8), sb[key].reshape(-1).view(torch.uint8)), key
+            assert_same_state(fast.state[pa], eager.state[pb], bitwise=True)
 
 
 @pytest.mark.parametrize("name", ["dynamic8_signed", "dynamic8_unsigned", "dynamic4_signed", "linear4_nozero",
@@ -366,11 +350,7 @@ def test_taco_one_component_step_equals_the_tensor_operations(monkeypatch, dtype
         for a, b in zip(ws, ref_w):
             assert torch.equal(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                                b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
-            sa, sb = opt.state[a], ref.state[b]
-            assert sorted(sa) == sorted(sb)
-            for key in sa:
-                x, y = sa[key], sb[key]
-                assert x.dtype == y.dtype and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), key
+            assert_same_state(opt.state[a], ref.state[b], bitwise=True)
     assert taco.DEFAULTS["taco_k"] == 1  # the default is what the kernel serves
 
 

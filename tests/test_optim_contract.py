@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from helpers import assert_same_state, fill_grads, random_params
 from torch.nn import Parameter
 
 import slimopt
@@ -18,26 +19,14 @@ SETTINGS = {
     "columns-sgdm": dict(projector="columns", density=0.5, rule="sgdm", update_gap=2),
     "lion-int4": dict(rule="lion", codec="int4"),
 }
-
-
-def _params(seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    # the weights hold 5120 elements: over 4096, 8-bit moments are stored as uint8 codes
-    return [Parameter(torch.randn(80, 64, generator=gen)), Parameter(torch.randn(64, generator=gen)),
-            Parameter(torch.randn(64, 80, generator=gen))]
-
-
-def _grads(params, step):
-    gen = torch.Generator().manual_seed(100 + step)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen)
+SHAPES = [(80, 64), (64,), (64, 80)]  # the weights hold 5120 elements: over 4096, 8-bit moments are uint8 codes
 
 
 def _trained(settings, steps=3):
-    params = _params()
+    params = random_params(SHAPES)
     opt = slimopt.SlimOptimizer(params, lr=1e-2, weight_decay=0.01, **settings)
     for step in range(steps):
-        _grads(params, step)
+        fill_grads(params, 100 + step)
         opt.step()
     return params, opt
 
@@ -80,15 +69,13 @@ def test_a_step_saved_as_a_python_number_loads_and_continues_as_the_tensor_form(
                 assert isinstance(t, torch.Tensor) and t.shape == () and t.dtype == torch.float32
                 assert t.device.type == "cpu"
     for step in range(3, 7):  # across a refresh (update_gap 2)
-        _grads(ref_params, step)
-        _grads(new_params, step)
+        fill_grads(ref_params, 100 + step)
+        fill_grads(new_params, 100 + step)
         ref.step()
         new.step()
     for a, b in zip(ref_params, new_params):
         assert torch.equal(a, b)
-        assert ref.state[a].keys() == new.state[b].keys()
-        for key in ref.state[a]:
-            assert torch.equal(ref.state[a][key], new.state[b][key]), key
+        assert_same_state(ref.state[a], new.state[b])
 
 
 def test_a_step_saved_as_a_number_loads_in_the_portable_form():
@@ -99,7 +86,7 @@ def test_a_step_saved_as_a_number_loads_in_the_portable_form():
     new.load_state_dict(saved)
     assert new.state[new_params[0]]["step"].dtype == torch.float32
     assert float(new.state[new_params[0]]["step"]) == 3.0
-    _grads(new_params, 3)
+    fill_grads(new_params, 100 + 3)
     new.step()
     assert float(new.state[new_params[0]]["step"]) == 4.0
 
@@ -182,7 +169,7 @@ def test_state_not_keyed_by_a_parameter_is_kept_as_torch_keeps_it():
     assert new.state_dict()["state"]["ran_hook"] is True
     with portable.portable_state(new):
         assert new.state_dict()["state"]["ran_hook"] is True
-    _grads(new_params, 1)
+    fill_grads(new_params, 100 + 1)
     new.step()
 
 
@@ -197,10 +184,10 @@ def _torch_adamw(params, **settings):
 def test_torch_adamw_state_continues_in_slimopt_adamw(fused):
     # torch.optim lets optimizers of one algorithm load each other's state dicts: a run moved from torch's AdamW
     # to slimopt's (the same moments, step, exp_avg, exp_avg_sq) continues as torch's would
-    params = _params()
+    params = random_params(SHAPES)
     reference = _torch_adamw(params)
     for step in range(3):
-        _grads(params, step)
+        fill_grads(params, 100 + step)
         reference.step()
     saved = copy.deepcopy(reference.state_dict())
     assert saved["param_groups"][0]["fused"] is None and "moment_step" not in saved["state"][0]
@@ -211,8 +198,8 @@ def test_torch_adamw_state_continues_in_slimopt_adamw(fused):
     assert group["fused"] is fused  # torch's None (torch picks) is no slimopt setting: this optimizer's stays
     assert group["lr"] == 1e-2 and group["weight_decay"] == 0.01  # the saved hyperparameters, as torch loads them
     for step in range(3, 6):
-        _grads(params, step)
-        _grads(clones, step)
+        fill_grads(params, 100 + step)
+        fill_grads(clones, 100 + step)
         reference.step()
         opt.step()
     for p, q in zip(params, clones):
@@ -226,9 +213,9 @@ def test_torch_adamw_state_continues_in_slimopt_adamw(fused):
 
 @pytest.mark.parametrize("setting", ["amsgrad", "maximize"])
 def test_a_torch_setting_slimopt_does_not_compute_is_refused_naming_it(setting):
-    params = _params()
+    params = random_params(SHAPES)
     reference = _torch_adamw(params, **{setting: True})
-    _grads(params, 0)
+    fill_grads(params, 100 + 0)
     reference.step()
     saved = reference.state_dict()
     clones = [Parameter(p.detach().clone()) for p in params]
@@ -242,10 +229,10 @@ def test_a_torch_setting_slimopt_does_not_compute_is_refused_naming_it(setting):
 def test_torch_adam_l2_weight_decay_is_refused_and_without_decay_loads():
     # torch.optim.Adam adds weight_decay * p to the gradient (decoupled_weight_decay=False); slimopt decays the
     # weights themselves, so only Adam without weight decay is the same arithmetic
-    params = _params()
+    params = random_params(SHAPES)
     for weight_decay in (0.01, 0.0):
         reference = torch.optim.Adam(params, lr=1e-2, weight_decay=weight_decay)
-        _grads(params, 0)
+        fill_grads(params, 100 + 0)
         reference.step()
         opt = slimopt.SlimOptimizer([Parameter(p.detach().clone()) for p in params])
         if weight_decay:
@@ -265,7 +252,7 @@ def test_the_rest_of_the_torch_contract():
     opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
 
     def closure():
-        _grads(params, 3)
+        fill_grads(params, 100 + 3)
         return torch.tensor(1.5)
 
     assert opt.step(closure).item() == 1.5 and calls == ["pre", "post"]
@@ -280,8 +267,8 @@ def test_the_rest_of_the_torch_contract():
     assert saved["param_groups"] == before["param_groups"]
     assert set(twin.state) == set(clones)
     for step in range(4, 7):
-        _grads(params, step)
-        _grads(clones, step)
+        fill_grads(params, 100 + step)
+        fill_grads(clones, 100 + step)
         opt.step()
         twin.step()
     assert all(torch.equal(a, b) for a, b in zip(params, clones))
@@ -298,7 +285,7 @@ def test_named_parameters_tensor_lr_and_a_scheduler():
     model = torch.nn.Linear(64, 80)
     opt = slimopt.SlimOptimizer(model.named_parameters(), lr=torch.tensor(0.01), projector="svd", rank=2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    _grads(list(model.parameters()), 0)
+    fill_grads(model, 100 + 0)
     opt.step()
     sched.step()
     assert sched.get_last_lr() == [pytest.approx(0.005)]
@@ -307,5 +294,5 @@ def test_named_parameters_tensor_lr_and_a_scheduler():
     other = slimopt.SlimOptimizer(model.parameters(), lr=0.01, projector="svd", rank=2)
     other.load_state_dict(saved)
     assert other.param_groups[0]["param_names"] == ["weight", "bias"]
-    _grads(list(model.parameters()), 1)
+    fill_grads(model, 100 + 1)
     other.step()

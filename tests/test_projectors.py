@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import assert_same_state
 
 import slimopt
 from slimopt.optim.algorithm import projectors as P
@@ -184,8 +185,7 @@ def test_proj_dtype_grad_leaves_fp32_weights_in_fp32():
             _step(opt, w, s)
         runs.append((w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items()}))
     assert torch.equal(runs[0][0], runs[1][0])
-    assert runs[0][1].keys() == runs[1][1].keys()
-    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+    assert_same_state(runs[0][1], runs[1][1])
 
 
 @pytest.mark.parametrize("free_rule", ["none", "sign"])
@@ -218,7 +218,7 @@ def test_proj_dtype_grad_fused_step_equals_the_eager_step(free_rule, rounding, m
     for a, b in zip(w_f, w_e):
         assert torch.equal(a, b)
     for a, b in zip(st_f, st_e):
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert_same_state(a, b)
 
 
 def test_proj_dtype_auto_takes_16_bit_products_only_where_the_device_has_the_units(monkeypatch):
