@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     from slimopt.bench import planner
     from slimopt.bench.units import parse_size
     from slimopt.optim.layerwise import enable_layerwise
-    from slimopt.train.loop import make_optimizer
+    from slimopt.factory import make_optimizer
     from slimopt.models.llama import build_model
 
     a = _args(argv)

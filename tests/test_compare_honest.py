@@ -34,7 +34,8 @@ from slimopt.train.compare_analysis import (
     on_grid_edge,
     ranking_text,
 )
-from slimopt.train.loop import make_optimizer, train
+from slimopt.factory import make_optimizer
+from slimopt.train.loop import train
 
 
 def _table(md: str) -> dict[str, list[str]]:

@@ -99,7 +99,7 @@ def _classifier():
 
 
 def _stepped(model, method, batch, **settings):
-    from slimopt.train.loop import make_optimizer
+    from slimopt.factory import make_optimizer
 
     opt = make_optimizer(model, method, **settings)
     model(**batch).loss.backward()

@@ -327,7 +327,7 @@ def test_muon_settings_reach_the_muon_group():
 def test_planner_state_is_exact(method, hp, dtype):
     from test_planner import fill_grads, llama, planned
 
-    from slimopt.train.loop import make_optimizer
+    from slimopt.factory import make_optimizer
 
     model = llama(dtype)
     opt = make_optimizer(model, method, **hp)
@@ -444,7 +444,7 @@ def test_the_planned_step_scratch_bounds_the_queued_step(method, ns_dtype):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from slimopt.bench import planner
-    from slimopt.train.loop import make_optimizer
+    from slimopt.factory import make_optimizer
 
     model = llama(torch.float32, vocab_size=256, hidden_size=256, intermediate_size=704)
     opt = make_optimizer(model, method, ns_dtype=ns_dtype)

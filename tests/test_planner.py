@@ -18,9 +18,9 @@ from slimopt.bench import planner
 from slimopt.bench.activations import activation_bytes
 from slimopt.bench.units import parse_size
 from slimopt.cli import main
+from slimopt.factory import make_optimizer
 from slimopt.optim.algorithm.specs import METHODS
 from slimopt.peers import build_peer, optimizer_state_nbytes
-from slimopt.train.loop import make_optimizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

@@ -5,8 +5,8 @@ import pytest
 from helpers import backward, batches, tiny_llama
 
 import slimopt
+from slimopt.factory import make_optimizer
 from slimopt.optim.routes.torch import compiled
-from slimopt.train.loop import make_optimizer
 
 
 @pytest.mark.parametrize("method,setting,why", [

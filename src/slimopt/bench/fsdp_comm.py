@@ -228,7 +228,7 @@ def volume_table(size: str = "1b", world: int = 8, methods: dict[str, dict[str, 
     meta-device parameters (no memory), with the training command's defaults (GaLore rank hidden / 4)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from slimopt.train.loop import make_optimizer
+    from slimopt.factory import make_optimizer
     from slimopt.models.llama import LLAMA_SIZES
 
     cfg = LlamaConfig(vocab_size=vocab, tie_word_embeddings=False, **LLAMA_SIZES[size])

@@ -158,7 +158,7 @@ def bench_method(method: str, model: torch.nn.Module, grads: list[torch.Tensor],
     from slimopt.bench.planner import state_plan
     from slimopt.peers import PEERS, available_peers
     from slimopt.train.logger import MemoryProbe
-    from slimopt.train.loop import make_optimizer
+    from slimopt.factory import make_optimizer
 
     dev = torch.device(cfg.device)
     row: dict[str, Any] = {"method": method, "kind": _kind(method)}
@@ -327,7 +327,7 @@ def check_planner(model: str, methods: list[str], batch: int, seq: int, device: 
     from slimopt.bench.iteration_peak import measure_peak
     from slimopt.bench.planner import DTYPES, plan
     from slimopt.peers import available_peers
-    from slimopt.train.loop import make_optimizer
+    from slimopt.factory import make_optimizer
     from slimopt.models.llama import build_model
 
     dev = torch.device(device)

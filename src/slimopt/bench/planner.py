@@ -448,7 +448,7 @@ def _compensation(p: torch.Tensor, group: dict) -> int:
 
 
 def _slim_state(model: nn.Module, method: str, step: int | None, hparams: dict[str, Any]) -> list[ParamState]:
-    from slimopt.train.loop import make_optimizer
+    from slimopt.factory import make_optimizer
 
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"step must be an integer >= 0 (the state after that many steps) or None (the "

@@ -18,12 +18,14 @@ Details: docs/modules.md, ``slimopt.finetune.hf``.
 from __future__ import annotations
 
 import re
+from functools import partial
 from typing import Any, Iterable
 
 from torch import nn
 
+from slimopt import factory
 from slimopt.optim.optimizer import DEFAULTS, SlimOptimizer
-from slimopt.optim.recipes import METHODS, default_lr, param_groups
+from slimopt.optim.recipes import METHODS, param_groups
 from slimopt.options import parse_value, split_pairs
 
 __all__ = [
@@ -287,9 +289,9 @@ def make_optimizer(
             "betas": (float(args.adam_beta1), float(args.adam_beta2)),
             "eps": float(args.adam_epsilon),
         }
-    else:
-        settings["lr"] = default_lr(method)
     settings.update(from_string)
     settings.update(hparams)
-    state_full = settings.pop("state_full", "all")
-    return SlimOptimizer(_groups(model, method, optim_target_modules, state_full, **settings))
+    # without args, lr and weight decay are the method's defaults (slimopt.catalog's lr, no decay)
+    groups = partial(_groups, optim_target_modules=optim_target_modules, state_full=settings.pop("state_full", "all"))
+    return factory.make_optimizer(model, method, settings.pop("lr", None), settings.pop("weight_decay", 0.0),
+                                  groups=groups, **settings)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from slimopt import catalog
+from slimopt.factory import make_optimizer
 from slimopt.train import checkpoint as ckpt
 from slimopt.train import fsdp, run_checkpoint
 from slimopt.train.evaluate import evaluate, lm_loss
@@ -37,7 +38,7 @@ from slimopt.train.logger import MemoryProbe, RunLogger, read_jsonl
 from slimopt.train.results import check_out_dir
 from slimopt.train.schedule import build_scheduler
 
-__all__ = ["TrainConfig", "train", "make_optimizer", "method_kind", "known_methods", "resolve_lr", "DTYPES"]
+__all__ = ["TrainConfig", "train", "method_kind", "known_methods", "resolve_lr", "DTYPES"]
 
 DTYPES = ("fp32", "bf16-autocast", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -100,35 +101,6 @@ def method_kind(method: str) -> str:
 def resolve_lr(method: str, lr: float | None = None) -> float:
     """`lr` when given, else the method's paper default."""
     return float(lr) if lr is not None else catalog.default_lr(method)
-
-
-def _hidden_size(model: torch.nn.Module) -> int | None:
-    return getattr(getattr(model, "config", None), "hidden_size", None)
-
-
-def make_optimizer(model: torch.nn.Module, method: str, lr: float | None = None, weight_decay: float = 0.0,
-                   **hp) -> torch.optim.Optimizer:
-    """The optimizer for `method` over `model`'s trainable parameters.
-
-    Slimopt methods go through `slimopt.build`; peers through `slimopt.peers.build_peer`; a baseline method trains
-    its (already transformed) model with the optimizer the baseline names. GaLore-family methods default to rank
-    hidden_size / 4, the ratio of every GaLore pretraining run (128 at 60M, 512 at 1B, 1024 at 7B).
-    """
-    kind = method_kind(method)
-    hp = {k: v for k, v in hp.items() if v is not None}
-    if kind == "peer":
-        from slimopt.peers import build_peer
-        return build_peer(model, method, lr=lr, weight_decay=weight_decay, **hp)
-    if kind == "baseline":
-        from slimopt import baselines
-        return baselines.build_optimizer(model, method, lr=resolve_lr(method, lr), weight_decay=weight_decay, **hp)
-    if (method.startswith("galore") and "rank" not in hp and "density" not in hp and _hidden_size(model)
-            and hp.get("projector") != "none"):
-        hp["rank"] = max(1, _hidden_size(model) // 4)
-    from slimopt.optim.recipes import build
-    if lr is not None:
-        hp["lr"] = lr
-    return build(model, method, weight_decay=weight_decay, **hp)
 
 
 def slimopt_state_nbytes(opt: torch.optim.Optimizer, total: bool = False) -> int:

@@ -1,0 +1,64 @@
+"""``make_optimizer``: the optimizer for any name ``--method`` accepts, built the way its kind in ``slimopt.catalog``
+says.
+
+The one place a method name becomes an optimizer, for the pretraining loop (``slimopt.train.loop``), the Trainer
+path (``slimopt.finetune.hf``: its own parameter groups) and the benchmarks. It sits above the optimizer layer,
+the peers and the baselines and below the training layers (docs/design.md, section 1); the catalogue beneath it
+imports none of them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from slimopt import catalog
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["make_optimizer"]
+
+
+def make_optimizer(model: torch.nn.Module, method: str, lr: float | None = None, weight_decay: float = 0.0, *,
+                   groups: Callable[..., list[dict[str, Any]]] | None = None, **hp: Any) -> torch.optim.Optimizer:
+    """The optimizer for `method` over `model`'s trainable parameters.
+
+    A peer goes through ``slimopt.peers.build_peer``; a baseline (its model already transformed by
+    ``slimopt.baselines.prepare``) gets the optimizer of the papers' baseline runs; a slimopt method a
+    ``SlimOptimizer`` over ``groups(model, method, **settings)``. lr None: the method's default
+    (``slimopt.catalog.default_lr``).
+
+    groups None is the pretraining path (``slimopt train``, compare, the benchmarks): a keyword given as None is
+    left out, the groups are ``slimopt.param_groups`` and GaLore-family methods take rank hidden_size / 4, the
+    ratio of every GaLore pretraining run (128 at 60M, 512 at 1B, 1024 at 7B). The Trainer path
+    (``slimopt.finetune.hf``) passes its own groups (the Trainer's target selection and no-decay groups) and
+    keeps every keyword as given and the recipe's rank.
+    """
+    kind = catalog.method_kind(method)
+    if groups is not None and kind != "slimopt":
+        raise ValueError(f"groups apply to slimopt methods; {method!r} is a {kind}")
+    if groups is None:
+        hp = {k: v for k, v in hp.items() if v is not None}
+    if kind == "peer":
+        from slimopt.peers import build_peer
+        return build_peer(model, method, lr=lr, weight_decay=weight_decay, **hp)
+    if kind == "baseline":
+        from slimopt import baselines
+        lr = catalog.default_lr(method) if lr is None else float(lr)
+        return baselines.build_optimizer(model, method, lr=lr, weight_decay=weight_decay, **hp)
+    from slimopt.optim.optimizer import SlimOptimizer
+    from slimopt.optim.recipes import param_groups
+    if groups is None:
+        groups = param_groups
+        _rank_from_width(model, method, hp)
+    if lr is not None:
+        hp["lr"] = lr
+    return SlimOptimizer(groups(model, method, weight_decay=weight_decay, **hp))
+
+
+def _rank_from_width(model: torch.nn.Module, method: str, hp: dict[str, Any]) -> None:
+    """Set a GaLore-family method's rank to hidden_size / 4 unless the call gives a rank, a density or no projector."""
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    if (method.startswith("galore") and "rank" not in hp and "density" not in hp and hidden
+            and hp.get("projector") != "none"):
+        hp["rank"] = max(1, hidden // 4)
