@@ -4,9 +4,11 @@ import math
 
 import pytest
 import torch
-from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
+from helpers import TINY_LLAMA, seeded_llama
+from helpers import tiny_bert as seeded_bert
+from transformers import LlamaConfig
 
-from slimopt import baselines
+from slimopt import baselines, catalog
 from slimopt.baselines import (
     LLAMA_TARGETS,
     LowRankLinear,
@@ -27,21 +29,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def tiny_llama(seed=0):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=H, intermediate_size=I, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
-    )
-    return LlamaForCausalLM(config).eval()
+    return seeded_llama(seed, **{**TINY_LLAMA, "max_position_embeddings": 32}).eval()
 
 
 def tiny_bert(num_labels=3, seed=0):
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=VOCAB, hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=4, intermediate_size=I,
-        max_position_embeddings=32, num_labels=num_labels, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )
-    return BertForSequenceClassification(config).eval()
+    return seeded_bert(VOCAB, seed, num_labels=num_labels, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0).eval()
 
 
 def tokens(seed=1, batch=3, length=10):
@@ -311,8 +304,8 @@ def test_relora_restart_with_slimopt_galore_state():
 
 
 def test_loop_adaptor_methods_and_errors():
-    assert set(baselines.methods()) == {"lowrank", "lora", "relora", "frozen"}
-    assert baselines.default_lr("relora") == 1e-3
+    assert set(catalog.of_kind("baseline")) == {"lowrank", "lora", "relora", "frozen"}
+    assert catalog.default_lr("relora") == 1e-3
     with pytest.raises(ValueError, match="unknown baseline 'dora'"):
         baselines.prepare(tiny_llama(), "dora")
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['restart_every'\] for lora"):

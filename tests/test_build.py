@@ -1,5 +1,6 @@
 """build(): the partition, recipes' defaults, overrides, frozen and tied parameters, methods()."""
 
+import torch
 from helpers import backward, batches, tiny_llama
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -69,6 +70,20 @@ def test_frozen_parameters_are_left_out_and_tied_weights_counted_once():
     assert _groups(opt)["head"]["names"] == ["model.embed_tokens.weight"]  # the tied output layer is the head
     backward(model, batches(1)[0])
     opt.step()
+
+
+def test_one_catalogue_names_every_method_once():
+    """slimopt.catalog is the one table of names, descriptions and default rates; the tables of how each kind is
+    built (the recipes' settings, the baselines' options, the peers' packages) hold exactly its names, in its order."""
+    from slimopt import baselines, catalog, peers
+    from slimopt.optim.algorithm.specs import METHODS
+
+    assert list(METHODS) == list(catalog.of_kind("slimopt")) == list(slimopt.methods())
+    assert set(baselines._OPTIONS) == set(catalog.of_kind("baseline"))
+    assert list(peers.PEERS) == list(catalog.of_kind("peer"))
+    assert {e.kind for e in catalog.CATALOG.values()} == set(catalog.KINDS)
+    assert slimopt.default_lr("taco") == catalog.TACO_LR == slimopt.TACO([torch.nn.Parameter(torch.ones(2))]
+                                                                            ).defaults["lr"]
 
 
 def test_methods_table_and_every_method_trains():

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from slimopt.catalog import BASELINE_LR, BASELINES
+from slimopt import catalog
 
 __all__ = [
     "LLAMA_TARGETS",
@@ -34,8 +34,6 @@ __all__ = [
     "apply_low_rank",
     "merge_low_rank",
     "freeze_projectable",
-    "methods",
-    "default_lr",
     "prepare",
     "build_optimizer",
     "BaselineHook",
@@ -470,6 +468,8 @@ def freeze_projectable(model: nn.Module) -> list[str]:
 # --------------------------------------------------------------------------------------------------------------
 # Adaptor for the pretraining loop (slimopt.train.loop): `slimopt train --method lowrank | lora | relora | frozen`.
 
+# The options ``prepare`` takes, for each of slimopt.catalog's "baseline" names (tests/test_build.py checks that the
+# names agree; their descriptions and default lr are the catalogue's).
 _OPTIONS = {
     "frozen": set(),
     "lowrank": {"rank", "init"},
@@ -478,20 +478,10 @@ _OPTIONS = {
 }
 
 
-def methods() -> dict[str, str]:
-    """The baseline methods ``prepare`` accepts, with one-line descriptions."""
-    return dict(BASELINES)
-
-
-def default_lr(method: str) -> float:
-    """1e-3, the AdamW learning rate of the GaLore paper's LLaMA runs, for every baseline."""
-    _check_method(method)
-    return BASELINE_LR
-
-
 def _check_method(method: str) -> None:
-    if method not in BASELINES:
-        raise ValueError(f"unknown baseline {method!r}; choose one of: {', '.join(BASELINES)}")
+    names = catalog.of_kind("baseline")
+    if method not in names:
+        raise ValueError(f"unknown baseline {method!r}; choose one of: {', '.join(names)}")
 
 
 class BaselineHook:
@@ -582,11 +572,12 @@ def prepare(model: nn.Module, method: str, *, seed: int = 0, **options: Any) -> 
 
 def build_optimizer(model: nn.Module, method: str, lr: float | None = None, weight_decay: float = 0.0,
                     **hp: Any) -> torch.optim.Optimizer:
-    """torch AdamW over the trainable parameters, the optimizer of the papers' baseline runs."""
+    """torch AdamW over the trainable parameters, the optimizer of the papers' baseline runs; lr None: the
+    baseline's default (``slimopt.catalog.default_lr``)."""
     _check_method(method)
     if hp:
         raise ValueError(
             f"{method}: build_optimizer takes no hyperparameters besides lr and weight_decay, got {sorted(hp)}"
         )
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=default_lr(method) if lr is None else lr, weight_decay=weight_decay)
+    return torch.optim.AdamW(params, lr=catalog.default_lr(method) if lr is None else lr, weight_decay=weight_decay)

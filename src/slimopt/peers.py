@@ -14,34 +14,32 @@ import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from slimopt import peer_logs
+from slimopt import catalog, peer_logs
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PEERS", "available_peers", "build_peer", "peer_default_lr", "projectable_linear_weights",
-           "optimizer_state_nbytes"]
+__all__ = ["PEERS", "available_peers", "build_peer", "projectable_linear_weights", "optimizer_state_nbytes"]
 
 
 @dataclass(frozen=True)
 class _Peer:
     package: str        # import name checked for availability
     pip: str            # what to pip install
-    description: str
-    default_lr: float
 
 
+# What each of slimopt.catalog's "peer" names needs installed, in its order (its description and default lr are the
+# catalogue's; tests/test_build.py checks that the names agree).
 PEERS: dict[str, _Peer] = {
-    "torch-adamw": _Peer("torch", "torch", "torch.optim.AdamW, foreach kernel (fp32 state, 8 B/param)", 1e-3),
-    "torch-adamw-fused": _Peer("torch", "torch", "torch.optim.AdamW, fused kernel (fp32 state, 8 B/param)", 1e-3),
-    "bnb-adamw8bit": _Peer("bitsandbytes", "bitsandbytes", "bitsandbytes AdamW8bit, block-wise 8-bit state", 1e-3),
-    "torchao-adamw8bit": _Peer("torchao.optim", "torchao", "torchao AdamW8bit, block-wise 8-bit state", 1e-3),
-    "torchao-adamw4bit": _Peer("torchao.optim", "torchao", "torchao AdamW4bit, 4-bit state", 1e-3),
-    "galore-torch": _Peer("galore_torch", "galore-torch", "galore-torch GaLoreAdamW (SVD projection, rank r)", 1e-2),
-    "galore-torch-8bit": _Peer("galore_torch", "galore-torch",
-                               "galore-torch GaLoreAdamW8bit (SVD projection + bitsandbytes 8-bit)", 1e-2),
-    "apollo": _Peer("apollo_torch", "apollo-torch", "apollo-torch APOLLO (random projection, channel scaling)", 1e-2),
-    "apollo-mini": _Peer("apollo_torch", "apollo-torch", "apollo-torch APOLLO-Mini (rank 1, tensor scaling)", 1e-2),
+    "torch-adamw": _Peer("torch", "torch"),
+    "torch-adamw-fused": _Peer("torch", "torch"),
+    "bnb-adamw8bit": _Peer("bitsandbytes", "bitsandbytes"),
+    "torchao-adamw8bit": _Peer("torchao.optim", "torchao"),
+    "torchao-adamw4bit": _Peer("torchao.optim", "torchao"),
+    "galore-torch": _Peer("galore_torch", "galore-torch"),
+    "galore-torch-8bit": _Peer("galore_torch", "galore-torch"),
+    "apollo": _Peer("apollo_torch", "apollo-torch"),
+    "apollo-mini": _Peer("apollo_torch", "apollo-torch"),
 }
 
 
@@ -56,12 +54,6 @@ def available_peers() -> dict[str, str | None]:
         found = importlib.util.find_spec(top) is not None
         out[name] = None if found else f"{peer.pip} is not installed; pip install {peer.pip}"
     return out
-
-
-def peer_default_lr(name: str) -> float:
-    """The learning rate the peer's authors use for pretraining."""
-    _check_name(name)
-    return PEERS[name].default_lr
 
 
 def _check_name(name: str) -> None:
@@ -118,15 +110,15 @@ def build_peer(model: torch.nn.Module, name: str, lr: float | None = None, weigh
                **kw) -> torch.optim.Optimizer:
     """Build peer optimizer `name` over `model`'s trainable parameters.
 
-    lr: None uses the peer's default (`peer_default_lr`). Extra keywords: `betas`, `eps`; for the projected peers
-    `rank` (default hidden_size // 4; APOLLO-Mini 1), `update_gap` (200), `scale` (GaLore 0.25, APOLLO 1,
-    APOLLO-Mini 128), `proj_type` ("std").
+    lr: None uses the peer's default (`slimopt.catalog.default_lr`: its authors' for pretraining). Extra keywords:
+    `betas`, `eps`; for the projected peers `rank` (default hidden_size // 4; APOLLO-Mini 1), `update_gap` (200),
+    `scale` (GaLore 0.25, APOLLO 1, APOLLO-Mini 128), `proj_type` ("std").
     """
     import torch
 
     _check_name(name)
     if lr is None:
-        lr = PEERS[name].default_lr
+        lr = catalog.default_lr(name)
     if lr <= 0:
         raise ValueError(f"lr must be > 0, got {lr}")
     if weight_decay < 0:

@@ -24,20 +24,16 @@ def format_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
 
 
 def run(args) -> int:
-    from slimopt.catalog import default_lr, known_methods, lr_source
+    from slimopt.catalog import CATALOG
     from slimopt.peers import available_peers
 
     peers = available_peers()
     rows = []
-    for name, (kind, desc) in known_methods().items():
-        if args.kind not in ("all", kind):
+    for name, e in CATALOG.items():
+        if args.kind not in ("all", e.kind):
             continue
-        status = "ok" if kind != "peer" or peers.get(name) is None else "not installed"
-        try:
-            lr = f"{default_lr(name):g}"
-        except Exception:  # a method whose default cannot be resolved still gets listed
-            lr = "?"
-        rows.append((name, kind, lr, lr_source(name), status, desc))
+        status = "ok" if e.kind != "peer" or peers.get(name) is None else "not installed"
+        rows.append((name, e.kind, f"{e.lr:g}", e.lr_source, status, e.description))
     print(format_table(rows, ("method", "kind", "lr", "lr from", "status", "description")))
     print("lr from: a paper's rate for LLaMA pretraining (its arXiv id), or AdamW's times the ratio of the method's "
           "tuned rate to AdamW's (docs/reproduction.md)")

@@ -18,8 +18,9 @@ from typing import Any, Iterable
 
 from torch import nn
 
+from slimopt import catalog
 from slimopt.optim.algorithm.partition import check_owners, classify, is_linear, module_matches
-from slimopt.optim.algorithm.specs import FRUGAL_DEFAULTS, METHODS, STATE_FREE, TACO_DEFAULTS, TACO_LR, Method
+from slimopt.optim.algorithm.specs import FRUGAL_DEFAULTS, METHODS, STATE_FREE, TACO_DEFAULTS, Method
 from slimopt.optim.algorithm.usage import unused_reason
 from slimopt.optim.optimizer import DEFAULTS, SlimOptimizer
 
@@ -29,13 +30,14 @@ _SHARED = ("lr", "betas", "eps", "eps_placement", "weight_decay", "momentum", "r
 
 
 def methods() -> dict[str, str]:
-    """Available method names with a one-line description each."""
-    return {name: m.description for name, m in METHODS.items()}
+    """Available method names with a one-line description each (``slimopt.catalog``'s slimopt methods)."""
+    return {name: e.description for name, e in catalog.of_kind("slimopt").items()}
 
 
 def default_lr(method: str) -> float:
-    """The learning rate the method's paper uses for LLaMA pretraining."""
-    return _method(method).lr
+    """The method's default learning rate (``slimopt.catalog.default_lr``; ``lr_source`` says where it comes from)."""
+    _method(method)
+    return catalog.default_lr(method)
 
 
 def _method(name: str) -> Method:
@@ -57,7 +59,7 @@ def param_groups(model: nn.Module, method: str, *, target_modules: str | Iterabl
         raise ValueError(f"state_full must be 'all' (embeddings, norms and head in AdamW) or 'head' (only the "
                          f"output layer state-full, the rest signSGD); got {state_full!r}")
     shared = {**spec.shared, **{k: v for k, v in hparams.items() if k in _SHARED}}
-    shared.setdefault("lr", spec.lr)
+    shared.setdefault("lr", catalog.default_lr(method))
     proj_hp = {k: v for k, v in hparams.items() if k not in _SHARED}
     if "rank" in proj_hp:
         proj_hp.setdefault("density", None)
@@ -280,5 +282,5 @@ class TACO(SlimOptimizer):
         ['step', 'taco_absmax', 'taco_rows', 'taco_values']
     """
 
-    def __init__(self, params, lr: float = TACO_LR, **settings: Any) -> None:
+    def __init__(self, params, lr: float = catalog.TACO_LR, **settings: Any) -> None:
         super().__init__(params, lr=lr, **{**TACO_DEFAULTS, **settings})
