@@ -60,14 +60,19 @@ def llama_layer_bytes(h: int, hq: int, hkv: int, i: int, a: int, e: int) -> int:
 
 
 def activation_bytes(config, batch: int, seq: int, elem_size: int, checkpointing: bool = False,
-                     has_lm_head: bool = True, body_trains: bool = True) -> ActivationEstimate:
+                     has_lm_head: bool = True, body_trains: bool = True, vocab_slice: int = 0) -> ActivationEstimate:
     """Activation bytes of one forward pass of `batch` sequences of `seq` tokens.
 
     config: a transformers config; elem_size: bytes per activation element (2 for bf16/fp16 models, 4 for fp32);
     checkpointing: one activation checkpoint per decoder layer; has_lm_head: the model computes vocabulary logits
     and a loss over them (causal / masked LM), else only the hidden states; body_trains False: no weight of the
     body trains (a classifier whose head alone does), so only the head's input, the last hidden states, is kept.
+    vocab_slice: the loss takes the vocabulary this many rows at a time (``train/vocab_chunked_loss.py``; 0: the
+    whole logits): it saves one log-sum-exp per token instead of the log-softmax, and its backward pass holds one
+    slice's fp32 logits, softmax and compute-dtype gradient plus the hidden states' fp32 gradient.
     """
+    if isinstance(vocab_slice, bool) or not isinstance(vocab_slice, int) or vocab_slice < 0:
+        raise ValueError(f"vocab_slice must be an integer >= 0 (0: the whole logits), got {vocab_slice!r}")
     for name, v in (("batch", batch), ("seq", seq)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
@@ -84,18 +89,23 @@ def activation_bytes(config, batch: int, seq: int, elem_size: int, checkpointing
     V = V if has_lm_head else 0
     mode = "checkpointed layers" if checkpointing else "no checkpointing"
     model_type = _get(config, "model_type", "")
+    sliced = bool(vocab_slice and V)
+    # the loss's saved bytes a token (log-softmax and label, or log-sum-exp and label) and its backward's temporaries
+    loss_saved = (4 + 8 if sliced else 4 * V + 8) if V else 0
+    loss_grad = tokens * ((8 + e) * min(vocab_slice, V) + 4 * h) if sliced else 8 * V * tokens
+    mode += ", the loss a vocabulary slice at a time" if sliced else ""
     if model_type in LLAMA_LIKE:
         layer = llama_layer_bytes(h, a * d, kv * d, i, a, e)
-        head = (4 * h + 4 + 2 * e * h) + (4 * V + 8 if V else 0)  # final norm, head input, log-softmax, labels
+        head = (4 * h + 4 + 2 * e * h) + loss_saved  # final norm, head input, the loss's
         per_token = 8 + (L * e * h if checkpointing else L * layer) + head  # 8: the input ids
         saved = tokens * per_token + 2 * e * d * seq + (4 if V else 0)
-        return ActivationEstimate(saved, 8 * V * tokens, head * tokens, layer * tokens if checkpointing else 0,
+        return ActivationEstimate(saved, loss_grad, head * tokens, layer * tokens if checkpointing else 0,
                                   True, f"LLaMA exact ({model_type}, SDPA attention, {mode})")
     eager = _get(config, "_attn_implementation", "eager") == "eager"
     layer = (18 * h + 4 * i) * e // 2 + (5 * a * seq * e // 2 if eager else 0)
-    head = 4 * V
+    head = loss_saved - 8 if V else 0  # the generic count leaves labels out
     per_token = 8 + (L * e * h if checkpointing else L * layer) + head
     formula = (f"generic estimate (Korthikanti et al. 2205.05198; {'eager' if eager else 'fused'} attention, "
                f"{mode})")
-    return ActivationEstimate(tokens * per_token, 8 * V * tokens, head * tokens,
+    return ActivationEstimate(tokens * per_token, loss_grad, head * tokens,
                               layer * tokens if checkpointing else 0, False, formula)

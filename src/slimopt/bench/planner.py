@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from slimopt.bench.activations import ActivationEstimate, activation_bytes
+from slimopt.optim.algorithm import int8_weight
+from slimopt.weights.convert import int8_weights
 
 __all__ = [
     "DTYPES",
@@ -42,7 +44,6 @@ __all__ = [
     "MASTERS",
     "GRADS_IN_FLIGHT",
     "int8_nbytes",
-    "int8_weights",
 ]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -225,40 +226,13 @@ def meta_model(config, dtype: str = "bf16") -> nn.Module:
 
 
 def int8_nbytes(shape: tuple[int, ...], group: int = 0) -> tuple[int, int]:
-    """(data, scales) bytes of a weight of `shape` in symmetric int8: one int8 per element and one fp32 scale per
-    row (group=0) or per group of `group` consecutive elements of a row (the last group of a row may be short)."""
-    if isinstance(group, bool) or not isinstance(group, int) or group < 0:
-        raise ValueError(f"int8_group must be an integer >= 0 (0: one scale per row); got {group!r}")
+    """(data, scales) bytes of a weight of `shape` in symmetric int8 (``optim/algorithm/int8_weight.py``): one int8
+    per element and one fp32 scale per row (group=0) or per group of `group` consecutive elements of a row (the
+    last group of a row may be short)."""
     shape = tuple(shape)
     rows = shape[0] if shape else 1
     cols = math.prod(shape[1:]) if len(shape) > 1 else 1
-    per_row = 1 if group == 0 else -(-cols // group)
-    return rows * cols, rows * per_row * INT8_SCALE_BYTES
-
-
-def int8_weights(model: nn.Module, embeddings: bool = False) -> list[tuple[str, nn.Parameter]]:
-    """The weights held in int8: every ``nn.Linear`` weight of the model's body (``base_model_prefix``: the
-    attention and MLP projections of a decoder), not the output layer; with `embeddings`, the input and output
-    embeddings too. Norms, biases and everything else stay in the model's dtype."""
-    prefix = getattr(model, "base_model_prefix", "")
-    body = getattr(model, prefix, None) if prefix else None
-    body = body if isinstance(body, nn.Module) else model
-    get_out = getattr(model, "get_output_embeddings", None)
-    get_in = getattr(model, "get_input_embeddings", None)
-    out_emb = get_out() if callable(get_out) else None
-    in_emb = get_in() if callable(get_in) else None
-    chosen: dict[int, tuple[str, nn.Parameter]] = {}
-    names = {id(p): n for n, p in model.named_parameters()}
-    for mod in body.modules():
-        if isinstance(mod, nn.Linear) and mod is not out_emb and id(mod.weight) in names:
-            chosen.setdefault(id(mod.weight), (names[id(mod.weight)], mod.weight))
-    if embeddings:
-        for mod in (in_emb, out_emb):
-            w = getattr(mod, "weight", None)
-            if isinstance(w, nn.Parameter) and w.dim() == 2 and id(w) in names:
-                chosen.setdefault(id(w), (names[id(w)], w))
-    order = {n: k for k, n in enumerate(names.values())}
-    return sorted(chosen.values(), key=lambda item: order[item[0]])
+    return rows * cols, rows * int8_weight.group_count(cols, group) * INT8_SCALE_BYTES
 
 
 def _has_lm_head(model: nn.Module) -> bool:
@@ -529,6 +503,7 @@ class Prepared:
     int8_group: int = 0
     int8_embeddings: bool = False
     grads_in_flight: int = GRADS_IN_FLIGHT
+    vocab_slice: int = 0
 
     def plan(self, batch: int = 0, seq: int = 0, layerwise: bool = False, checkpointing: bool = False
              ) -> MemoryPlan:
@@ -603,7 +578,7 @@ def _state_net(net: nn.Module, config, dtype: str, master: str | None) -> nn.Mod
 def prepare(model: str | nn.Module, method: str, *, dtype: str | None = None, step: int | None = None,
             vocab_size: int | None = None, label: str | None = None, config=None, weight_format: str = "dtype",
             offload: str = "none", master: str | None = None, int8_group: int = 0, int8_embeddings: bool = False,
-            grads_in_flight: int = GRADS_IN_FLIGHT, **hparams: Any) -> Prepared:
+            grads_in_flight: int = GRADS_IN_FLIGHT, vocab_slice: int = 0, **hparams: Any) -> Prepared:
     """Build `model` on the meta device (unless given a module) and size `method`'s optimizer state on it.
 
     model: a LLaMA size name, a folder with a config.json, or a model already built (meta or real; its
@@ -611,8 +586,9 @@ def prepare(model: str | nn.Module, method: str, *, dtype: str | None = None, st
     model built here, the weights', bf16 | fp16 | fp32; default: a given module's own dtype (a fp32 model planned
     with bf16 activations would be planned short), else bf16. step: see ``state_plan``. vocab_size: overrides the
     config's. weight_format, offload, master, int8_group, int8_embeddings, grads_in_flight: the weights' format on
-    the device and the host offload (module docstring, "Weights below bf16 and host offload"). hparams: method
-    settings (rank, density, codec, ...).
+    the device and the host offload (docs/modules.md, "Weights below bf16 and host offload"). vocab_slice: the
+    loss a vocabulary slice of this many rows at a time (0: the whole logits). hparams: method settings (rank,
+    density, codec, ...).
     """
     master = _placement(weight_format, offload, master, int8_group, int8_embeddings, grads_in_flight)
     if dtype is None:
@@ -625,8 +601,9 @@ def prepare(model: str | nn.Module, method: str, *, dtype: str | None = None, st
         label, config = load_config(model, vocab_size)
         net = meta_model(config, dtype)
     states = state_plan(_state_net(net, config, dtype, master), method, step=step, **hparams)
+    activation_bytes(config, 1, 1, 2, vocab_slice=vocab_slice)  # checks vocab_slice before any planning
     return Prepared(net, config, label, method, dtype, states, step, weight_format, offload, master, int8_group,
-                    int8_embeddings, grads_in_flight)
+                    int8_embeddings, grads_in_flight, vocab_slice)
 
 
 def plan(model: str | nn.Module, method: str, *, dtype: str | None = None, batch: int = 0, seq: int = 0,
@@ -681,7 +658,8 @@ def _assemble(prep: Prepared, batch: int, seq: int, layerwise: bool, checkpointi
         if prep.config is None:
             raise ValueError("activations need the model's config: pass config= or leave batch/seq at 0")
         elem = 4 if prep.dtype == "fp32" else 2
-        act = activation_bytes(prep.config, batch, seq, elem, checkpointing, _has_lm_head(net), _body_trains(net))
+        act = activation_bytes(prep.config, batch, seq, elem, checkpointing, _has_lm_head(net), _body_trains(net),
+                               prep.vocab_slice)
     else:
         act = ActivationEstimate(saved=0, loss_grad=0, head=0, recompute=0, exact=True,
                                  formula="no activations (batch or seq not given)")

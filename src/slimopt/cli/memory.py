@@ -65,6 +65,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--master", default=None, metavar="FORMAT",
                    help="with --offload host, the master copy: fp32 (4 B/param; default), bf16+int8 (3 B/param: bf16 "
                         "and an 8-bit residual) or bf16 (2 B/param)")
+    p.add_argument("--vocab-slice", type=int, default=0, metavar="N",
+                   help="the loss takes the vocabulary N rows at a time, never holding the whole logits (slimopt "
+                        "train --vocab-slice; default 0: the whole logits)")
     p.add_argument("--out", default=None, help="folder for memory.md, memory.json and memory.png")
     return p
 
@@ -129,6 +132,7 @@ def run(args) -> int:
     mode = ", ".join(x for x in (args.dtype, f"batch {batch} x seq {seq}" if seq else "no activations",
                                  "layer-wise updates" if args.layerwise and not offload else "",
                                  "activation checkpointing" if args.checkpointing else "",
+                                 f"loss in vocabulary slices of {args.vocab_slice}" if args.vocab_slice else "",
                                  "int8 weights" if p0.weight_format == "int8" else "",
                                  f"offload host, master {p0.master}" if offload else "") if x)
     lines = [f"## Planned memory: {label} ({p0.params / 1e6:.1f}M parameters; {mode})", "",
@@ -178,8 +182,10 @@ def _placement(args) -> dict:
         raise ValueError(f"--int8-group must be an integer >= 0 (0: one scale per row); got {args.int8_group}")
     if (args.int8_group or args.int8_embeddings) and args.weights != "int8":
         raise ValueError("--int8-group and --int8-embeddings need --weights int8")
+    if args.vocab_slice < 0:
+        raise ValueError(f"--vocab-slice must be an integer >= 0 (0: the whole logits); got {args.vocab_slice}")
     return dict(weight_format=args.weights, offload=args.offload, master=args.master, int8_group=args.int8_group,
-                int8_embeddings=args.int8_embeddings)
+                int8_embeddings=args.int8_embeddings, vocab_slice=args.vocab_slice)
 
 
 def _placement_lines(plans, offload: bool) -> list[str]:
