@@ -188,3 +188,15 @@ def planned(model, method, step=None, **hp) -> int:
     from slimopt.bench import planner
 
     return sum(s.total for s in planner.state_plan(model, method, step=step, **hp))
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """`slimopt argv` in this process: its exit status (argparse's too) and what it printed (out, err)."""
+    from slimopt.cli import main
+
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse
+        rc = e.code
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from helpers import ODD_LLAMA
 from transformers import LlamaConfig
 
 import slimopt
@@ -25,8 +26,7 @@ FAST_PEERS = [p for p in PEERS if not p.startswith("torchao")]  # torchao compil
 def tiny_dir(tmp_path_factory):
     """A local config folder (no weights): a LLaMA small enough that every method steps in milliseconds."""
     path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaConfig(vocab_size=203, hidden_size=64, intermediate_size=90, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False).save_pretrained(path)
+    LlamaConfig(**ODD_LLAMA).save_pretrained(path)
     return str(path)
 
 

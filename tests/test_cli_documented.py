@@ -37,6 +37,7 @@ from typing import Callable
 
 import pytest
 import torch
+from helpers import save_tiny_bert, sentences
 
 from slimopt.cli import SUBCOMMANDS, build_parser, main
 
@@ -662,29 +663,14 @@ class Resources:
         return path
 
     def _tiny_bert(self, path: Path) -> Path:  # a 2-layer BERT with the offline MiniLM's tokenizer
-        from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
-
-        from slimopt.models.minilm import offline_model_path
-
-        tok = AutoTokenizer.from_pretrained(str(offline_model_path()))
-        torch.manual_seed(0)
-        BertForSequenceClassification(BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
-                                                 num_attention_heads=4, intermediate_size=64,
-                                                 max_position_embeddings=64)).save_pretrained(path)
-        tok.save_pretrained(path)
+        save_tiny_bert(path)
         return path
-
-    @staticmethod
-    def _sentences(n: int, seed: int) -> list[str]:
-        words = ["good", "great", "fine", "bad", "awful", "poor", "film", "plot", "actor", "scene"]
-        idx = torch.randint(0, len(words), (n, 5), generator=torch.Generator().manual_seed(seed))
-        return [" ".join(words[i] for i in row) for row in idx.tolist()]
 
     def _glue_data(self, path: Path) -> Path:  # GLUE's folder names, sentence pairs as json lines
         for folder, seed in (("MRPC", 1), ("RTE", 2)):
             (path / folder).mkdir(parents=True)
             for split, n in (("train", 16), ("dev", 8)):
-                a, b = self._sentences(n, seed), self._sentences(n, seed + 10)
+                a, b = sentences(n, seed), sentences(n, seed + 10)
                 with open(path / folder / f"{split}.jsonl", "w") as f:
                     for i in range(n):
                         f.write(json.dumps({"sentence1": a[i], "sentence2": b[i], "label": i % 2}) + "\n")
@@ -693,7 +679,7 @@ class Resources:
     def _reviews(self, path: Path) -> Path:  # a task of one's own: csv with a text column, 3 classes
         path.mkdir(parents=True)
         for name, n, seed in (("train.csv", 12, 3), ("dev.csv", 6, 4)):
-            rows = ["text,label"] + [f"{s},{i % 3}" for i, s in enumerate(self._sentences(n, seed))]
+            rows = ["text,label"] + [f"{s},{i % 3}" for i, s in enumerate(sentences(n, seed))]
             (path / name).write_text("\n".join(rows) + "\n")
         return path
 

@@ -5,7 +5,7 @@ import csv
 import json
 
 import pytest
-import torch
+from helpers import save_tiny_bert, sentences
 
 from slimopt.cli import main
 from slimopt.finetune.run import FINETUNE_DEFAULTS, FinetuneConfig, method_settings, parse_method, read_results
@@ -16,27 +16,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A local model folder: a randomly initialised 2-layer BERT with the MiniLM tokenizer (any HF path works)."""
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
-
-    from slimopt.models.minilm import offline_model_path
-
     path = tmp_path_factory.mktemp("tiny-bert")
-    tokenizer = AutoTokenizer.from_pretrained(str(offline_model_path()))
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=64)
-    BertForSequenceClassification(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_tiny_bert(path)
     return path
-
-
-WORDS = ["good", "great", "fine", "bad", "awful", "poor", "film", "plot", "actor", "scene"]
-
-
-def _sentences(n, seed):
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, len(WORDS), (n, 5), generator=gen)
-    return [" ".join(WORDS[i] for i in row) for row in idx.tolist()]
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +30,11 @@ def glue_dir(tmp_path_factory):
         with open(root / "SST-2" / f"{split}.csv", "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["sentence", "label"])
-            for s in _sentences(n, seed):
+            for s in sentences(n, seed):
                 w.writerow([s, int(s.split()[0] in ("good", "great", "fine"))])
     (root / "mrpc").mkdir()
     for split, n, seed in (("train", 32, 3), ("validation", 16, 4)):
-        a, b = _sentences(n, seed), _sentences(n, seed + 10)
+        a, b = sentences(n, seed), sentences(n, seed + 10)
         with open(root / "mrpc" / f"{split}.jsonl", "w") as f:
             for i, (x, y) in enumerate(zip(a, b)):
                 f.write(json.dumps({"sentence1": x, "sentence2": y if i % 2 else x, "label": 1 - i % 2}) + "\n")

@@ -5,8 +5,9 @@ import shutil
 
 import pytest
 import torch
+from helpers import tiny_bert as seeded_bert
 from helpers import tiny_llama
-from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from slimopt.finetune import hf
 from slimopt.optim.recipes import METHODS
@@ -19,10 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 def tiny_bert(seed=0):
     # intermediate 128 x hidden 32 = 4096 elements: the MLP weights are large enough for the 8-bit codec.
-    torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=128, max_position_embeddings=32, num_labels=3)
-    return BertForSequenceClassification(cfg)
+    return seeded_bert(VOCAB, seed, intermediate_size=128)
 
 
 @pytest.fixture(scope="module")

@@ -325,7 +325,8 @@ def test_muon_settings_reach_the_muon_group():
                                        ("muon", {"m_codec": "ternary_ef"}), ("muon", {"m_codec": "int4"})])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_planner_state_is_exact(method, hp, dtype):
-    from test_planner import fill_grads, llama, planned
+    from helpers import fill_grads, planned
+    from helpers import odd_llama as llama
 
     from slimopt.factory import make_optimizer
 
@@ -440,7 +441,7 @@ def test_the_planned_step_scratch_bounds_the_queued_step(method, ns_dtype):
     # what a step of a small LLaMA allocates (MemTracker) against the planner's temporaries of the optimizer step:
     # the waiting iterates and, on a CPU (no stacks), the largest matrix's iteration or momentum store: measured
     # 0.97-1.05 of the count (a few hundred bytes of norms and counters, and int8's encode, above the estimate)
-    from test_planner import llama
+    from helpers import odd_llama as llama
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from slimopt.bench import planner

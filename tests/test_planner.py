@@ -11,7 +11,9 @@ import math
 
 import pytest
 import torch
-from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from helpers import ODD_LLAMA, fill_grads, planned
+from helpers import odd_llama as llama
+from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
 
 import slimopt
 from slimopt.bench import planner
@@ -23,27 +25,6 @@ from slimopt.optim.algorithm.specs import METHODS
 from slimopt.peers import build_peer, optimizer_state_nbytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
-
-
-# Tensors above and below the codecs' 4096-element threshold, blocks that do not divide them, grouped-query
-# attention (k/v smaller than q) and non-square MLP weights.
-CFG = dict(vocab_size=203, hidden_size=64, intermediate_size=90, num_hidden_layers=2, num_attention_heads=4,
-           num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
-
-
-def llama(dtype=torch.float32, seed=0, **over):
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**{**CFG, **over})).to(dtype)
-
-
-def fill_grads(model, seed):
-    gen = torch.Generator().manual_seed(seed)
-    for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
-
-
-def planned(model, method, step=None, **hp):
-    return sum(s.total for s in planner.state_plan(model, method, step=step, **hp))
 
 
 def assert_state_matches(method, dtype=torch.float32, steps=3, **hp):
@@ -209,7 +190,7 @@ def saved_bytes(model, ids):
                          ids=["bf16", "fp32", "bf16-gqa-head_dim"])
 def test_llama_activation_formula_is_exact(dtype, over):
     model = llama(dtype, **over)
-    ids = torch.randint(0, CFG["vocab_size"], (3, 20))
+    ids = torch.randint(0, ODD_LLAMA["vocab_size"], (3, 20))
     est = activation_bytes(model.config, 3, 20, 2 if dtype == torch.bfloat16 else 4)
     assert est.exact and est.saved == saved_bytes(model, ids)
 
@@ -236,7 +217,7 @@ def test_peak_matches_memtracker(dtype):
     # no dtype given: the plan takes the module's own (fp32 weights planned with bf16 activations came out ~7% short)
     model = llama(dtype)
     opt = make_optimizer(model, "adamw")
-    ids = torch.randint(0, CFG["vocab_size"], (2, 16))
+    ids = torch.randint(0, ODD_LLAMA["vocab_size"], (2, 16))
     measured = memtracker_peak(model, opt, ids)
     p = planner.plan(model, "adamw", batch=2, seq=16, step=2)
     assert p.dtype == {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]

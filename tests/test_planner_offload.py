@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import odd_llama
 
 from slimopt.bench import planner
 from slimopt.cli import main
@@ -20,15 +20,12 @@ from slimopt.models.llama import llama_param_count
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 GIB = 2**30
-CFG = dict(vocab_size=203, hidden_size=64, intermediate_size=90, num_hidden_layers=2, num_attention_heads=4,
-           num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TARGET = dict(batch=1, seq=2048, checkpointing=True, weight_format="int8", offload="host")
 
 
 def llama(**over):
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**{**CFG, **over})).to(torch.bfloat16)
+    return odd_llama(torch.bfloat16, **over)
 
 
 def quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
