@@ -37,9 +37,9 @@ from typing import Callable
 
 import pytest
 import torch
-from helpers import save_tiny_bert, sentences
+from helpers import run_cli, save_tiny_bert, sentences
 
-from slimopt.cli import SUBCOMMANDS, build_parser, main
+from slimopt.cli import SUBCOMMANDS, build_parser
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -693,22 +693,13 @@ def resources(tmp_path_factory):
         yield Resources(root)
 
 
-def _run(argv: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        rc = main(argv)
-    except SystemExit as e:  # argparse
-        rc = e.code
-    captured = capsys.readouterr()
-    return rc, captured.out, captured.err
-
-
-def _params():
+def _cases():
     for c in CASES:
         marks = [pytest.mark.slow] if c.slow else []
         yield pytest.param(c, id=c.id, marks=marks)
 
 
-@pytest.mark.parametrize("case", list(_params()))
+@pytest.mark.parametrize("case", list(_cases()))
 def test_documented_invocation(case, resources, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     if case.sub == "bench":
@@ -719,13 +710,13 @@ def test_documented_invocation(case, resources, tmp_path, monkeypatch, capsys):
     if not HAS_CUDA and "cuda" in case.doc_args:
         cuda = [*argv]
         cuda[cuda.index("--device") + 1] = "cuda"
-        rc, out, err = _run(cuda, capsys)
+        rc, out, err = run_cli(cuda, capsys)
         assert rc == 2 and "CUDA" in err and len(err.strip().splitlines()) == 1, err
-    rc, out, err = _run(argv, capsys)
+    rc, out, err = run_cli(argv, capsys)
     case.check(argv[1:], rc, out, err, tmp_path)
     if case.then is not None:
         argv = case.then.argv()
-        rc, out, err = _run(argv, capsys)
+        rc, out, err = run_cli(argv, capsys)
         if case.then.xfail:  # a known failure: it must still fail this way, or the xfail goes
             assert rc != 0, f"{case.then.id} works now: remove its xfail"
             assert "settings differ from the checkpoint" in err, err
@@ -740,6 +731,6 @@ def test_documented_invocation_needing_the_hub(case, tmp_path, monkeypatch, caps
     if not hub_offline():
         pytest.skip("the Hugging Face hub is reachable: this invocation would download")
     monkeypatch.chdir(tmp_path)
-    rc, out, err = _run(case.argv(), capsys)
+    rc, out, err = run_cli(case.argv(), capsys)
     assert rc == 2 and err.startswith(f"slimopt {case.sub}: error: ") and "t5-base" in err, err
     assert not any(tmp_path.iterdir())

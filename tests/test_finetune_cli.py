@@ -5,9 +5,8 @@ import csv
 import json
 
 import pytest
-from helpers import save_tiny_bert, sentences
+from helpers import run_cli, save_tiny_bert, sentences
 
-from slimopt.cli import main
 from slimopt.finetune.run import FINETUNE_DEFAULTS, FinetuneConfig, method_settings, parse_method, read_results
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -42,9 +41,7 @@ def glue_dir(tmp_path_factory):
 
 
 def _run(args, capsys):
-    rc = main(["finetune", "--threads", "1", *args])
-    captured = capsys.readouterr()
-    return rc, captured.out, captured.err
+    return run_cli(["finetune", "--threads", "1", *args], capsys)
 
 
 def test_table_for_methods_by_tasks(tmp_path, tiny_model_dir, glue_dir, capsys):
