@@ -293,7 +293,7 @@ def check_train(argv, rc, out, err, cwd):
 
 
 def check_compare(argv, rc, out, err, cwd):
-    from slimopt.train.compare import read_results
+    from slimopt.compare.report import read_results
 
     assert rc == 0, err
     folder = cwd / _flag(argv, "--out", "runs/compare")
@@ -308,8 +308,9 @@ def check_compare(argv, rc, out, err, cwd):
         assert "frozen" not in [r["method"] for r in rows]
     if "--tune-lr" in argv:  # one short run per method and multiplier of its lr, and each extension past an edge
         sweep = (folder / "lr_sweep.csv").read_text().splitlines()
-        from slimopt.cli.compare import parse_lr_grid
-        from slimopt.train.compare import DEFAULT_CONTROL_LR_GRID, DEFAULT_LR_EXTENSIONS
+        from slimopt.cli.honest import parse_lr_grid
+        from slimopt.compare.config import DEFAULT_CONTROL_LR_GRID
+        from slimopt.compare.protocol import DEFAULT_LR_EXTENSIONS
         extensions = int(_flag(argv, "--lr-extensions")) if "--lr-extensions" in argv else DEFAULT_LR_EXTENSIONS
         grid = len(parse_lr_grid(_flag(argv, "--lr-grid"))) if "--lr-grid" in argv else None
         control_grid = (len(parse_lr_grid(_flag(argv, "--control-lr-grid"))) if "--control-lr-grid" in argv

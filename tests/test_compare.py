@@ -12,14 +12,9 @@ import pytest
 from pretrain_helpers import VOCAB, fast_config
 
 from slimopt.cli import main
-from slimopt.train.compare import (
-    CSV_COLUMNS,
-    CompareConfig,
-    default_methods,
-    read_results,
-    run_compare,
-    scaled_schedule_opts,
-)
+from slimopt.compare.config import CompareConfig, default_methods, scaled_schedule_opts
+from slimopt.compare.report import CSV_COLUMNS, read_results
+from slimopt.compare.run import run_compare
 from slimopt.train.logger import read_jsonl
 
 
@@ -184,7 +179,7 @@ def test_default_runs_at_a_time():
 
     import torch
 
-    from slimopt.train.compare import jobs_for
+    from slimopt.compare.runner import jobs_for
     cores = len(os.sched_getaffinity(0))
     base = CompareConfig().base
     assert base.device in (None, "auto") and base.threads == 1
@@ -196,7 +191,7 @@ def test_default_runs_at_a_time():
 
 
 def test_the_default_setting_runs_at_its_tuned_learning_rates():
-    from slimopt.train.compare import DEFAULT_SETTING_LR, _base_lr, _method_config, at_default_setting
+    from slimopt.compare.config import DEFAULT_SETTING_LR, _base_lr, _method_config, at_default_setting
     cfg = CompareConfig()
     assert at_default_setting(cfg)
     assert set(default_methods()) <= set(DEFAULT_SETTING_LR)
@@ -214,7 +209,7 @@ def test_the_default_setting_runs_at_its_tuned_learning_rates():
 
 
 def test_the_report_says_where_the_learning_rates_come_from():
-    from slimopt.train.compare import _markdown
+    from slimopt.compare.report import _markdown
     cfg = CompareConfig()
     default = _markdown([], cfg, None, {})
     assert "a tuned 3-seed run of this setting picked" in default and "paper learning rate" not in default

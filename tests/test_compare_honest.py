@@ -17,24 +17,23 @@ from pretrain_helpers import VOCAB, fast_config
 
 from slimopt import baselines
 from slimopt.cli import main
-from slimopt.optim.algorithm.partition import classify
-from slimopt.models import llama as models
-from slimopt.train.compare import CompareConfig, read_results, run_compare
-from slimopt.train.compare_analysis import (
+from slimopt.compare.analysis import (
     MIN_CONTROL_MARGIN,
     aggregate_seeds,
     baseline_full_rank_weights,
     budget_warning,
-    choose_lr,
-    control_verdicts,
-    extension_multiplier,
     full_rank_weights,
     inside_noise,
     noise_pairs,
-    on_grid_edge,
     ranking_text,
 )
+from slimopt.compare.config import CompareConfig
+from slimopt.compare.protocol import CONTROL, LOSS, choose_lr, control_verdicts, extension_multiplier, on_grid_edge
+from slimopt.compare.report import read_results
+from slimopt.compare.run import run_compare
 from slimopt.factory import make_optimizer
+from slimopt.models import llama as models
+from slimopt.optim.algorithm.partition import classify
 from slimopt.train.loop import train
 
 
@@ -121,7 +120,7 @@ def test_control_verdicts_mark_what_does_not_clear_it():
     control = _row("frozen", 100.0)
     rows = [control, _row("adamw", 99.0), _row("galore", 100.0), _row("taco", 150.0),
             {"method": "lora", "status": "failed: x"}]
-    assert control_verdicts(rows, control) == {"adamw": True, "galore": False, "taco": False, "lora": None}
+    assert control_verdicts(rows, LOSS, CONTROL) == {"adamw": True, "galore": False, "taco": False, "lora": None}
     text = ranking_text(rows, control)
     assert text.startswith("adamw (99.0) < ")
     assert "galore (100.0) [not below the control]" in text and "taco (150.0) [not below the control]" in text
@@ -391,7 +390,7 @@ def test_extension_goes_past_the_edge_the_best_sits_on():
 def synthetic_loss(monkeypatch):
     """compare's training replaced by a loss of the learning rate alone, (log2(lr / optimum))^2 + 1, where each
     method's optimum is set by the test: the real sweep, extension, report and files, without training."""
-    from slimopt.train import compare as compare_mod
+    from slimopt.compare import runner
     optimum: dict[str, float] = {}
 
     def fake_train(tc):
@@ -401,7 +400,7 @@ def synthetic_loss(monkeypatch):
                 "tokens_per_s": 1.0, "wall_time_s": 0.0, "cpu_time_s": 0.0, "lr": tc.lr, "steps": 1, "tokens": 1,
                 "trainable_params": 1, "params": 1, "device": "cpu", "history": {"train": [], "eval": []}}
 
-    monkeypatch.setattr(compare_mod, "train", fake_train)
+    monkeypatch.setattr(runner, "train", fake_train)
     return optimum
 
 
@@ -439,17 +438,17 @@ def test_planned_memory_columns_and_chart_equal_slimopt_memory(data, tmp_path, s
     and model; a baseline the planner does not model gets none; the chart shows the plan, not the RSS panel."""
     import json
 
-    from slimopt.train import compare_plots
+    from slimopt.compare import plots
     corpus, cache = data
     drawn = {}
-    real_save = compare_plots.save_figure
+    real_save = plots.save_figure
 
     def keep(fig, path):
         drawn[Path(path).name] = [[(p.get_y() + p.get_height() / 2, p.get_width()) for p in ax.patches]
                                   for ax in fig.axes], [ax.get_xlabel() for ax in fig.axes]
         return real_save(fig, path)
 
-    monkeypatch.setattr(compare_plots, "save_figure", keep)
+    monkeypatch.setattr(plots, "save_figure", keep)
     methods = ["adamw", "ternary_adamw", "adamw+codec=int8", "galore", "lora"]
     out = tmp_path / "o"
     assert main(["compare", "--data", str(corpus), "--cache-dir", str(cache), "--vocab-size", str(VOCAB),

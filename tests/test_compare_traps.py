@@ -10,20 +10,15 @@ import pytest
 from pretrain_helpers import VOCAB, fast_config
 
 from slimopt.cli import main
-from slimopt.train.compare import (
-    DEFAULT_SETTING_LR,
-    CompareConfig,
-    default_methods,
-    read_results,
-    run_compare,
-    scaled_schedule_opts,
-)
+from slimopt.compare.config import DEFAULT_SETTING_LR, CompareConfig, default_methods, scaled_schedule_opts
+from slimopt.compare.report import read_results
+from slimopt.compare.run import run_compare
 
 
 @pytest.fixture()
 def fake_train(monkeypatch):
     """compare's training replaced by a fixed result (in-process runs only): the report without training."""
-    from slimopt.train import compare as compare_mod
+    from slimopt.compare import runner
 
     def train(tc):
         loss = 3.0 if tc.method != "taco" else 4.0
@@ -32,7 +27,7 @@ def fake_train(monkeypatch):
                 "tokens_per_s": 1.0, "wall_time_s": 0.0, "cpu_time_s": 0.0, "lr": tc.lr, "steps": 1, "tokens": 1,
                 "trainable_params": 1, "params": 1, "device": "cpu", "history": {"train": [], "eval": []}}
 
-    monkeypatch.setattr(compare_mod, "train", train)
+    monkeypatch.setattr(runner, "train", train)
 
 
 # ------------------------------------------------------------------------------ (6b) the runs' torch threads
@@ -68,17 +63,17 @@ def _curve_rows() -> list[dict]:
 
 def test_loss_curve_axes_fit_the_data_they_show(tmp_path, monkeypatch):
     """Every drawn point lies inside its panel's y range, and the range does not run far past the data."""
-    from slimopt.train import compare_plots
+    from slimopt.compare import plots
     kept = {}
-    real_save = compare_plots.save_figure
+    real_save = plots.save_figure
 
     def keep(fig, path):
         kept["axes"] = [(ax.get_ylim(), ax.get_yscale(), ax.get_ylabel(), [line.get_ydata() for line in ax.get_lines()])
                         for ax in fig.axes]
         return real_save(fig, path)
 
-    monkeypatch.setattr(compare_plots, "save_figure", keep)
-    compare_plots.plot_loss_curves(_curve_rows(), tmp_path / "loss_curves.png")
+    monkeypatch.setattr(plots, "save_figure", keep)
+    plots.plot_loss_curves(_curve_rows(), tmp_path / "loss_curves.png")
     for (lo, hi), scale, label, lines in kept["axes"]:
         values = [float(v) for ys in lines for v in ys]
         assert values, label
@@ -115,7 +110,7 @@ def test_a_bad_lr_is_named_as_the_user_typed_it(data, tmp_path, capsys, args, ty
 # ------------------------------------------------------------------------------ (9) a variant's lr, the gap
 
 def test_a_variant_runs_at_its_base_methods_lr():
-    from slimopt.train.compare import _base_lr, _method_config
+    from slimopt.compare.config import _base_lr, _method_config
     cfg = CompareConfig()  # the default setting: GaLore's tuned 0.04, not the paper's 0.01
     assert _base_lr(cfg, "galore+stagger_refresh=True") == (DEFAULT_SETTING_LR["galore"],
                                                             "galore's: tuned at this setting")
@@ -156,7 +151,8 @@ def test_a_short_runs_update_gap_has_a_floor():
 def test_the_table_gives_every_rows_gap_and_lr(data, tmp_path, fake_train):
     """The settings column shows the gap a row ran with, the paper's too when the run is long enough to keep it,
     and the reproduce line says to pass the column's settings."""
-    from slimopt.train.compare import _method_config, _settings
+    from slimopt.compare.config import _method_config
+    from slimopt.compare.runner import _settings
     corpus, cache = data
     long = CompareConfig(base=fast_config(corpus, cache, max_steps=5000))
     assert _settings(_method_config(long, "galore")) == "update_gap=200"
@@ -178,7 +174,7 @@ def test_the_table_gives_every_rows_gap_and_lr(data, tmp_path, fake_train):
 # ------------------------------------------------------------------------------ (10) TACO where it applies
 
 def test_the_default_comparison_runs_taco_only_on_a_pretrained_model():
-    from slimopt.train.compare import _entries
+    from slimopt.compare.config import _entries
     assert "taco" not in default_methods()  # a tiny LLaMA from scratch: pretraining, which TACO does not claim
     assert "taco" not in _entries(CompareConfig())
     assert "taco" in default_methods(pretrained=True)

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from slimopt.finetune.protocol import HEAD, aggregate, control_verdicts, run_method, seed_list
+from slimopt.compare.protocol import HEAD, SCORE, aggregate, control_verdicts, run_method, seed_list
 
 
 def _runs(loss_of_lr, fail=()):
@@ -70,7 +70,7 @@ def test_seeds_are_aggregated_and_a_failed_seed_is_counted_not_averaged():
     assert row["score_std"] == pytest.approx(math.sqrt(0.02))
     assert row["runs"][1]["status"] == "failed: boom"
     with pytest.raises(ValueError, match="at least one run"):
-        aggregate([])
+        aggregate([], SCORE)
 
 
 def test_seed_list_and_control_verdicts():
@@ -80,8 +80,8 @@ def test_seed_list_and_control_verdicts():
             {"task": "a", "method": "taco", "status": "ok", "score": 0.6},
             {"task": "a", "method": "lora", "status": "failed: x"},
             {"task": "b", "method": "adamw", "status": "ok", "score": 0.1}]
-    assert control_verdicts(rows) == {("a", "adamw"): True, ("a", "taco"): False, ("a", "lora"): None,
-                                      ("b", "adamw"): None}
+    assert control_verdicts(rows, SCORE, HEAD, group="task") == {
+        ("a", "adamw"): True, ("a", "taco"): False, ("a", "lora"): None, ("b", "adamw"): None}
 
 
 # ---------------------------------------------------------------------------------------------- memory

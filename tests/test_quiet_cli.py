@@ -53,7 +53,7 @@ def test_a_command_that_loads_transformers_prints_no_chatter():
 @pytest.mark.slow
 def test_the_compare_forkserver_preload_prints_no_chatter():
     """`slimopt compare` runs each method in a process forked from a server that first imports _PRELOAD."""
-    from slimopt.train.compare import _PRELOAD
+    from slimopt.compare.runner import _PRELOAD
 
     res = _python("import importlib; " + "; ".join(f"importlib.import_module({m!r})" for m in _PRELOAD))
     assert res.returncode == 0, res.stderr

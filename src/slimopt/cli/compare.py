@@ -19,28 +19,12 @@ from __future__ import annotations
 
 import argparse
 
+from slimopt.cli.honest import add_honest_args, parse_lr_grid, tuning_from_args
 from slimopt.cli.train import _int, add_data_model_args, add_recipe_args
 from slimopt.options import parse_method_opts
 
-__all__ = ["add_parser", "run", "parse_lr_grid"]
+__all__ = ["add_parser", "run"]
 
-
-def parse_lr_grid(text: str, option: str = "--lr-grid") -> tuple[float, ...]:
-    """'1/4,1/2,1,2,4' -> (0.25, 0.5, 1.0, 2.0, 4.0); a ValueError naming the option for anything else."""
-    from fractions import Fraction
-
-    out = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            out.append(float(Fraction(part)) if "/" in part else float(part))
-        except (ValueError, ZeroDivisionError):
-            raise ValueError(f"{option}: {part!r} is not a number or fraction (e.g. 1/4,1/2,1,2,4)") from None
-    if not out:
-        raise ValueError(f"{option} is empty: give multipliers of the default lr, e.g. 1/4,1/2,1,2,4")
-    return tuple(out)
 
 EXAMPLES = """examples:
   slimopt compare                                         # defaults: tiny model, KJV, ~5 min on 2 CPU cores
@@ -54,7 +38,7 @@ EXAMPLES = """examples:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from slimopt.train.compare import DEFAULT_METHODS, FINE_TUNING_METHODS, CompareConfig
+    from slimopt.compare.config import DEFAULT_METHODS, FINE_TUNING_METHODS, CompareConfig
     d = CompareConfig().base
     p = subparsers.add_parser("compare", help="train several methods on equal budgets and compare them",
                               description=__doc__, epilog=EXAMPLES,
@@ -83,31 +67,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--plan-gpu-memory", default="24GiB", metavar="SIZE",
                    help="the GPU memory the planned peak is checked against, e.g. 24GiB, 80GB "
                         "(default: %(default)s)")
-    h = p.add_argument_group("honest comparisons")
-    h.add_argument("--no-control", action="store_true",
-                   help="leave out the control row (frozen: AdamW on embeddings, norms and head with every attention "
-                        "and MLP weight frozen, at AdamW's lr), the floor a method must clear")
-    h.add_argument("--tune-lr", action="store_true",
-                   help="before the comparison, run each method (the control too) at every multiple in --lr-grid of "
-                        "its default lr for --tune-fraction of the steps and keep the lr with the lowest "
-                        "validation loss (lr_sweep.csv, lr_sweep.json, lr_sweep.png)")
-    h.add_argument("--lr-grid", default=None, metavar="MULTIPLIERS",
-                   help="comma-separated multipliers of each method's default lr for --tune-lr, fractions allowed "
-                        "(default: 1/4,1/2,1,2,4)")
+    h = add_honest_args(p, control="(frozen: AdamW on embeddings, norms and head with every attention and MLP "
+                                  "weight frozen, at AdamW's lr), the floor a method must clear",
+                        tuning_runs="for --tune-fraction of the steps (before the comparison)",
+                        edge_note="; a best lr still on the edge is marked",
+                        tuning_files="lr_sweep.csv, lr_sweep.json, lr_sweep.png",
+                        seeds="(initialisation and batch order); the table shows mean and spread, the ranking which "
+                              "gaps are inside the noise")
     h.add_argument("--control-lr-grid", default=None, metavar="MULTIPLIERS",
                    help="multipliers of AdamW's lr the control is swept over before the comparison, so that it is "
                         "the best a model with frozen transformer weights can do (default: 1,3,10,30; "
                         "--set frozen.lr=LR runs it at LR instead)")
-    h.add_argument("--lr-extensions", type=int, default=None, metavar="N",
-                   help="while a sweep's best lr sits on the edge of its grid, try twice the largest (or half the "
-                        "smallest) multiplier, at most N times a method; a best lr still on the edge is marked "
-                        "(default: 3; 0: the grid as given)")
     h.add_argument("--tune-fraction", type=float, default=None, metavar="F",
                    help="length of each tuning run (--tune-lr, and the control's sweep) as a fraction of the full "
                         "run's steps (default: 0.25)")
-    h.add_argument("--seeds", type=int, default=1, metavar="N",
-                   help="run every method with seeds SEED..SEED+N-1 (initialisation and batch order); the table "
-                        "shows mean and spread, the ranking which gaps are inside the noise (default: 1)")
     add_data_model_args(p, d)
     add_recipe_args(p, d, f"default {d.tokens:.0e}")
     p.add_argument("--eval-every", type=_int, default=None, help="steps between evaluations (default: 8 per run)")
@@ -117,7 +90,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args) -> int:
     from dataclasses import replace
 
-    from slimopt.train.compare import CompareConfig, run_compare
+    from slimopt.compare.config import CompareConfig
+    from slimopt.compare.run import run_compare
     d = CompareConfig().base
     tokens = args.tokens if args.tokens is not None or args.max_steps is not None else d.tokens
     base = replace(d, model=args.model, data=args.data, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
@@ -127,20 +101,14 @@ def run(args) -> int:
                    clip=args.clip, dtype=args.dtype, seed=args.seed, device=args.device, threads=args.threads,
                    eval_tokens=args.eval_tokens, eval_every=args.eval_every, cache_dir=args.cache_dir)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
-    if not args.tune_lr and args.lr_grid is not None:
-        raise ValueError("--lr-grid sets up --tune-lr, which was not given")
+    tuning = tuning_from_args(args)
     if args.no_control and args.control_lr_grid is not None:
         raise ValueError("--control-lr-grid sets up the control row, which --no-control leaves out")
-    tuning = {}
-    if args.lr_grid is not None:
-        tuning["lr_grid"] = parse_lr_grid(args.lr_grid)
     if args.control_lr_grid is not None:
         tuning["control_lr_grid"] = parse_lr_grid(args.control_lr_grid, "--control-lr-grid")
     if args.tune_fraction is not None:
         tuning["tune_fraction"] = args.tune_fraction
-    if args.lr_extensions is not None:
-        tuning["lr_extensions"] = args.lr_extensions
-    from slimopt.train.compare_plan import PlanSetting
+    from slimopt.compare.plan import PlanSetting
     plan = None if args.plan_model.lower() == "none" else PlanSetting(args.plan_model, args.plan_gpu_memory)
     if plan is not None:
         plan.budget  # noqa: B018 - a bad size fails here, before any run

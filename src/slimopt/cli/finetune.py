@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 
+from slimopt.cli.honest import add_honest_args, tuning_from_args
 from slimopt.cli.train import _int
 from slimopt.options import parse_method_opts
 
@@ -108,31 +109,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--set", action="append", metavar="METHOD.KEY=VALUE", dest="set_opts",
                    help="a setting for one method, repeatable: --set galore.scale=4 --set lora.lr=5e-4 "
                         "--set frugal.state_full=head")
-    h = p.add_argument_group("honest comparisons")
-    h.add_argument("--no-control", action="store_true",
-                   help="leave out the control row (head: AdamW on the classification head alone, the pretrained "
-                        "body frozen), the score a method must beat to show it trains the body")
-    h.add_argument("--tune-lr", action="store_true",
-                   help="run each method (the control too) at every multiple in --lr-grid of its lr on the first "
-                        "seed and keep the one with the lowest validation loss (runs.csv lists every run)")
-    h.add_argument("--lr-grid", default=None, metavar="MULTIPLIERS",
-                   help="comma-separated multipliers for --tune-lr, fractions allowed (default: 1/4,1/2,1,2,4)")
-    h.add_argument("--lr-extensions", type=int, default=d.lr_extensions, metavar="N",
-                   help="while a method's best lr sits on the edge of what was tried, try twice the largest (or "
-                        "half the smallest) multiplier, at most N times (default: %(default)s)")
-    h.add_argument("--seeds", type=_int, default=d.seeds, metavar="N",
-                   help="run every method with seeds SEED..SEED+N-1 (the head's initialisation and the batch "
-                        "order); the table shows the mean and range (default: %(default)s)")
+    add_honest_args(p, control="(head: AdamW on the classification head alone, the pretrained body frozen), the "
+                               "score a method must beat to show it trains the body",
+                    tuning_runs="on the first seed", tuning_files="runs.csv lists every run",
+                    seeds="(the head's initialisation and the batch order); the table shows the mean and range")
     return p
 
 
 def config_from_args(args):
-    from slimopt.cli.compare import parse_lr_grid
     from slimopt.finetune.run import FinetuneConfig
 
-    if args.lr_grid is not None and not args.tune_lr:
-        raise ValueError("--lr-grid sets up --tune-lr, which was not given")
-    extra = {"lr_grid": parse_lr_grid(args.lr_grid)} if args.lr_grid is not None else {}
+    extra = tuning_from_args(args)
     return FinetuneConfig(
         tasks=args.tasks, methods=args.methods, model=args.model, data_dir=args.data_dir,
         train_file=args.train_file, validation_file=args.validation_file,
@@ -142,7 +129,7 @@ def config_from_args(args):
         batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, grad_accum=args.grad_accum, lr=args.lr,
         rank=args.rank, lora_alpha=args.lora_alpha, warmup=args.warmup, weight_decay=args.weight_decay,
         clip=args.clip, bf16=args.bf16, seed=args.seed, seeds=args.seeds, control=not args.no_control,
-        tune_lr=args.tune_lr, lr_extensions=args.lr_extensions, method_opts=parse_method_opts(args.set_opts),
+        tune_lr=args.tune_lr, method_opts=parse_method_opts(args.set_opts),
         out=args.out, **extra,
     )
 

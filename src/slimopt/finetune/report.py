@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from slimopt import machine
-from slimopt.finetune.protocol import HEAD, control_verdicts
+from slimopt.compare.protocol import HEAD, SCORE, control_verdicts
 
 __all__ = ["CSV_COLUMNS", "RUN_COLUMNS", "write_results", "read_results"]
 
@@ -81,7 +81,7 @@ def _score_cell(r: dict | None) -> str:
 
 
 def _annotate(rows: list[dict[str, Any]]) -> None:
-    verdicts = control_verdicts(rows)
+    verdicts = control_verdicts(rows, SCORE, HEAD, group="task")
     for r in rows:
         r["clears_control"] = verdicts.get((r["task"], r["method"]))
 

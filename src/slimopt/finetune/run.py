@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from slimopt.finetune.protocol import HEAD, run_method, seed_list
+from slimopt.compare.protocol import DEFAULT_LR_EXTENSIONS, DEFAULT_LR_GRID, HEAD, run_method, seed_list
 from slimopt.finetune.report import mib, read_results, write_results
 from slimopt.models.classifier import OFFLINE_MODEL, load_classifier, load_tokenizer
-from slimopt.train.compare import DEFAULT_LR_GRID
 from slimopt.train.results import check_out_dir
 
 __all__ = [
@@ -156,7 +155,7 @@ class FinetuneConfig:
     control: bool = True  # add the control row (HEAD) unless methods lists it
     tune_lr: bool = False  # each method's lr picked from lr_grid x its default by validation loss
     lr_grid: tuple[float, ...] = DEFAULT_LR_GRID
-    lr_extensions: int = 3  # at most this many factor-2 steps past the grid's edge
+    lr_extensions: int = DEFAULT_LR_EXTENSIONS  # at most this many factor-2 steps past the grid's edge
     method_opts: dict[str, dict[str, Any]] = field(default_factory=dict)  # {method name: {setting: value}}
     out: str = "slimopt-finetune"
 

@@ -1,7 +1,7 @@
 """Figures of `slimopt compare`: loss curves against tokens, optimizer-state / peak memory per method, and the
 learning-rate sweep (validation loss against lr per method).
 
-Drawn with matplotlib's Agg backend (no display needed). Rows are those of `slimopt.train.compare.run_compare`;
+Drawn with matplotlib's Agg backend (no display needed). Rows are those of `slimopt.compare.run.run_compare`;
 a row's `history` holds `train` and `eval` lists of (tokens, loss) pairs.
 """
 

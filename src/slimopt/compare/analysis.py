@@ -1,78 +1,39 @@
 """What `slimopt compare` concludes from its runs, as pure functions of the rows (no training here).
 
-- ``aggregate_seeds``: one row per method from its per-seed runs: mean, sample standard deviation, min and max of
-  the validation loss and perplexity.
-- ``inside_noise`` / ``ranking_text``: which gaps between methods the seeds cannot tell apart (their min-max
-  ranges of perplexity overlap).
-- ``control_verdicts`` / ``budget_warning``: the control (``CONTROL``: AdamW on embeddings, norms and head with
-  every projectable weight frozen) is the floor a method must clear; when AdamW beats it by less than
-  ``MIN_CONTROL_MARGIN`` the budget measures token statistics, not optimizers, and the warning says what to change.
-- ``choose_lr``: the grid point of a learning-rate sweep with the lowest validation loss.
-- ``full_rank_weights``: projectable weights on which a method's "low-rank" projection keeps every direction.
+One row per method from its seeds (``aggregate_seeds``), which gaps the seeds cannot tell apart (``inside_noise``,
+``ranking_text``), whether the budget can rank optimizers at all (``budget_warning``: AdamW must beat the control by
+``MIN_CONTROL_MARGIN``), and which "low-rank" projections keep every direction (``full_rank_weights``). The protocol
+shared with `slimopt finetune` (seeds, the control verdict, the learning-rate choice) is ``compare/protocol.py``.
+
+Details: docs/modules.md, ``slimopt.compare``.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Iterable
+from slimopt.compare.protocol import LOSS, aggregate, finished, measured
 
-__all__ = ["CONTROL", "MIN_CONTROL_MARGIN", "mean_std", "aggregate_seeds", "inside_noise", "ranking_text", "noise_pairs",
-           "control_margin", "control_verdicts", "budget_warning", "choose_lr", "full_rank_weights",
-           "baseline_full_rank_weights"]
+__all__ = ["MIN_CONTROL_MARGIN", "aggregate_seeds", "inside_noise", "ranking_text", "noise_pairs", "control_margin",
+           "budget_warning", "full_rank_weights", "baseline_full_rank_weights"]
 
-CONTROL = "frozen"  # slimopt.baselines: AdamW with every projectable weight frozen
 MIN_CONTROL_MARGIN = 0.20  # AdamW's perplexity must be at least 20% below the control's
-
-# Per-run numbers a method's row averages over its seeds (the state size is the same for every seed).
-_MEAN_COLUMNS = ("state_mib", "state_bytes_per_param", "peak_mem_mib", "tokens_per_s", "wall_time_s", "cpu_time_s")
-
-
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v)
-
-
-def mean_std(values: list[float]) -> tuple[float, float | None]:
-    """(mean, sample standard deviation; None for one value)."""
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, None
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))  # sample std (n - 1)
 
 
 def aggregate_seeds(runs: list[dict]) -> dict:
-    """One row from the per-seed rows of one method (each with seed, status, val_loss, val_ppl, ...).
-
-    The statistics use the runs whose status is "ok": val_loss / val_ppl are means, *_std sample standard
-    deviations (None for one run), val_ppl_min / val_ppl_max the range. Rows that failed or diverged are counted
-    in seeds but not in seeds_ok, and named in ``seed_problems``. When no run is ok, the row takes the first run's
-    status (failed or diverged) and has no statistics.
+    """One row from the per-seed rows of one method (each with seed, status, val_loss, val_ppl, ...): the LOSS
+    ``aggregate`` (compare/protocol.py) of the runs that finished (status "ok", finite loss), with seed_list and
+    ``seed_problems`` naming the runs that failed or diverged. When no run is ok, the row takes the first run's
+    status (failed or diverged) and NaN in place of its statistics.
     """
     if not runs:
         raise ValueError("aggregate_seeds needs at least one run")
-    ok = [r for r in runs if r.get("status") == "ok" and _finite(r.get("val_loss"))]
-    first = ok[0] if ok else runs[0]
-    row = {k: v for k, v in first.items() if k not in ("seed", "runs")}
-    row["seeds"] = len(runs)
-    row["seeds_ok"] = len(ok)
+    row = aggregate(runs, LOSS)
+    row.pop("seed", None)
     row["seed_list"] = [r.get("seed") for r in runs]
     row["seed_problems"] = [f"seed {r.get('seed')} {_short_status(r.get('status', ''))}" for r in runs
-                            if r not in ok]
-    row["runs"] = list(runs)
-    if not ok:
+                            if not finished(r, LOSS)]
+    if not row["seeds_ok"]:
         row.update(val_loss=float("nan"), val_ppl=float("nan"), val_loss_std=None, val_ppl_std=None,
                    val_ppl_min=None, val_ppl_max=None)
-        return row
-    row["status"] = "ok"
-    losses = [r["val_loss"] for r in ok]
-    ppls = [r["val_ppl"] for r in ok]
-    row["val_loss"], row["val_loss_std"] = mean_std(losses)
-    row["val_ppl"], row["val_ppl_std"] = mean_std(ppls)
-    row["val_ppl_min"], row["val_ppl_max"] = min(ppls), max(ppls)
-    for k in _MEAN_COLUMNS:
-        vals = [r[k] for r in ok if _finite(r.get(k))]
-        if vals:
-            row[k] = sum(vals) / len(vals)
     return row
 
 
@@ -81,7 +42,7 @@ def _short_status(status: str) -> str:
 
 
 def _measured(r: dict) -> bool:
-    return r.get("status") == "ok" and _finite(r.get("val_ppl"))
+    return measured(r, LOSS)
 
 
 def inside_noise(a: dict, b: dict) -> bool | None:
@@ -127,20 +88,6 @@ def control_margin(adamw: dict, control: dict) -> float | None:
     return (control["val_ppl"] - adamw["val_ppl"]) / control["val_ppl"]
 
 
-def control_verdicts(rows: list[dict], control: dict | None) -> dict[str, bool | None]:
-    """method -> True when its val ppl (mean over seeds) is below the control's, False when not, None when it
-    or the control was not measured. The control itself is left out."""
-    out: dict[str, bool | None] = {}
-    for r in rows:
-        if control is not None and r["method"] == control["method"]:
-            continue
-        if control is None or not _measured(control) or not _measured(r):
-            out[r["method"]] = None
-        else:
-            out[r["method"]] = r["val_ppl"] < control["val_ppl"]
-    return out
-
-
 def budget_warning(rows: list[dict], control: dict | None, *, steps: int | None = None,
                    vocab_size: int | None = None, model: str | None = None,
                    margin: float = MIN_CONTROL_MARGIN) -> str | None:
@@ -182,47 +129,6 @@ def budget_warning(rows: list[dict], control: dict | None, *, steps: int | None 
             f"{margin:.0%} below. At this budget the ranking measures how fast each method fits the embeddings "
             f"and the output layer (token statistics), not how it trains the transformer weights, and it ranks "
             f"the methods wrongly. Change the budget: {', '.join(fixes)}.")
-
-
-def choose_lr(points: Iterable[dict]) -> dict | None:
-    """The sweep point (dict with lr, val_loss, status) with the lowest validation loss among those that
-    finished ("ok", finite loss); ties go to the smaller lr. None when none finished."""
-    ok = [p for p in points if p.get("status") == "ok" and _finite(p.get("val_loss"))]
-    if not ok:
-        return None
-    return min(ok, key=lambda p: (p["val_loss"], p["lr"]))
-
-
-def extension_multiplier(points: Iterable[dict], factor: float = 2.0) -> float | None:
-    """The next multiplier to try when a sweep's best point sits on the edge of what was tried, or None.
-
-    A best point at the largest multiplier tried asks for `factor` times it; at the smallest, for 1/`factor` of
-    it (and when every point diverged). A failed or diverged point beyond the best
-    is a point tried: the best is then inside the grid and nothing more is asked."""
-    points = list(points)
-    tried = sorted({float(p["multiplier"]) for p in points})
-    if not tried:
-        return None
-    best = choose_lr(points)
-    if best is None:  # every point diverged: the stable range lies below; a run that crashed says nothing of lr
-        return tried[0] / factor if any(p.get("status") == "diverged" for p in points) else None
-    if len(tried) == 1:
-        return None  # one point has no direction to extend in
-    mult = float(best["multiplier"])
-    if mult == tried[-1]:
-        return tried[-1] * factor
-    if mult == tried[0]:
-        return tried[0] / factor
-    return None
-
-
-def on_grid_edge(points: Iterable[dict]) -> bool:
-    """Whether a sweep's chosen point is the smallest or largest multiplier tried (of at least two), so that the
-    best learning rate may lie beyond what was tried."""
-    points = list(points)
-    tried = sorted({float(p["multiplier"]) for p in points})
-    best = choose_lr(points)
-    return best is not None and len(tried) > 1 and float(best["multiplier"]) in (tried[0], tried[-1])
 
 
 def full_rank_weights(model, optimizer) -> list[tuple[str, tuple[int, int], int]]:
