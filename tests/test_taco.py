@@ -1,11 +1,10 @@
 """TACO: the one-sparse ternary direction, its compact per-column state, and the optimizer around it."""
 
-import io
 import itertools
 
 import pytest
 import torch
-from helpers import batches, run, tiny_llama
+from helpers import batches, run, save_and_load, tiny_llama
 
 import slimopt
 from slimopt.optim.algorithm import taco
@@ -227,10 +226,7 @@ def test_state_dict_round_trip_weights_only_continues_bit_identically():
     opt_a = slimopt.build(a, "taco", lr=1e-3, taco_alpha=5.0, weight_decay=0.01, state_bits=8)
     data = batches(10, seed=4)
     run(a, opt_a, data[:5])
-    buf = io.BytesIO()
-    torch.save({"model": a.state_dict(), "opt": opt_a.state_dict()}, buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
+    saved = save_and_load({"model": a.state_dict(), "opt": opt_a.state_dict()})
     b = tiny_llama(seed=9)
     b.load_state_dict(saved["model"])
     opt_b = slimopt.build(b, "taco", lr=1e-3, taco_alpha=5.0, weight_decay=0.01, state_bits=8)

@@ -4,11 +4,11 @@ state_dict round trips with weights_only=True, and the windowed optimizer step a
 
 from __future__ import annotations
 
-import io
 import math
 
 import pytest
 import torch
+from helpers import assert_same_state, save_and_load
 
 from slimopt import SlimOptimizer
 from slimopt.optim.algorithm import budget
@@ -127,21 +127,16 @@ def test_windowed_step_equals_the_whole_tensor_step(spec, monkeypatch):
     per = windowed.scratch_per_element(windowed.kind(codecs), torch.float32)
     n = windowed.window_elems(SHAPE.numel(), codec.align(SHAPE), per)
     assert n < SHAPE.numel() // 2  # several windows
-    assert whole_state.keys() == win_state.keys()
     # the counter-based stream gives every element the number it draws in the whole-tensor step: equal throughout
     assert torch.equal(win_w, whole_w)
-    for k in whole_state:
-        assert torch.equal(win_state[k], whole_state[k]), k
+    assert_same_state(win_state, whole_state)
 
 
 @pytest.mark.parametrize("spec", NEW)
 def test_state_dict_round_trip_with_weights_only_continues_bit_identically(spec):
     settings = {"codec": spec}  # ternary m with factored v
     _, _, opt = _steps(settings, steps=2)
-    buf = io.BytesIO()
-    torch.save(opt.state_dict(), buf)
-    buf.seek(0)
-    sd = torch.load(buf, weights_only=True)
+    sd = save_and_load(opt.state_dict())
     p = opt.param_groups[0]["params"][0]
     assert sd["state"][0]["exp_avg_scale"].dtype == C.TERNARY_SPECS[spec][3]  # not cast to the weight's dtype
     w2 = torch.nn.Parameter(p.detach().clone())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_same_state, save_and_load
 
 from slimopt import SlimOptimizer, state_nbytes
 from slimopt.optim.algorithm import budget
@@ -40,15 +41,12 @@ def test_windows_equal_the_whole_tensor_step(settings, dtype, monkeypatch):
     per = windowed.scratch_per_element(windowed.kind([]), dtype)
     assert windowed.window_elems(SHAPE[0] * SHAPE[1], 1280, per) < SHAPE[0] * SHAPE[1] // 2
     win_w, win_state = _steps(settings, dtype)
-    assert whole_state.keys() == win_state.keys()
     if settings.get("v_codec") == "factored":  # column sums added window by window: the same sums in another order
         torch.testing.assert_close(win_w, whole_w, rtol=1e-5, atol=1e-7)
-        for k in whole_state:
-            torch.testing.assert_close(win_state[k].float(), whole_state[k].float(), rtol=1e-5, atol=0)
+        assert_same_state(win_state, whole_state, rtol=1e-5, atol=0)
         return
     assert torch.equal(win_w, whole_w)
-    for k in whole_state:
-        assert torch.equal(win_state[k], whole_state[k]), k
+    assert_same_state(win_state, whole_state)
 
 
 @pytest.mark.parametrize("codec", ["ternary_sr", "ternary_ef", "bf16_sr"])
@@ -178,9 +176,7 @@ def test_taco_candidates_in_row_windows_equal_the_whole_search(k, dtype, monkeyp
     for win, win_state in runs:
         for (r1, s1), (r2, s2) in zip(whole, win):
             assert torch.equal(r1, r2) and torch.equal(s1, s2)
-        assert whole_state.keys() == win_state.keys()
-        for key in whole_state:
-            assert torch.equal(whole_state[key], win_state[key]), key
+        assert_same_state(whole_state, win_state)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -209,8 +205,6 @@ def test_taco_one_pass_search_nan_and_hidden_rows_as_the_torch_search(dtype):
 @pytest.mark.parametrize("settings", [{}, {"projector": "svd", "rank": 4, "free_rule": "sign"}])
 def test_kahan_compensation_round_trips_in_both_checkpoint_forms(settings):
     # the compensation is state like a moment: torch's form and the world-size-free form (FSDP2 / DCP) both keep it
-    from helpers import save_and_load
-
     from slimopt.optim.distributed.portable import portable_state
 
     def make():
@@ -265,8 +259,6 @@ def _exact_basis(g, r, side, *args, **kwargs):
 def _projected_run(settings, dtype, window, monkeypatch, integer=True, steps=5, reload_at=None):
     """Steps of one (PROJ_SHAPE) weight at the given WINDOW_BYTES; at step `reload_at` the optimizer is rebuilt
     from a state_dict saved through torch.save / weights_only load."""
-    import io
-
     monkeypatch.setattr(budget, "WINDOW_BYTES", window)
     gen = torch.Generator().manual_seed(0)
     w = torch.nn.Parameter(torch.randn(PROJ_SHAPE, generator=gen).to(dtype))
@@ -278,11 +270,9 @@ def _projected_run(settings, dtype, window, monkeypatch, integer=True, steps=5, 
         w.grad = g.to(dtype)
         opt.step()
         if step == reload_at:
-            buf = io.BytesIO()
-            torch.save(opt.state_dict(), buf)
-            buf.seek(0)
+            saved = save_and_load(opt.state_dict())
             opt = SlimOptimizer([w], **kw)
-            opt.load_state_dict(torch.load(buf, weights_only=True))
+            opt.load_state_dict(saved)
     return w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items()}
 
 
@@ -310,10 +300,8 @@ def test_projected_windows_equal_the_whole_step(case, free_rule, dtype, monkeypa
     monkeypatch.setattr(budget, "WINDOW_BYTES", 16 << 10)
     assert count // windowed.window_lines(count, line, per) >= 3  # several windows (fewer lines: what it holds)
     win_w, win_state = _projected_run(settings, dtype, 16 << 10, monkeypatch, reload_at=2)
-    assert whole_state.keys() == win_state.keys()
     assert torch.equal(win_w, whole_w)
-    for k in whole_state:
-        assert torch.equal(win_state[k], whole_state[k]), k
+    assert_same_state(win_state, whole_state)
 
 
 @pytest.mark.parametrize("case", ["svd-right", "svd-left", "random"])
