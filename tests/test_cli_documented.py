@@ -424,6 +424,7 @@ CASES = [
     # --- train: the built-in KJV corpus, a 512-token BPE cached for the whole module, 2 steps
     train_case("train", "slimopt train"),
     train_case("train-out", "slimopt train --method frugal --out runs/frugal"),
+    train_case("train-int8-host", "slimopt train --weights int8 --offload host --master fp32"),
     train_case("train-tokens", "slimopt train --method galore --tokens 2e6 --out runs/galore",
                replace={"--tokens": "512"}),
     train_case("train-save-then-resume",

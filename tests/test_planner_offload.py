@@ -241,3 +241,18 @@ def test_memory_cli_host_that_does_not_fit(available, expected, capsys, monkeypa
     assert main(["memory", "--model", "tiny", "--method", "adamw", "--offload", "host"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Host memory:"))
     assert "does not fit this machine" in line and "GiB needed" in line and expected in line
+
+
+def test_the_vocabulary_sliced_loss_plans_one_slice_not_the_logits():
+    """LLaMA-3-8B's 128k vocabulary at 2048 tokens: the whole logits' loss temporaries (8 bytes a token and
+    entry) against one slice's ((8 + 2) bytes a token and row, plus the hidden states' fp32 gradient)."""
+    kw = dict(weight_format="int8", offload="host", master="bf16+int8", batch=1, seq=2048, checkpointing=True)
+    whole = planner.plan("8b", "galore8bit", **kw)
+    sliced = planner.plan("8b", "galore8bit", vocab_slice=8192, **kw)
+    vocab, hidden, tokens = 128256, 4096, 2048
+    assert whole.loss_grad == 8 * vocab * tokens
+    assert sliced.loss_grad == tokens * (10 * 8192 + 4 * hidden)
+    assert whole.activations - sliced.activations == tokens * (4 * vocab - 4)  # log-softmax -> log-sum-exp
+    assert sliced.peak < whole.peak - 1.4 * 2**30
+    with pytest.raises(ValueError, match="vocab_slice"):
+        planner.plan("8b", "galore8bit", vocab_slice=-1, **kw)

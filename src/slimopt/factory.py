@@ -20,7 +20,8 @@ __all__ = ["make_optimizer"]
 
 
 def make_optimizer(model: torch.nn.Module, method: str, lr: float | None = None, weight_decay: float = 0.0, *,
-                   groups: Callable[..., list[dict[str, Any]]] | None = None, **hp: Any) -> torch.optim.Optimizer:
+                   groups: Callable[..., list[dict[str, Any]]] | None = None, placement: dict[str, Any] | None = None,
+                   **hp: Any) -> torch.optim.Optimizer:
     """The optimizer for `method` over `model`'s trainable parameters.
 
     A peer goes through ``slimopt.peers.build_peer``; a baseline (its model already transformed by
@@ -32,7 +33,9 @@ def make_optimizer(model: torch.nn.Module, method: str, lr: float | None = None,
     left out, the groups are ``slimopt.param_groups`` and GaLore-family methods take rank hidden_size / 4, the
     ratio of every GaLore pretraining run (128 at 60M, 512 at 1B, 1024 at 7B). The Trainer path
     (``slimopt.finetune.hf``) passes its own groups (the Trainer's target selection and no-decay groups) and
-    keeps every keyword as given and the recipe's rank.
+    keeps every keyword as given and the recipe's rank. placement: ``slimopt.weights.masters.MasterWeights``'
+    settings (int8 weights, a host master): the model is converted in place and the MasterWeights returned, which
+    steps the same groups during the backward pass.
     """
     kind = catalog.method_kind(method)
     if groups is not None and kind != "slimopt":
@@ -53,6 +56,11 @@ def make_optimizer(model: torch.nn.Module, method: str, lr: float | None = None,
         _rank_from_width(model, method, hp)
     if lr is not None:
         hp["lr"] = lr
+    if placement is not None:
+        if groups is not param_groups:
+            raise ValueError("int8 weights and host masters take slimopt.param_groups' partition")
+        from slimopt.weights.masters import MasterWeights
+        return MasterWeights(model, method, weight_decay=weight_decay, **placement, **hp)
     return SlimOptimizer(groups(model, method, weight_decay=weight_decay, **hp))
 
 

@@ -108,6 +108,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "are DCP folders that resume on any number of ranks; slimopt methods only)")
     g.add_argument("--opt", action="append", metavar="KEY=VALUE",
                    help="any other method hyperparameter, repeatable (e.g. --opt projector=randomized_svd)")
+    g = p.add_argument_group("where the weights live (slimopt memory plans each)")
+    g.add_argument("--weights", default=d.weights, choices=("dtype", "int8"),
+                   help="int8: the attention and MLP weights in int8 on the device, one fp32 scale per row (default: "
+                        "%(default)s, every weight in --dtype)")
+    g.add_argument("--int8-group", type=_int, default=d.int8_group, metavar="N",
+                   help="with --weights int8: one scale per N elements of a row (default 0: per row)")
+    g.add_argument("--offload", default=d.offload, choices=("none", "host"),
+                   help="host: a master copy and the optimizer state on the host, each weight stepped there while "
+                        "the backward pass goes on; none with --weights int8: no master, the int8 weights updated "
+                        "in place with stochastic rounding (default: %(default)s)")
+    g.add_argument("--master", default=d.master, choices=("fp32", "bf16"),
+                   help="with --offload host: the master copy's dtype (default: %(default)s)")
+    g.add_argument("--vocab-slice", type=_int, default=d.vocab_slice, metavar="N",
+                   help="the loss takes the vocabulary N rows at a time and never holds the whole logits "
+                        "(default 0: the whole logits)")
     g = p.add_argument_group("evaluation, logging and checkpoints")
     g.add_argument("--eval-every", type=_int, default=None, help="steps between evaluations (default: 8 per run)")
     g.add_argument("--eval-batch-size", type=_int, default=None, help="(default: twice the micro-batch)")
@@ -144,7 +159,8 @@ def config_from_args(args):
         seed=args.seed, eval_every=args.eval_every, eval_tokens=args.eval_tokens,
         eval_batch_size=args.eval_batch_size, save_every=args.save_every, log_every=args.log_every, out=args.out,
         resume=args.resume, overwrite=args.overwrite, device=args.device, threads=args.threads,
-        fsdp=getattr(args, "fsdp", False),
+        fsdp=getattr(args, "fsdp", False), weights=args.weights, int8_group=args.int8_group, offload=args.offload,
+        master=args.master, vocab_slice=args.vocab_slice,
         cache_dir=args.cache_dir,
         progress=not args.no_progress, save_model=not args.no_save_model)
 

@@ -34,6 +34,7 @@ from slimopt.factory import make_optimizer
 from slimopt.train import checkpoint as ckpt
 from slimopt.train import fsdp, run_checkpoint
 from slimopt.train.evaluate import evaluate, lm_loss
+from slimopt.train.vocab_chunked_loss import causal_lm_loss
 from slimopt.train.logger import MemoryProbe, RunLogger, read_jsonl
 from slimopt.train.results import check_out_dir
 from slimopt.train.schedule import build_scheduler
@@ -41,6 +42,8 @@ from slimopt.train.schedule import build_scheduler
 __all__ = ["TrainConfig", "train", "method_kind", "known_methods", "resolve_lr", "DTYPES"]
 
 DTYPES = ("fp32", "bf16-autocast", "bf16")
+WEIGHT_FORMATS = ("dtype", "int8")
+OFFLOADS = ("none", "host")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -80,6 +83,11 @@ class TrainConfig:
     device: str = "auto"
     threads: int | None = None          # CPU threads for torch (None: torch's default, one per core)
     fsdp: bool = False                  # shard weights, gradients and optimizer state with FSDP2 (train/fsdp.py)
+    weights: str = "dtype"              # dtype | int8: the body's Linear weights in int8 on the device
+    int8_group: int = 0                 # with int8 weights: one scale per this many elements of a row (0: a row)
+    offload: str = "none"               # none | host: the master copy and the optimizer state on the host
+    master: str = "fp32"                # with --offload host: the master copy's dtype, fp32 | bf16
+    vocab_slice: int = 0                # the loss takes the vocabulary this many rows at a time (0: whole logits)
     cache_dir: str | None = None
     progress: bool = True               # False: no progress bar at all, the libraries' included
     save_model: bool = True
@@ -166,6 +174,7 @@ def _check_config(c: TrainConfig, world_size: int) -> None:
         raise ValueError(f"opt must be a dict of method hyperparameters, got {type(c.opt).__name__}")
     if c.fsdp:
         fsdp.check_method(method_kind(c.method), c.method)
+    _check_placement(c, world_size)
     method_kind(c.method)
     _check_model_name(c.model)
     _check_data_source(c.data, c.text_field, c.txt_split)
@@ -180,6 +189,37 @@ def _check_config(c: TrainConfig, world_size: int) -> None:
     if c.resume and found[c.fsdp] is None and found[not c.fsdp] is not None:
         raise ValueError(f"--out {c.out} holds a checkpoint written {'without' if c.fsdp else 'with'} --fsdp; "
                          f"resume it the same way")
+
+
+def _check_placement(c: TrainConfig, world_size: int) -> None:
+    """The weights' format, the offload and the sliced loss: values, and what they do not combine with yet."""
+    from slimopt.weights.masters import MASTERS
+    for name, value, allowed in (("weights", c.weights, WEIGHT_FORMATS), ("offload", c.offload, OFFLOADS),
+                                 ("master", c.master, tuple(m for m in MASTERS if m != "none"))):
+        if value not in allowed:
+            raise ValueError(f"--{name} must be one of {', '.join(allowed)}, got {value!r}")
+    if not isinstance(c.int8_group, int) or isinstance(c.int8_group, bool) or c.int8_group < 0:
+        raise ValueError(f"--int8-group must be an integer >= 0 (0: one scale per row), got {c.int8_group!r}")
+    if c.int8_group and c.weights != "int8":
+        raise ValueError("--int8-group needs --weights int8")
+    if not isinstance(c.vocab_slice, int) or isinstance(c.vocab_slice, bool) or c.vocab_slice < 0:
+        raise ValueError(f"--vocab-slice must be an integer >= 0 (0: the whole logits), got {c.vocab_slice!r}")
+    placed = _placement(c) is not None
+    if placed and method_kind(c.method) != "slimopt":
+        raise ValueError(f"--weights int8 and --offload host step slimopt methods; {c.method!r} is a "
+                         f"{method_kind(c.method)}")
+    if (placed or c.vocab_slice) and (c.fsdp or world_size > 1):
+        raise ValueError("--weights int8, --offload host and --vocab-slice run in one process for now (each rank "
+                         "would offload its own shard; docs/modules.md, slimopt.weights)")
+
+
+def _placement(c: TrainConfig) -> dict | None:
+    """MasterWeights' settings for int8 weights or a host master (None: the model steps as it is)."""
+    if c.weights == "dtype" and c.offload == "none":
+        return None
+    return {"int8": c.weights == "int8", "int8_group": c.int8_group,
+            "master": c.master if c.offload == "host" else "none", "accumulation_steps": c.grad_accum,
+            "clip": c.clip or None}
 
 
 def _check_model_name(name: str) -> None:
@@ -284,7 +324,8 @@ def _resume_key(c: TrainConfig, total_steps: int) -> dict:
             "seq_len": c.seq_len, "batch_size": c.batch_size, "grad_accum": c.grad_accum, "total_steps": total_steps,
             "lr": c.lr, "warmup": c.warmup, "min_lr_ratio": c.min_lr_ratio, "weight_decay": c.weight_decay,
             "clip": c.clip, "dtype": c.dtype, "method": c.method, "opt": dict(sorted(c.opt.items())),
-            "seed": c.seed}
+            "seed": c.seed, **({"weights": c.weights, "int8_group": c.int8_group, "offload": c.offload,
+                                "master": c.master} if _placement(c) else {})}
 
 
 def _seed_everything(seed: int) -> None:
@@ -369,11 +410,17 @@ class _Run:
 
     @property
     def n_params(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        return sum(p.numel() for p in self.model.parameters()) + sum(m.numel() for m in self._int8_masters())
 
     @property
     def n_trainable(self) -> int:
-        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad) + \
+            sum(m.numel() for m in self._int8_masters())
+
+    def _int8_masters(self) -> list[torch.Tensor]:
+        """The masters of int8 weights: trainable, but not parameters of the model."""
+        from slimopt.weights.int8_linear import Int8Linear
+        return [m.master for m in self.model.modules() if isinstance(m, Int8Linear) and m.master is not None]
 
 
 def _build(c: TrainConfig, d: _Dist) -> _Run:
@@ -416,10 +463,11 @@ def _build(c: TrainConfig, d: _Dist) -> _Run:
         model.to(device)
     if c.fsdp:
         fsdp.shard_model(model, device)
-    optimizer = make_optimizer(model, c.method, lr=c.lr, weight_decay=c.weight_decay,
+    optimizer = make_optimizer(model, c.method, lr=c.lr, weight_decay=c.weight_decay, placement=_placement(c),
                                **({} if kind == "baseline" else c.opt))
     return _Run(c, d, device, autocast_dtype, total_steps, tokenizer, packed, val_blocks, probe, model, baseline_hook,
-                optimizer, build_scheduler(optimizer, total_steps, c.warmup, c.min_lr_ratio),
+                optimizer, build_scheduler(optimizer.front if _placement(c) else optimizer, total_steps, c.warmup,
+                                           c.min_lr_ratio),
                 data_mod.BatchSampler(train_blocks, c.batch_size, seed=c.seed, rank=d.rank, world_size=d.world_size),
                 resolve_lr(c.method, c.lr), run_checkpoint.for_run(c.out, c.fsdp, d.main))
 
@@ -491,6 +539,8 @@ def _save(run: _Run) -> None:
                 "resume_key": _resume_key(run.c, run.total_steps), "scheduler": run.scheduler.state_dict(),
                 "sampler": run.sampler.state_dict()}
     extra = {"baseline": run.baseline_hook.state_dict()} if run.baseline_hook is not None else {}
+    if _placement(run.c) is not None:
+        run.optimizer.synchronize()  # the model's weights are read first: every update must have landed
     run.checkpoint.save(position, run.model, run.optimizer, extra)
 
 
@@ -510,7 +560,7 @@ def _optimizer_step(run: _Run, net: torch.nn.Module, params: list[torch.Tensor])
             else nullcontext()
         with ctx:
             with ac:
-                loss = lm_loss(net, x)
+                loss = causal_lm_loss(net, x, c.vocab_slice) if c.vocab_slice else lm_loss(net, x)
             (loss / c.grad_accum).backward()
         loss_sum += loss.detach().float()
     loss_mean = loss_sum / c.grad_accum
@@ -518,7 +568,10 @@ def _optimizer_step(run: _Run, net: torch.nn.Module, params: list[torch.Tensor])
         import torch.distributed as dist
         dist.all_reduce(loss_mean)  # SUM (gloo has no AVG), then the mean over ranks
         loss_mean /= d.world_size
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, c.clip) if c.clip > 0 else None
+    if _placement(c) is not None:  # stepped and clipped during the backward passes (slimopt.weights.masters)
+        grad_norm = run.optimizer.last_grad_norm
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, c.clip) if c.clip > 0 else None
     lr_now = run.optimizer.param_groups[0]["lr"]
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -640,6 +693,8 @@ def _train(c: TrainConfig, d: _Dist, callback, t_start: float, cpu_start: float)
     full = fsdp.full_model_state_dict(run.model) if c.fsdp and out is not None and c.save_model else None
     if out is not None and d.main and c.save_model:
         target = run.baseline_hook.export(run.model) if run.baseline_hook is not None else run.model
+        if _placement(c) is not None:  # the model as transformers knows it: each int8 weight from its master
+            full = run.optimizer.plain_state_dict(run.model, next(p.dtype for p in run.model.parameters()))
         target.save_pretrained(out / "final", **({"state_dict": full} if full is not None else {}))
         run.tokenizer.save_pretrained(out / "final")
     summary["history"] = run.history

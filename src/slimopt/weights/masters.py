@@ -79,7 +79,8 @@ class MasterWeights:
         self._place_masters(model, groups, int8, int8_group, MASTERS[master])
         self._name_of = {id(p): n for n, p in self._device_param.items()}  # a tied parameter under either module
         self._index = {name: k for k, name in enumerate(self.masters)}
-        self.optimizer = SlimOptimizer(groups)
+        self.optimizer = SlimOptimizer(groups)  # the worker's: nothing else writes its groups while it steps
+        self.front = _Front(self.optimizer)  # what lr schedules and the loop read and write
         self.seed = int(groups[0].get("seed", 0)) if groups else 0
         self.accumulation_steps, self.record = accumulation_steps, record
         self.overlap = overlap and not self.in_place  # on the device the step is queued on its stream already
@@ -87,6 +88,7 @@ class MasterWeights:
         self.last_grad_norm: float | None = None  # the unclipped global norm of the last window (with clip)
         self.steps = self.micro_steps = 0
         self._sq_norm, self._previous_coef = 0.0, 1.0
+        self._handed = False
         self.events: list[tuple[float, str, str]] = []
         self._t0 = time.perf_counter()
         self._lock = threading.Lock()
@@ -197,7 +199,17 @@ class MasterWeights:
             self._sq_norm += float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
         return self._previous_coef
 
+    def _hand_over(self) -> None:
+        """The front's hyperparameters (an lr schedule's latest) into the worker's groups, once no step of the
+        last window is running: at a window's first step, and before a checkpoint."""
+        self.synchronize()
+        for front, back in zip(self.front.param_groups, self.optimizer.param_groups):
+            back.update({k: v for k, v in front.items() if k != "params"})
+        self._handed = True
+
     def _submit(self, name: str, coef: float | None = None) -> None:
+        if not self._handed:
+            self._hand_over()
         if self._pool is None:
             self._step(name, coef)
         else:
@@ -262,6 +274,9 @@ class MasterWeights:
         if self.clip is not None:
             self._close_window(norm if held else self._sq_norm ** 0.5)
         self.steps += 1
+        self._handed = False
+        # torch's lr schedulers warn when scheduler.step() comes before any optimizer.step(): one happened
+        self.front._opt_called = True  # type: ignore[attr-defined]
 
     def _close_window(self, norm: float) -> None:
         """Record the window's unclipped norm; the scale the next window's gradients take in "previous" mode."""
@@ -271,9 +286,46 @@ class MasterWeights:
 
     # ------------------------------------------------------------------------------------------------------------
 
+    @property
+    def state(self):
+        """The host optimizer's state (what ``slimopt.state_nbytes`` and the peers' byte counts read)."""
+        return self.optimizer.state
+
+    @torch.no_grad()
+    def plain_state_dict(self, model: nn.Module, dtype: torch.dtype) -> dict[str, Tensor]:
+        """`model`'s state dict as the model was before its conversion: each int8 layer's ``weight`` in `dtype`
+        from its master (dequantized where it has none) instead of its codes and scales."""
+        self.synchronize()
+        out = {k: v for k, v in model.state_dict().items()
+               if not k.endswith((".weight_codes", ".weight_scale"))}
+        for name, layer in self._layers.items():
+            source = layer.dequantized_weight(torch.float32) if self.in_place else self.masters[name]
+            out[name] = source.detach().to(dtype)
+        return out
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The front's groups: set their lr (or give ``front`` to an lr schedule); the next window's steps take
+        it."""
+        return self.front.param_groups
+
+    def step(self, closure=None) -> None:
+        """Nothing to do: the updates ran during the backward pass. Here so that a training loop written for
+        ``optimizer.step()`` runs unchanged; the next forward pass waits for the updates it needs."""
+        if closure is not None:
+            raise ValueError("MasterWeights steps during the backward pass; it takes no closure")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: each gradient is consumed by its step (and dropped on the device as it leaves)."""
+
     def synchronize(self) -> None:
         """Wait for every update in flight (before reading the masters, the state or the device weights)."""
         self._wait(tuple(self._pending))
+
+    def _handed_state(self) -> dict[str, Any]:
+        """The worker optimizer's state dict with the front's hyperparameters (those the next window will use)."""
+        self._hand_over()
+        return self.optimizer.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
         """The masters, the host optimizer's state and the counters: tensors and plain values only, so that
@@ -282,7 +334,7 @@ class MasterWeights:
         held = {n: (self._layers[n].weight_codes, self._layers[n].weight_scale) if self.in_place and n in self._layers
                 else m.detach() for n, m in self.masters.items()}  # in place, an int8 weight is its own master
         return {"masters": held,
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": self._handed_state(),
                 "counters": {"steps": self.steps, "micro_steps": self.micro_steps,
                              "last_grad_norm": self.last_grad_norm, "previous_coef": self._previous_coef}}
 
@@ -304,6 +356,8 @@ class MasterWeights:
             master.copy_(masters[name])
             self._write(name, master)
         self.optimizer.load_state_dict(state["optimizer"])
+        for front, back in zip(self.front.param_groups, self.optimizer.param_groups):
+            front.update({k: v for k, v in back.items() if k != "params"})
         counters = state["counters"]
         self.steps, self.micro_steps = int(counters["steps"]), int(counters["micro_steps"])
         self.last_grad_norm, self._previous_coef = counters["last_grad_norm"], float(counters["previous_coef"])
@@ -327,3 +381,17 @@ def _stand_in(master: Tensor, device: torch.device) -> Tensor:
     """A tensor of the master's shape and dtype on `device` that holds no memory (one element, zero strides):
     what an in-place int8 weight's parameter holds between its steps, so the optimizer keeps seeing one shape."""
     return torch.zeros((), dtype=master.dtype, device=device).expand(master.shape)
+
+
+class _Front(torch.optim.Optimizer):
+    """The optimizer a training loop and an lr schedule see: the worker's groups' hyperparameters, copied, over
+    the same masters, and no state. A schedule writes its lr here while the worker may still be stepping the last
+    window with the lr it was given; the next window's first step hands the new values over."""
+
+    def __init__(self, back: SlimOptimizer) -> None:
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
+                  for g in back.param_groups]
+        super().__init__(groups, {})
+
+    def step(self, closure=None) -> None:  # the updates run in MasterWeights
+        return None
