@@ -7,9 +7,11 @@ Windows, a path switch across a weights_only checkpoint, the count tables, and t
 """
 
 import os
+import re
 import shutil
 import warnings
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +20,10 @@ from helpers import assert_same_state, assert_state_close, random_grads, random_
 import slimopt
 from slimopt.optim.algorithm import budget
 from slimopt.optim.algorithm import quant as Q
+from slimopt.optim.algorithm import rules
+from slimopt.optim.routes import abi
 from slimopt.optim.routes.cpu import native
+from slimopt.optim.settings import DEFAULTS
 
 SHAPES = [(40, 300), (5000,), (30,)]  # 2-D (partial last blocks, several tiles), 1-D, small (always fp32)
 LRS = [1e-2, 8e-3, 6e-3, 4e-3]
@@ -470,3 +475,41 @@ def test_a_window_split_over_threads_gives_the_same_bits(counted, m, v, settings
                     assert torch.equal(t.view(-1).view(torch.uint8), opt_b.state[pb][key].view(-1).view(torch.uint8)), key
     if settings.get("param_rounding") != "kahan":  # a compensation an ulp apart: checked in its own test above
         _assert_same(opt_a, eager[1], a, eager[0], torch.bfloat16, 3)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the kernels' contract (routes/abi.py): one registry, the C source's ids
+
+
+def _c_enums() -> dict[str, int]:
+    text = Path(native.SOURCE).read_text()
+    out = {}
+    for body in re.findall(r"^enum \{([^}]*)\};", text, flags=re.M):
+        for name, value in re.findall(r"(\w+) = (\d+)", body):
+            out[name] = int(value)
+    return out
+
+
+def test_the_c_kernel_ids_are_the_abi_tables():
+    enums = _c_enums()
+    assert enums["RULE_FIRST_FREE"] == abi.FIRST_FREE_ID
+    for name, i in abi.RULES.items():
+        if rules.REGISTRY[name].elementwise:  # taco's fallback is AdamW's id
+            assert enums[f"RULE_{name.upper()}"] == i, name
+    for name, i in abi.FREE_RULES.items():
+        assert enums[f"RULE_{name.upper()}"] == i, name
+    for name, i in abi.LIFT_RULES.items():
+        assert enums[f"RULE_LIFT_{name.upper()}"] == i, name
+    for prefix, table in (("C", abi.C_CODECS), ("S", abi.SCALES), ("W", abi.ROUNDINGS)):
+        assert {k: v for k, v in enums.items() if k.startswith(prefix + "_")} == {
+            f"{prefix}_{n.upper()}": i for n, i in table.items()}, prefix
+    assert (enums["D_FP32"], enums["D_BF16"]) == (abi.DTYPES[torch.float32], abi.DTYPES[torch.bfloat16])
+
+
+def test_the_step_record_is_the_rule_arithmetic():
+    group = {**DEFAULTS, "lr": 0.1, "weight_decay": 0.5, "betas": (0.8, 0.95)}
+    r = abi.scalars(group, 3)
+    assert r.coef == 1.0 / (1 - 0.8 ** 3) and r.alpha == -0.1 * r.coef and r.decay == 1.0 - 0.1 * 0.5
+    assert r.bias2_sqrt == (1 - 0.95 ** 3) ** 0.5 and (r.w1, r.w2) == (1 - 0.8, 1 - 0.95)
+    assert abi.scalars({**group, "rule": "sgdm"}, 3).coef == 1.0
+    assert abi.scalars({**group, "free_scale": 0.5}, 3, "free").alpha == -0.1 * 0.5

@@ -8,7 +8,8 @@ Details: docs/modules.md, ``slimopt.optim.algorithm.rules``.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -16,21 +17,89 @@ from torch import Tensor
 from slimopt.optim.algorithm import muon
 from slimopt.optim.algorithm import quant as Q
 
-RULES = ("adamw", "lion", "sgdm", "taco", "muon")
-ELEMENTWISE_RULES = ("adamw", "lion", "sgdm")  # each element's update reads only that element (windowed.py)
-FREE_RULES = ("sign", "sgd", "none")
 PARAM_ROUNDINGS = ("nearest", "stochastic", "kahan")
 PARAM_STREAM = 1000  # the random stream of a weight's stochastic rounding (a rule's moments use 0, 1, ...)
 COMP_KEY = "kahan_comp"
 
-# state key and role ("m": signed first moment, "v": non-negative second moment) of each rule's moments
-MOMENTS: dict[str, tuple[tuple[str, str], ...]] = {
-    "adamw": (("exp_avg", "m"), ("exp_avg_sq", "v")),
-    "lion": (("exp_avg", "m"),),
-    "sgdm": (("momentum_buffer", "m"),),
-    "taco": (("exp_avg", "m"), ("exp_avg_sq", "v")),  # the AdamW fallback for tensors that are not 2-D
-    "muon": (("momentum_buffer", "m"),),  # torch.optim.Muon's key
+Moments = Mapping[str, Tensor]
+
+
+def _adamw(g: Tensor, mom: Moments, step: int, group: Mapping[str, Any], shape) -> tuple[Tensor, float]:
+    beta1, beta2 = group["betas"]
+    m, v = mom["exp_avg"], mom["exp_avg_sq"]
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bias1 = 1 - beta1 ** step
+    bias2_sqrt = (1 - beta2 ** step) ** 0.5
+    if group["eps_placement"] == "galore":  # eps before the bias correction (galore-torch)
+        denom = v.sqrt().add_(group["eps"]).div_(bias2_sqrt)
+    else:  # torch.optim.AdamW
+        denom = (v.sqrt() / bias2_sqrt).add_(group["eps"])
+    return m / denom, 1.0 / bias1
+
+
+def _lion(g: Tensor, mom: Moments, step: int, group: Mapping[str, Any], shape) -> tuple[Tensor, float]:
+    beta1, beta2 = group["betas"]
+    m = mom["exp_avg"]
+    d = torch.lerp(m, g, 1 - beta1).sign_()
+    m.lerp_(g, 1 - beta2)
+    return d, 1.0
+
+
+def _sgdm(g: Tensor, mom: Moments, step: int, group: Mapping[str, Any], shape) -> tuple[Tensor, float]:
+    buf = mom["momentum_buffer"]
+    buf.mul_(group["momentum"]).add_(g)
+    return buf.clone(), 1.0
+
+
+def _muon(g: Tensor, mom: Moments, step: int, group: Mapping[str, Any], shape) -> tuple[Tensor, float]:
+    return muon.direction(g, mom["momentum_buffer"], group, shape)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A state-full rule: its id in both kernels (routes/abi.py; None where no element-wise kernel has it), its
+    moments (state key and role: "m" signed first moment, "v" non-negative second moment), whether each element's
+    update reads only that element (the windows and kernels take it), whether its coefficient is Adam's bias
+    correction 1 / (1 - beta1^t) (else 1), and its eager arithmetic ``step(g, mom, t, group, shape) -> (d, c)``."""
+
+    kernel_id: int | None
+    moments: tuple[tuple[str, str], ...]
+    step: Callable[..., tuple[Tensor, float]]
+    elementwise: bool = True
+    bias_corrected: bool = False
+
+
+@dataclass(frozen=True)
+class FreeRule:
+    """A state-free rule for the residual: its kernels' ids alone and in a projected step's write with the residual
+    (``lift``; None: no kernel), and its direction (None: the residual is dropped)."""
+
+    kernel_id: int | None
+    lift_id: int | None
+    direction: Callable[[Tensor], Tensor | None]
+
+
+# The one registry of rules: settings validation, the state's keys, the eager step and the kernels' ids
+# (routes/abi.py) all read it. Kernel ids: state-full rules below abi.FIRST_FREE_ID (16), state-free ones from it.
+REGISTRY: dict[str, Rule] = {
+    "adamw": Rule(0, (("exp_avg", "m"), ("exp_avg_sq", "v")), _adamw, bias_corrected=True),
+    "lion": Rule(1, (("exp_avg", "m"),), _lion),
+    "sgdm": Rule(2, (("momentum_buffer", "m"),), _sgdm),
+    # the AdamW fallback for tensors that are not 2-D: AdamW's kernel and moments
+    "taco": Rule(0, (("exp_avg", "m"), ("exp_avg_sq", "v")), _adamw, elementwise=False, bias_corrected=True),
+    "muon": Rule(None, (("momentum_buffer", "m"),), _muon, elementwise=False),  # torch.optim.Muon's key
 }
+FREE_REGISTRY: dict[str, FreeRule] = {
+    "sign": FreeRule(16, 18, lambda r: r.sign()),
+    "sgd": FreeRule(17, 19, lambda r: r),
+    "none": FreeRule(None, None, lambda r: None),
+}
+
+RULES = tuple(REGISTRY)
+ELEMENTWISE_RULES = tuple(n for n, r in REGISTRY.items() if r.elementwise)  # windowed.py, the kernels
+FREE_RULES = tuple(FREE_REGISTRY)
+MOMENTS: dict[str, tuple[tuple[str, str], ...]] = {n: r.moments for n, r in REGISTRY.items()}
 
 
 def direction(rule: str, g: Tensor, mom: Mapping[str, Tensor], step: int, group: Mapping[str, Any],
@@ -40,40 +109,15 @@ def direction(rule: str, g: Tensor, mom: Mapping[str, Tensor], step: int, group:
     g: fp32 gradient (full or projected); mom: fp32 moments of g's shape, keyed as in MOMENTS[rule]; shape: the
     parameter's (Muon's lr adjustment reads it; g's own when None).
     """
-    if rule in ("adamw", "taco"):  # "taco" arrives here only for its AdamW fallback
-        beta1, beta2 = group["betas"]
-        m, v = mom["exp_avg"], mom["exp_avg_sq"]
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        bias1 = 1 - beta1 ** step
-        bias2_sqrt = (1 - beta2 ** step) ** 0.5
-        if group["eps_placement"] == "galore":  # eps before the bias correction (galore-torch)
-            denom = v.sqrt().add_(group["eps"]).div_(bias2_sqrt)
-        else:  # torch.optim.AdamW
-            denom = (v.sqrt() / bias2_sqrt).add_(group["eps"])
-        return m / denom, 1.0 / bias1
-    if rule == "lion":
-        beta1, beta2 = group["betas"]
-        m = mom["exp_avg"]
-        d = torch.lerp(m, g, 1 - beta1).sign_()
-        m.lerp_(g, 1 - beta2)
-        return d, 1.0
-    if rule == "sgdm":
-        buf = mom["momentum_buffer"]
-        buf.mul_(group["momentum"]).add_(g)
-        return buf.clone(), 1.0
-    if rule == "muon":
-        return muon.direction(g, mom["momentum_buffer"], group, shape)
-    raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    entry = REGISTRY.get(rule)
+    if entry is None:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    return entry.step(g, mom, step, group, shape)
 
 
 def free_direction(free_rule: str, r: Tensor) -> Tensor | None:
     """Direction for the state-free residual r (fp32), or None when it is dropped."""
-    if free_rule == "sign":
-        return r.sign()
-    if free_rule == "sgd":
-        return r
-    return None
+    return FREE_REGISTRY[free_rule].direction(r)
 
 
 def decay_factor(group: Mapping[str, Any]) -> float:

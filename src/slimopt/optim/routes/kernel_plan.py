@@ -26,7 +26,7 @@ from slimopt.optim.algorithm import projectors as P
 from slimopt.optim.algorithm.codecs import FactoredRows
 from slimopt.optim.algorithm.noise import CounterStream
 from slimopt.optim.algorithm.rules import PARAM_STREAM, Counter, apply_update, comp_of, rounding_of
-from slimopt.optim.routes import choice, taco_routes, windowed
+from slimopt.optim.routes import abi, choice, taco_routes, windowed
 from slimopt.optim.routes.cpu import native
 from slimopt.optim.routes.triton import triton_step, triton_taco
 
@@ -251,7 +251,7 @@ def build_projected(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: di
     refresh phase (``subspace.refresh_phase``), the plan replaying until its refresh."""
     unplanned = Plan(group, p, grad, [])
     rounding = rounding_of(group, p)
-    if (projector not in P.ORTHO_PROJECTORS or residual or group["rule"] not in ("adamw", "lion", "sgdm")
+    if (projector not in P.ORTHO_PROJECTORS or residual or group["rule"] not in abi.ELEMENTWISE_KERNEL_RULES
             or rounding not in ("nearest", "kahan")):
         return unplanned
     if any(codec.needs_generator or not native.in_kernel(codec) for _, codec in codecs):
@@ -289,7 +289,7 @@ def build_launch(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[
                  codecs: list[tuple[str, Any]]) -> Plan:
     """The plan of p's full-space element-wise step as a Triton launch, which the route has just taken; a plain
     ``Plan`` where it is not one that is planned (the module docstring)."""
-    if group["rule"] not in ("adamw", "lion", "sgdm"):
+    if group["rule"] not in abi.ELEMENTWISE_KERNEL_RULES:
         return Plan(group, p, grad, [])
     rounding = rounding_of(group, p)
     comp = comp_of(state, p, rounding)
@@ -306,7 +306,7 @@ def build_cpu(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str
               codecs: list[tuple[str, Any]]) -> Plan:
     """The plan of p's full-space element-wise step in the C kernel, which the route has just taken; a plain
     ``Plan`` where it is not one that is planned (the module docstring)."""
-    if group["rule"] not in ("adamw", "lion", "sgdm") or not all(native.in_kernel(c) for _, c in codecs):
+    if group["rule"] not in abi.ELEMENTWISE_KERNEL_RULES or not all(native.in_kernel(c) for _, c in codecs):
         return Plan(group, p, grad, [])
     rounding = rounding_of(group, p)
     comp = comp_of(state, p, rounding)

@@ -30,6 +30,7 @@ from slimopt.cache import cache_root
 from slimopt.optim.algorithm import quant as Q
 from slimopt.optim.algorithm.codecs import Bf16Codec, BlockCodec, FactoredCodec, FactoredRows, Fp32Codec, TernaryCodec
 from slimopt.optim.algorithm.noise import CounterStream
+from slimopt.optim.routes import abi
 
 __all__ = ["library", "in_kernel", "scratch_per_element", "kernel_declines", "kernel_applies", "declines", "applies",
            "window_step",
@@ -40,17 +41,13 @@ SOURCE = Path(__file__).parent / "kernels" / "elementwise_step.c"
 FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-math-errno"]
 NATIVE_FLAGS = ["-march=native", "-mprefer-vector-width=512"]  # dropped when the compiler does not know it
 
-_RULES = {"adamw": 0, "taco": 0, "lion": 1, "sgdm": 2}
-_MOMENT_KEYS = {"adamw": ["exp_avg", "exp_avg_sq"], "taco": ["exp_avg", "exp_avg_sq"], "lion": ["exp_avg"],
-                "sgdm": ["momentum_buffer"]}
-_FREE_RULES = {"sign": 3, "sgd": 4}  # the state-free update, no moments
-_LIFT_RULES = {"sign": 5, "sgd": 6}  # a projected step's write with a residual for the free rule (lift_update)
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_ROUNDINGS = {"nearest": 0, "stochastic": 1, "kahan": 2}  # W_* of the kernel: how a bf16 weight is written
-_C_FP32, _C_BF16, _C_BLOCK8, _C_BLOCK4, _C_TERNARY_SR, _C_TERNARY_EF, _C_FACTORED = range(7)
+# the kernel's ids and tables: routes/abi.py
+_RULES, _MOMENT_KEYS, _FREE_RULES, _LIFT_RULES = abi.RULES, abi.MOMENT_KEYS, abi.FREE_RULES, abi.LIFT_RULES
+_DTYPES, _ROUNDINGS, _SCALES, _SCALE_DTYPES = abi.DTYPES, abi.ROUNDINGS, abi.SCALES, abi.SCALE_DTYPES
+_C = abi.C_CODECS
+_C_FP32, _C_BF16, _C_BLOCK8, _C_BLOCK4 = _C["fp32"], _C["bf16"], _C["block8"], _C["block4"]
+_C_TERNARY_SR, _C_TERNARY_EF, _C_FACTORED = _C["ternary_sr"], _C["ternary_ef"], _C["factored"]
 _MAX_TILE = 4096
-_SCALES = {"absmax": 0, "mean": 1, "rms": 2}  # S_* of the kernel
-_SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class _CountTable(ctypes.Structure):
@@ -401,10 +398,11 @@ def lift_update(p: Tensor, full: Tensor, grad: Tensor, up: Tensor, group: dict[s
     lifted direction (``lift_applies``' dtype, p's size, contiguous); up: the gradient's part inside the subspace,
     fp32, contiguous."""
     s, keep, _ = prepare(p.view(-1), full.view(-1), {}, [], 0, _no_stream, group, comp=comp, gen=gen)
-    set_scalars(s, {**group, "free_scale": 1.0}, 0, False)  # alpha = -lr: the direction carries both scales
+    r = abi.scalars({**group, "lift_coef": coef}, 0, "lift")  # alpha = -lr: the direction carries both scales
+    write_scalars(s, r)
     s.rule = _LIFT_RULES[group["free_rule"]]
     s.g, s.g_dtype = grad.data_ptr(), _DTYPES[grad.dtype]
-    s.up, s.lift_coef, s.free_scale = up.data_ptr(), float(coef), float(group["free_scale"])
+    s.up, s.lift_coef, s.free_scale = up.data_ptr(), r.lift_coef, r.free_scale
     run(s, group, [])
     del keep
 
@@ -480,28 +478,19 @@ def prepare(p: Tensor, grad: Tensor, state: dict[str, Tensor], windows: list, st
 
 
 def set_scalars(s: _Step, group: dict[str, Any], age: int, stateful: bool) -> float:
-    """The kernel arguments that change from step to step: the decay, the rule's hyperparameters and bias
-    corrections at the moments' age, the update's scale. Returns the rule's coefficient c (the update is lr c d)."""
-    rule = group["rule"]
+    """The kernel arguments that change from step to step (``abi.scalars`` at the moments' age; not `stateful`:
+    the state-free update, weight -= lr free_scale free_rule(grad)). Returns the rule's coefficient c (the update
+    is lr c d)."""
+    return write_scalars(s, abi.scalars(group, age, "rule" if stateful else "free"))
+
+
+def write_scalars(s: _Step, r: abi.StepScalars) -> float:
+    """The step record's fields into the kernel's struct; returns the rule's coefficient."""
     s.threads = torch.get_num_threads()  # the kernel splits a large window over them, same bits at any count
-    lr, wd = float(group["lr"]), float(group["weight_decay"])
-    s.has_decay, s.decay = int(wd != 0.0), 1.0 - lr * wd
-    coef = 1.0
-    if not stateful:  # the state-free update: weight -= lr free_scale free_rule(grad)
-        coef = float(group["free_scale"])
-    elif rule in ("adamw", "taco"):
-        beta1, beta2 = group["betas"]
-        s.w1, s.beta2, s.w2 = 1 - beta1, beta2, 1 - beta2
-        s.bias2_sqrt = (1 - beta2 ** age) ** 0.5
-        s.eps, s.eps_before = float(group["eps"]), int(group["eps_placement"] == "galore")
-        coef = 1.0 / (1 - beta1 ** age)
-    elif rule == "lion":
-        beta1, beta2 = group["betas"]
-        s.w1, s.w2 = 1 - beta1, 1 - beta2
-    else:
-        s.momentum = float(group["momentum"])
-    s.alpha = -lr * coef
-    return coef
+    s.has_decay, s.decay, s.alpha = int(r.has_decay), r.decay, r.alpha
+    s.w1, s.beta2, s.w2, s.bias2_sqrt = r.w1, r.beta2, r.w2, r.bias2_sqrt
+    s.eps, s.eps_before, s.momentum = r.eps, int(r.eps_before), r.momentum
+    return r.coef
 
 
 def run(s: _Step, group: dict[str, Any], windows: list) -> None:

@@ -19,6 +19,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from slimopt.optim.routes import abi
+
 
 def supported(codecs: list[tuple[str, Any]]) -> bool:
     return not any(codec.needs_generator for _, codec in codecs)
@@ -47,12 +49,10 @@ def _kernel(m_codec: Any, v_codec: Any, shape: torch.Size) -> Callable[..., None
 def adamw_step(p: Tensor, g: Tensor, state: dict[str, Tensor], codecs: list[tuple[str, Any]], group: dict[str, Any],
                age: int) -> None:
     """One fused AdamW step of p (in place) with moments stored by `codecs` (age: the moments' step count)."""
-    beta1, beta2 = group["betas"]
+    r = abi.scalars(group, age)
     dev = p.device
     t = lambda x: torch.as_tensor(float(x), dtype=torch.float32, device=dev)  # noqa: E731
     state_tensors = {k: v for k, v in state.items() if k not in ("step", "moment_step")}
-    before = group["eps_placement"] == "galore"
-    eps = float(group["eps"])
     _kernel(codecs[0][1], codecs[1][1], p.shape)(
-        p, g, state_tensors, t(group["lr"]), t(beta1), t(beta2), t(eps if before else 0.0),
-        t(0.0 if before else eps), t(group["weight_decay"]), t(1 - beta1 ** age), t((1 - beta2 ** age) ** 0.5))
+        p, g, state_tensors, t(r.lr), t(r.beta1), t(r.beta2), t(r.eps if r.eps_before else 0.0),
+        t(0.0 if r.eps_before else r.eps), t(r.weight_decay), t(r.bias1), t(r.bias2_sqrt))

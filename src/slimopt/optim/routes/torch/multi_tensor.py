@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from slimopt.optim.algorithm.codecs import Bf16Codec, Fp32Codec
-from slimopt.optim.algorithm.rules import decay_factor
+from slimopt.optim.routes import abi
 from slimopt.optim.routes.cpu import native
 from slimopt.optim.routes.triton import triton_step, triton_taco
 from slimopt.optim.routes.whole_queue import WholeQueue
@@ -239,26 +239,24 @@ class Batch:
             if isinstance(x, triton_step.Launch) and x.pending is not None:
                 self.reduce(x.factored[2], x.pending, "sum", triton_step.column_means(x), after_step=True)
         for (gid, _), (params, grads, exp_avgs, exp_avg_sqs, steps) in self._adamw.items():
-            group = self._groups[gid]
-            beta1, beta2 = group["betas"]
-            torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False,
-                                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                                weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), maximize=False,
-                                grad_scale=None, found_inf=None)
+            r = abi.scalars(self._groups[gid], 0, "free")  # torch's kernel counts the steps (bias corrections)
+            torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=r.lr,
+                                beta1=r.beta1, beta2=r.beta2, weight_decay=r.weight_decay, eps=r.eps,
+                                maximize=False, grad_scale=None, found_inf=None)
         for (gid, _), (params, grads) in self._resid.items():
             group = self._groups[gid]
             if native.kernel_applies(group, params[0].dtype, params[0].device.type, []):
                 for p, g in zip(params, grads):  # one pass a weight, the same arithmetic
                     native.free_step(p, g, group)
                 continue
-            lr, wd = float(group["lr"]), float(group["weight_decay"])
-            if wd != 0.0:
-                torch._foreach_mul_(params, decay_factor(group))
+            r = abi.scalars(group, 0, "free")
+            if r.has_decay:
+                torch._foreach_mul_(params, r.decay)
             sign = group["free_rule"] == "sign"
             for p, g in zip(params, grads):  # one temporary at a time, not one per queued tensor
                 # in fp32, as the eager step: a bf16 operand would round lr * free_scale * sign(g) to bf16 first
                 d = (g.sign() if sign else g).float()
-                p.add_(d, alpha=-lr * float(group["free_scale"]))
+                p.add_(d, alpha=r.alpha)
         self._finish_started()
         self.finish_reduces(started)
         self._start_reduces()  # what the launches left: a row shard's factored sums, to finish after the step

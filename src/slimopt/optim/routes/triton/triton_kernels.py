@@ -12,6 +12,8 @@ compute the same values. Shapes in the comments: n elements of a tensor, nb bloc
 import triton
 import triton.language as tl
 
+from slimopt.optim.routes import abi
+
 
 def _constants(count: int) -> list:
     """0 .. count - 1 as tl.constexpr: a compiled kernel reads no other module-level value (the interpreter does,
@@ -20,6 +22,11 @@ def _constants(count: int) -> list:
 
 
 K_FP32, K_BF16, K_INT8, K_INT4, K_BF16_SR, K_TERNARY, K_FACTORED = _constants(7)  # a moment's storage
+# the rules' ids (routes/abi.py): state-full ones below FIRST_FREE
+R_ADAMW, R_LION, R_SGDM = (tl.constexpr(abi.RULES[n]) for n in ("adamw", "lion", "sgdm"))
+R_SIGN, R_SGD = tl.constexpr(abi.FREE_RULES["sign"]), tl.constexpr(abi.FREE_RULES["sgd"])
+R_LIFT_SIGN = tl.constexpr(abi.LIFT_RULES["sign"])
+FIRST_FREE = tl.constexpr(abi.FIRST_FREE_ID)
 L_FLAT, L_ROWS = _constants(2)  # elementwise_step's layouts: consecutive elements, or rows x columns (a factored v)
 S_ABSMAX, S_MEAN, S_RMS = _constants(3)  # a ternary moment's block scale
 W_NEAREST, W_STOCHASTIC, W_KAHAN = _constants(3)  # how a bf16 weight is written (rules.rounded)
@@ -327,9 +334,9 @@ def _tile(row, m_qmap, m_table, v_qmap, v_table, offs, mask, n, m_nblocks, v_nbl
     v_scale = _address(row, COL_V_SCALE, A_FP32)
     comp = _address(row, COL_COMP, A_INT16)
     grad = _load(g, offs, mask, G_BF16)
-    if RULE < 3:
+    if RULE < FIRST_FREE:
         m = _decode(m_data, m_scale, m_qmap, offs, mask, M_KIND, M_BLOCK, M_SCALE_BF16)
-    if RULE == 0:  # AdamW
+    if RULE == R_ADAMW:
         if V_KIND == K_FACTORED:
             v = _decode_factored(v_data, v_scale, denom, offs, mask, cols)
         else:
@@ -340,26 +347,26 @@ def _tile(row, m_qmap, m_table, v_qmap, v_table, offs, mask, n, m_nblocks, v_nbl
             d = tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v) + eps, b2s))
         else:
             d = tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), b2s) + eps)
-    elif RULE == 1:  # Lion
+    elif RULE == R_LION:
         d = _lerp(m, grad, w1)
         d = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
         m = _lerp(m, grad, w2)
         v = m
-    elif RULE == 2:  # SGD momentum
+    elif RULE == R_SGDM:
         m = m * momentum + grad
         d = m
         v = m
-    elif RULE == 3:  # the state-free sign step (FRUGAL's residual, signSGD): torch.sign, 0 for NaN
+    elif RULE == R_SIGN:  # the state-free sign step (FRUGAL's residual, signSGD): torch.sign, 0 for NaN
         d = tl.where(grad > 0, 1.0, tl.where(grad < 0, -1.0, 0.0))
         v = d
-    elif RULE == 4:  # the state-free SGD step
+    elif RULE == R_SGD:  # the state-free SGD step
         d = grad
         v = d
-    else:  # 5, 6: a projected step's write with FRUGAL's residual; grad is the lifted direction L, m_data the
+    else:  # R_LIFT_*: a projected step's write with FRUGAL's residual; grad is the lifted direction L, m_data the
         # gradient g (M_KIND: K_FP32 or K_BF16), v_data its part inside the subspace up (fp32): the direction
-        # L.mul_(w1).add_(free_rule(-up + g), alpha=w2) as rules.apply_update forms it (5: sign, 6: identity)
+        # L.mul_(w1).add_(free_rule(-up + g), alpha=w2) as rules.apply_update forms it (sign, or the identity)
         r = -tl.load(v_data + offs, mask=mask, other=0.0) + _load(m_data, offs, mask, M_KIND == K_BF16)
-        if RULE == 5:
+        if RULE == R_LIFT_SIGN:
             r = tl.where(r > 0, 1.0, tl.where(r < 0, -1.0, 0.0))
         d = tl.fma(r, w2, grad * w1)
         v = d
@@ -386,13 +393,13 @@ def _tile(row, m_qmap, m_table, v_qmap, v_table, offs, mask, n, m_nblocks, v_nbl
         else:
             wkey0, wkey1, wcounter = tl.load(row + COL_KEY0), tl.load(row + COL_KEY1), tl.load(row + COL_COUNTER)
             tl.store(p + offs, _stochastic_bf16_bits(y, offs + wcounter, wkey0, wkey1).to(tl.int16), mask=mask)
-    if RULE < 3 and not DEFER_M:
+    if RULE < FIRST_FREE and not DEFER_M:
         if M_KIND == K_INT8 or M_KIND == K_INT4:
             _encode(tl.where(mask, m, 0.0), m_data, m_scale, m_table, offs, n, m_nblocks, M_KIND, M_BLOCK, TILE)
         else:
             _encode_dense(m, m_data, offs, mask, tl.load(row + COL_M_KEY0), tl.load(row + COL_M_KEY1),
                           tl.load(row + COL_M_COUNTER), M_KIND)
-    if RULE == 0:
+    if RULE == R_ADAMW:
         if V_KIND == K_INT8 or V_KIND == K_INT4:
             _encode(tl.where(mask, v, 0.0), v_data, v_scale, v_table, offs, n, v_nblocks, V_KIND, V_BLOCK, TILE)
         elif V_KIND != K_FACTORED:
@@ -412,8 +419,8 @@ def elementwise_step(tab, m_qmap, m_table, v_qmap, v_table, n, m_nblocks, v_nblo
     """The step of k tensors of n elements each: grid (tiles, k), one program a (tile, tensor).
 
     tab: (k, COLUMNS) int64, a row a tensor: the addresses of its weight p (n,) (fp32, or bf16 as int16), its
-    gradient g (the same), its moments' data and scales (m_*, v_*: v unused by Lion and SGDM, none read by the
-    state-free rules 3, sign, and 4, sgd; the write with a residual, 5 and 6, finds the gradient and its part
+    gradient g (the same), its moments' data and scales (m_*, v_*: v unused by the one-moment rules, none read by
+    the state-free rules R_SIGN and R_SGD; the write with a residual, R_LIFT_*, finds the gradient and its part
     inside the subspace in m's and v's data; a moment's data (n,) fp32 | (n,) bf16 as int16 | uint8 codes | fp32
     row means (R,) of a factored v, its scale (nb,) fp32 or bf16 | the factored v's column means (cols,)), its
     compensation comp ((n,) bf16 as int16, W_KAHAN), its weight stream's key words and the counter of its element
@@ -485,11 +492,11 @@ def moment_step(tab, m_qmap, m_table, n, m_nblocks, w1, w2, momentum,
         mask = offs < n
     grad = _load(g, offs, mask, G_BF16)
     m = _decode(m_data, m_scale, m_qmap, offs, mask, M_KIND, M_BLOCK, M_SCALE_BF16)
-    if RULE == 0:
+    if RULE == R_ADAMW:
         m = _lerp(m, grad, w1)
-    elif RULE == 1:
+    elif RULE == R_LION:
         m = _lerp(m, grad, w2)
-    else:
+    else:  # SGD momentum
         m = m * momentum + grad
     m = tl.where(mask, m, 0.0)
     if M_KIND == K_TERNARY:

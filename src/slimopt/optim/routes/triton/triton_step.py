@@ -8,8 +8,8 @@ Details: docs/modules.md, ``slimopt.optim.routes.triton.triton_step``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
 import os
 import warnings
 from collections import OrderedDict
@@ -20,22 +20,23 @@ from torch import Tensor
 
 from slimopt.optim.algorithm.codecs import Bf16Codec, BlockCodec, FactoredCodec, Fp32Codec, TernaryCodec
 from slimopt.optim.algorithm.noise import CounterStream
+from slimopt.optim.routes import abi
 from slimopt.optim.routes.cpu import native
 
 __all__ = ["available", "declines", "applies", "prepare", "run", "finish", "column_means", "failed", "fallbacks"]
 
-_K_FP32, _K_BF16, _K_INT8, _K_INT4, _K_BF16_SR, _K_TERNARY, _K_FACTORED = range(7)
+_K = abi.K_CODECS  # a moment's storage: K_* of the kernels
+_K_FP32, _K_BF16, _K_INT8, _K_INT4, _K_BF16_SR = _K["fp32"], _K["bf16"], _K["int8"], _K["int4"], _K["bf16_sr"]
+_K_TERNARY, _K_FACTORED = _K["ternary"], _K["factored"]
 _BLOCK_KINDS = (_K_INT8, _K_INT4)
 _DENSE_KINDS = (_K_FP32, _K_BF16, _K_BF16_SR)  # stored element by element: any layout writes them
 _L_FLAT, _L_ROWS = 0, 1
-_SCALES = {"absmax": 0, "mean": 1, "rms": 2}  # S_* of the kernel: a ternary moment's block scale
-_RULES = {"adamw": 0, "taco": 0, "lion": 1, "sgdm": 2}
-_FREE_RULES = {"sign": 3, "sgd": 4}  # the state-free update of a residual or an inactive block (no codecs)
+# the kernels' ids and tables: routes/abi.py
+_SCALES, _RULES, _FREE_RULES, _MOMENT_KEYS = abi.SCALES, abi.RULES, abi.FREE_RULES, abi.MOMENT_KEYS
 # a projected step's write with FRUGAL's residual (``lift_applies``): the rule's name in a launch's settings
-_LIFT_RULES = {"lift sign": 5, "lift sgd": 6}
-_MOMENT_KEYS = native._MOMENT_KEYS
-_DTYPES = (torch.float32, torch.bfloat16)
-_ROUNDINGS = {"nearest": 0, "stochastic": 1, "kahan": 2}  # W_* of the kernel: how a bf16 weight is written
+_LIFT_RULES = {"lift " + name: i for name, i in abi.LIFT_RULES.items()}
+_DTYPES = tuple(abi.DTYPES)
+_ROUNDINGS = abi.ROUNDINGS  # W_* of the kernel: how a bf16 weight is written
 _TILE = 256  # elements a program: a power of two holding whole int8 (256) and int4 (128) blocks
 _RB, _CB, _MAX_ITERS = 16, 64, 8  # the rows layout: a program steps 16 x 64 elements, down at most 8 x 16 rows
 _SCRATCH_BYTES = 64 << 20  # what one launch may allocate (the rows layout's sums): windowed.WINDOW_BYTES
@@ -370,109 +371,137 @@ def run(launches: list[Launch]) -> float | None:
     failed to compile or launch: the caller then runs the eager step for each, and so does every later step with
     these settings. The moment pass is compiled (launched on an empty grid) before the first pass writes anything,
     so that a failure of either leaves every tensor as it was."""
-    kernels = _triton()
     first = launches[0]
-    group, codecs, age = first.group, first.codecs, first.age
-    _, settings, maps, shape, *_ = first.key
+    settings = first.key[1]
     if settings in _failed:  # failed already, in a launch queued in the same step: one warning is enough
         return None
-    rule = group["rule"] if codecs else group["free_rule"]
-    lift = settings[0] in _LIFT_RULES
-    lr, wd = float(group["lr"]), float(group["weight_decay"])
-    w1 = beta2 = w2 = b2s = eps = momentum = 0.0
-    coef = 1.0
-    if lift:  # the direction carries both scales: w1 the lifted direction's, w2 the free rule's
-        w1, w2 = float(group["lift_coef"]), float(group["free_scale"])
-    elif not codecs:
-        coef = float(group["free_scale"])
-    elif rule in ("adamw", "taco"):
-        beta1, beta2 = group["betas"]
-        w1, w2 = 1.0 - beta1, 1.0 - beta2
-        b2s = math.sqrt(1.0 - beta2 ** age)
-        eps = float(group["eps"])
-        coef = 1.0 / (1.0 - beta1 ** age)
-    elif rule == "lion":
-        beta1, beta2 = group["betas"]
-        w1, w2 = 1.0 - beta1, 1.0 - beta2
-    else:
-        momentum = float(group["momentum"])
-    device, k = first.device, len(launches)
-    dummy = _placeholder(device)
-    kinds = settings[3]
-    tables = [_tables("ternary" if kind == _K_TERNARY else c.map_name, device)
-              if kind in _BLOCK_KINDS or kind == _K_TERNARY else (dummy, dummy) for (_, c), kind in zip(codecs, kinds)]
-    blocks = [getattr(c, "block_size", 1) if kind in _BLOCK_KINDS or kind == _K_TERNARY else 1
-              for (_, c), kind in zip(codecs, kinds)]
-    m_kind, m_map, m_block = (kinds[0], tables[0], blocks[0]) if codecs else (_K_FP32, (dummy, dummy), 1)
-    v_kind, v_map, v_block = (kinds[1], tables[1], blocks[1]) if len(codecs) > 1 else (m_kind, m_map, m_block)
-    if lift:  # the gradient's storage in the first moment's place, its part inside the subspace (fp32) in v's
-        m_kind, v_kind = kinds
-    ternary = codecs[0][1] if m_kind == _K_TERNARY else None
-    m_scale_bf16 = ternary is not None and ternary.scale_dtype == torch.bfloat16
-    layout, defer = _layout(kinds)
-    rounding = first.key[-1]
-    rule_id = _RULES[rule] if codecs else _LIFT_RULES[settings[0]] if lift else _FREE_RULES[rule]
-    g_bf16 = settings[2] == torch.bfloat16
+    r = _step_scalars(first)
+    moments = _Moments(first)
     try:
         table = _table(launches)
-        moment = None
-        if defer:
-            moment_grid = (_cdiv(first.blocks[0], 5) if ternary is not None else _cdiv(first.n, _TILE), k)
-
-            def moment(grid: tuple[int, int]) -> None:
-                kernels.moment_step[grid](
-                    table, *m_map, first.n, first.blocks[0], float(w1), float(w2), float(momentum), RULE=rule_id,
-                    G_BF16=g_bf16, M_KIND=m_kind, M_BLOCK=m_block,
-                    M_SCALE=_SCALES[ternary.scale] if ternary is not None else 0, M_SCALE_BF16=m_scale_bf16,
-                    M_EF=ternary is not None and ternary.feedback, TILE=_TILE, **_OPTIONS)
-
-            if (settings, maps, first.n) not in _COMPILED:
-                moment((0, k))  # compiled and loaded, nothing run: a failure here writes nothing
-                _COMPILED.add((settings, maps, first.n))
-        cols, denoms, row_sums, col_sums, iters = 1, dummy, dummy, dummy, 1
-        if layout == _L_ROWS:
-            rows, cols = shape
-            iters, col_tiles, row_tiles = _rows_geometry(shape)
-            # the mean of v: of the row means, or of a row shard's column means (its row means are its rows')
-            means = [x.factored[1] if x.factored[2] is not None else x.factored[0] for x in launches]
-            denoms = torch.stack([r.mean() for r in means]).clamp_min_(torch.finfo(torch.float32).tiny)
-            row_sums = torch.empty((k, col_tiles, rows), dtype=torch.float64, device=device)
-            col_sums = torch.empty((k, row_tiles, cols), dtype=torch.float64, device=device)
-            grid = (row_tiles * col_tiles, k)
-        else:
-            grid = (_cdiv(first.n, _TILE), k)
-        kernels.elementwise_step[grid](
-            table, *m_map, *v_map, first.n, first.blocks[0], first.blocks[1], cols, denoms, row_sums, col_sums,
-            float(1.0 - lr * wd), float(-lr * coef), float(w1), float(beta2), float(w2), float(b2s), float(eps),
-            float(momentum),
-            RULE=rule_id, P_BF16=settings[1] == torch.bfloat16, G_BF16=g_bf16, M_KIND=m_kind, V_KIND=v_kind,
-            M_BLOCK=m_block, V_BLOCK=v_block, M_SCALE_BF16=m_scale_bf16, HAS_DECAY=wd != 0.0,
-            EPS_BEFORE=group["eps_placement"] == "galore", DIRECTION=first.direction,
-            ROUNDING=_ROUNDINGS[rounding], LAYOUT=layout, DEFER_M=defer, TILE=_TILE, RB=_RB, CB=_CB, ITERS=iters,
-            **_OPTIONS)
+        moment = _moment_pass(table, launches, moments, r)
+        sums = _main_pass(table, launches, moments, r)
     except Exception as exc:  # a compile or launch failure on a device the kernel was never run on
         why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         _failed[settings] = why
-        warnings.warn(f"slimopt: the Triton element-wise step failed for rule {rule!r}, weight {settings[1]}, "
-                      f"codecs {[c.name for _, c in codecs]} ({why}); these settings run the eager step from now "
-                      "on", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"slimopt: the Triton element-wise step failed for rule {moments.rule!r}, weight "
+                      f"{settings[1]}, codecs {[c.name for _, c in first.codecs]} ({why}); these settings run the "
+                      "eager step from now on", RuntimeWarning, stacklevel=3)
         return None
-    if layout == _L_ROWS:  # codecs.FactoredCodec's means: fp64 sums over the tiles, divided, rounded to fp32
-        torch._foreach_copy_([x.factored[0] for x in launches], list((row_sums.sum(1) / cols).float().unbind(0)))
-        sums = col_sums.sum(1)
-        if any(x.factored[2] is not None for x in launches):
-            # a row shard's column sums add up every rank's rows: ``finish`` sums them over the ranks, in the
-            # order the tensors were queued (the same on every rank, whatever launches they shared)
-            for i, x in enumerate(launches):
-                if x.factored[2] is not None:
-                    x.pending = sums[i]
-                else:
-                    x.factored[1].copy_((sums[i] / rows).float())
-        else:
-            torch._foreach_copy_([x.factored[1] for x in launches], list((sums / rows).float().unbind(0)))
+    if sums is not None:
+        _write_means(launches, *sums)
     if moment is not None:  # compiled and loaded above: what fails now is no compile or load, and is raised
-        moment(moment_grid)
-    return coef
+        moment()
+    return r.coef
+
+
+def _step_scalars(first: Launch) -> abi.StepScalars:
+    """The launch's step record (``abi.scalars``): the rule's at the moments' age, the state-free update's, or a
+    projected step's write with the residual (the lifted direction's scale and free_scale in w1's and w2's
+    places: the direction carries both)."""
+    group, settings = first.group, first.key[1]
+    if settings[0] in _LIFT_RULES:
+        r = abi.scalars(group, 0, "lift")
+        return dataclasses.replace(r, w1=r.lift_coef, w2=r.free_scale)
+    return abi.scalars(group, first.age, "rule" if first.codecs else "free")
+
+
+class _Moments:
+    """What a launch's specialization reads of its moments: the rule's id, each moment's kind, map tables and
+    block (the first's standing in for a missing second), the layout, and a ternary first moment's codec."""
+
+    def __init__(self, first: Launch) -> None:
+        group, codecs, settings = first.group, first.codecs, first.key[1]
+        self.rule = group["rule"] if codecs else group["free_rule"]
+        lift = settings[0] in _LIFT_RULES
+        dummy = _placeholder(first.device)
+        kinds = settings[3]
+        coded = [kind in _BLOCK_KINDS or kind == _K_TERNARY for kind in kinds]
+        tables = [_tables("ternary" if kind == _K_TERNARY else c.map_name, first.device) if is_coded
+                  else (dummy, dummy) for (_, c), kind, is_coded in zip(codecs, kinds, coded)]
+        blocks = [getattr(c, "block_size", 1) if is_coded else 1 for (_, c), is_coded in zip(codecs, coded)]
+        self.m_kind, self.m_map, self.m_block = ((kinds[0], tables[0], blocks[0]) if codecs
+                                                 else (_K_FP32, (dummy, dummy), 1))
+        self.v_kind, self.v_map, self.v_block = ((kinds[1], tables[1], blocks[1]) if len(codecs) > 1
+                                                 else (self.m_kind, self.m_map, self.m_block))
+        if lift:  # the gradient's storage in the first moment's place, its part inside the subspace (fp32) in v's
+            self.m_kind, self.v_kind = kinds
+        self.ternary = codecs[0][1] if self.m_kind == _K_TERNARY else None
+        self.m_scale_bf16 = self.ternary is not None and self.ternary.scale_dtype == torch.bfloat16
+        self.layout, self.defer = _layout(kinds)
+        self.rule_id = (_RULES[self.rule] if codecs else _LIFT_RULES[settings[0]] if lift
+                        else _FREE_RULES[self.rule])
+        self.g_bf16 = settings[2] == torch.bfloat16
+
+
+def _moment_pass(table: Tensor, launches: list[Launch], mo: _Moments, r: abi.StepScalars):
+    """The launch of the pass that stores a deferred first moment (None where none is deferred), compiled and
+    loaded here (launched on an empty grid: a failure writes nothing), to be called after the main pass."""
+    if not mo.defer:
+        return None
+    kernels, first, k = _triton(), launches[0], len(launches)
+    ternary = mo.ternary
+    grid = (_cdiv(first.blocks[0], 5) if ternary is not None else _cdiv(first.n, _TILE), k)
+
+    def moment(grid: tuple[int, int] = grid) -> None:
+        kernels.moment_step[grid](
+            table, *mo.m_map, first.n, first.blocks[0], float(r.w1), float(r.w2), float(r.momentum),
+            RULE=mo.rule_id, G_BF16=mo.g_bf16, M_KIND=mo.m_kind, M_BLOCK=mo.m_block,
+            M_SCALE=_SCALES[ternary.scale] if ternary is not None else 0, M_SCALE_BF16=mo.m_scale_bf16,
+            M_EF=ternary is not None and ternary.feedback, TILE=_TILE, **_OPTIONS)
+
+    _, settings, maps, *_ = first.key
+    if (settings, maps, first.n) not in _COMPILED:
+        moment((0, k))  # compiled and loaded, nothing run: a failure here writes nothing
+        _COMPILED.add((settings, maps, first.n))
+    return moment
+
+
+def _main_pass(table: Tensor, launches: list[Launch], mo: _Moments, r: abi.StepScalars):
+    """Launch ``elementwise_step`` over `launches`; returns the rows layout's fp64 (row sums, column sums) of the
+    new v, or None in the flat layout."""
+    kernels, first, k = _triton(), launches[0], len(launches)
+    device, shape = first.device, first.key[3]
+    dummy = _placeholder(device)
+    cols, denoms, row_sums, col_sums, iters = 1, dummy, dummy, dummy, 1
+    if mo.layout == _L_ROWS:
+        rows, cols = shape
+        iters, col_tiles, row_tiles = _rows_geometry(shape)
+        # the mean of v: of the row means, or of a row shard's column means (its row means are its rows')
+        means = [x.factored[1] if x.factored[2] is not None else x.factored[0] for x in launches]
+        denoms = torch.stack([m.mean() for m in means]).clamp_min_(torch.finfo(torch.float32).tiny)
+        row_sums = torch.empty((k, col_tiles, rows), dtype=torch.float64, device=device)
+        col_sums = torch.empty((k, row_tiles, cols), dtype=torch.float64, device=device)
+        grid = (row_tiles * col_tiles, k)
+    else:
+        grid = (_cdiv(first.n, _TILE), k)
+    kernels.elementwise_step[grid](
+        table, *mo.m_map, *mo.v_map, first.n, first.blocks[0], first.blocks[1], cols, denoms, row_sums, col_sums,
+        float(r.decay), float(r.alpha), float(r.w1), float(r.beta2), float(r.w2), float(r.bias2_sqrt), float(r.eps),
+        float(r.momentum),
+        RULE=mo.rule_id, P_BF16=first.key[1][1] == torch.bfloat16, G_BF16=mo.g_bf16, M_KIND=mo.m_kind,
+        V_KIND=mo.v_kind, M_BLOCK=mo.m_block, V_BLOCK=mo.v_block, M_SCALE_BF16=mo.m_scale_bf16,
+        HAS_DECAY=r.has_decay, EPS_BEFORE=r.eps_before, DIRECTION=first.direction,
+        ROUNDING=_ROUNDINGS[first.key[-1]], LAYOUT=mo.layout, DEFER_M=mo.defer, TILE=_TILE, RB=_RB, CB=_CB,
+        ITERS=iters, **_OPTIONS)
+    return (row_sums, col_sums) if mo.layout == _L_ROWS else None
+
+
+def _write_means(launches: list[Launch], row_sums: Tensor, col_sums: Tensor) -> None:
+    """codecs.FactoredCodec's means from the rows layout's fp64 sums over the tiles, divided, rounded to fp32."""
+    rows, cols = launches[0].key[3]
+    torch._foreach_copy_([x.factored[0] for x in launches], list((row_sums.sum(1) / cols).float().unbind(0)))
+    sums = col_sums.sum(1)
+    if any(x.factored[2] is not None for x in launches):
+        # a row shard's column sums add up every rank's rows: ``finish`` sums them over the ranks, in the
+        # order the tensors were queued (the same on every rank, whatever launches they shared)
+        for i, x in enumerate(launches):
+            if x.factored[2] is not None:
+                x.pending = sums[i]
+            else:
+                x.factored[1].copy_((sums[i] / rows).float())
+    else:
+        torch._foreach_copy_([x.factored[1] for x in launches], list((sums / rows).float().unbind(0)))
 
 
 def finish(launches: list[Launch]) -> None:

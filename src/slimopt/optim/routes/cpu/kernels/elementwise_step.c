@@ -41,10 +41,12 @@
 #include <immintrin.h>
 #endif
 
-/* RULE_SIGN, RULE_SGD: the state-free update (no moments) of FRUGAL's residual, an inactive block, signSGD;
- * RULE_LIFT_SIGN, RULE_LIFT_SGD: a projected step's write with FRUGAL's residual (step_t's lift fields) */
-enum { RULE_ADAMW = 0, RULE_LION = 1, RULE_SGDM = 2, RULE_SIGN = 3, RULE_SGD = 4, RULE_LIFT_SIGN = 5,
-       RULE_LIFT_SGD = 6 };
+/* The ids of slimopt/optim/routes/abi.py (tests/test_native.py holds the two alike): state-full rules below
+ * RULE_FIRST_FREE; RULE_SIGN, RULE_SGD: the state-free update (no moments) of FRUGAL's residual, an inactive
+ * block, signSGD; RULE_LIFT_SIGN, RULE_LIFT_SGD: a projected step's write with FRUGAL's residual (step_t's lift
+ * fields) */
+enum { RULE_ADAMW = 0, RULE_LION = 1, RULE_SGDM = 2, RULE_FIRST_FREE = 16, RULE_SIGN = 16,
+       RULE_SGD = 17, RULE_LIFT_SIGN = 18, RULE_LIFT_SGD = 19 };
 enum { C_FP32 = 0, C_BF16 = 1, C_BLOCK8 = 2, C_BLOCK4 = 3, C_TERNARY_SR = 4, C_TERNARY_EF = 5, C_FACTORED = 6 };
 enum { D_FP32 = 0, D_BF16 = 1 };
 enum { W_NEAREST = 0, W_STOCHASTIC = 1, W_KAHAN = 2 };
@@ -624,8 +626,7 @@ static inline float sign(float x) { return (float)((x > 0.0f) - (x < 0.0f)); }
 /* Elements [lo, hi) of the window, in tiles of `tile` elements from lo (lo a multiple of tile, so that the
  * tiles are the same whatever range a call is given). Returns 0, or -1 for a rule it does not know. */
 static int step_range(step_t *s, int64_t tile, int64_t lo, int64_t hi) {
-    const int state_free = s->rule == RULE_SIGN || s->rule == RULE_SGD || s->rule == RULE_LIFT_SIGN
-                           || s->rule == RULE_LIFT_SGD;
+    const int state_free = s->rule >= RULE_FIRST_FREE;
     float m[MAX_TILE], v[MAX_TILE], d[MAX_TILE];
     const float w1 = s->w1, w2 = s->w2, beta2 = s->beta2, eps = s->eps, b2s = s->bias2_sqrt;
     for (int64_t t0 = lo; t0 < hi; t0 += tile) {
@@ -747,8 +748,7 @@ static void *run_part(void *arg) {
  * its random numbers are drawn by element index. */
 int slimopt_elementwise_step(step_t *s) {
     if (!trits_ready) init_trits();
-    const int state_free = s->rule == RULE_SIGN || s->rule == RULE_SGD || s->rule == RULE_LIFT_SIGN
-                           || s->rule == RULE_LIFT_SGD;
+    const int state_free = s->rule >= RULE_FIRST_FREE;
     if (s->n_codecs < (state_free ? 0 : 1) || s->n_codecs > (state_free ? 0 : 2)) return -1;
     int64_t align = 1;  /* a tile holds whole blocks of every codec (and whole bytes of five trits) */
     for (int k = 0; k < s->n_codecs; k++) {
