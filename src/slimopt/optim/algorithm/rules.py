@@ -52,6 +52,14 @@ def _sgdm(g: Tensor, mom: Moments, step: int, group: Mapping[str, Any], shape) -
     return buf.clone(), 1.0
 
 
+def _nesterov(g: Tensor, mom: Moments, step: int, group: Mapping[str, Any], shape) -> tuple[Tensor, float]:
+    # SGD with Nesterov momentum (torch.optim.SGD(nesterov=True) without dampening): the step looks one momentum
+    # ahead. Two roundings (the product, then the sum), as the kernels compute it; torch's own may fuse them.
+    buf = mom["momentum_buffer"]
+    buf.mul_(group["momentum"]).add_(g)
+    return buf.mul(group["momentum"]).add_(g), 1.0
+
+
 def _muon(g: Tensor, mom: Moments, step: int, group: Mapping[str, Any], shape) -> tuple[Tensor, float]:
     return muon.direction(g, mom["momentum_buffer"], group, shape)
 
@@ -89,6 +97,7 @@ REGISTRY: dict[str, Rule] = {
     # the AdamW fallback for tensors that are not 2-D: AdamW's kernel and moments
     "taco": Rule(0, (("exp_avg", "m"), ("exp_avg_sq", "v")), _adamw, elementwise=False, bias_corrected=True),
     "muon": Rule(None, (("momentum_buffer", "m"),), _muon, elementwise=False),  # torch.optim.Muon's key
+    "nesterov": Rule(3, (("momentum_buffer", "m"),), _nesterov),
 }
 FREE_REGISTRY: dict[str, FreeRule] = {
     "sign": FreeRule(16, 18, lambda r: r.sign()),

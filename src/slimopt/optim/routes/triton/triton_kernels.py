@@ -23,7 +23,7 @@ def _constants(count: int) -> list:
 
 K_FP32, K_BF16, K_INT8, K_INT4, K_BF16_SR, K_TERNARY, K_FACTORED = _constants(7)  # a moment's storage
 # the rules' ids (routes/abi.py): state-full ones below FIRST_FREE
-R_ADAMW, R_LION, R_SGDM = (tl.constexpr(abi.RULES[n]) for n in ("adamw", "lion", "sgdm"))
+R_ADAMW, R_LION, R_SGDM, R_NESTEROV = (tl.constexpr(abi.RULES[n]) for n in ("adamw", "lion", "sgdm", "nesterov"))
 R_SIGN, R_SGD = tl.constexpr(abi.FREE_RULES["sign"]), tl.constexpr(abi.FREE_RULES["sgd"])
 R_LIFT_SIGN = tl.constexpr(abi.LIFT_RULES["sign"])
 FIRST_FREE = tl.constexpr(abi.FIRST_FREE_ID)
@@ -356,6 +356,10 @@ def _tile(row, m_qmap, m_table, v_qmap, v_table, offs, mask, n, m_nblocks, v_nbl
         m = m * momentum + grad
         d = m
         v = m
+    elif RULE == R_NESTEROV:  # rules._nesterov: one momentum ahead, two roundings
+        m = m * momentum + grad
+        d = m * momentum + grad
+        v = m
     elif RULE == R_SIGN:  # the state-free sign step (FRUGAL's residual, signSGD): torch.sign, 0 for NaN
         d = tl.where(grad > 0, 1.0, tl.where(grad < 0, -1.0, 0.0))
         v = d
@@ -496,7 +500,7 @@ def moment_step(tab, m_qmap, m_table, n, m_nblocks, w1, w2, momentum,
         m = _lerp(m, grad, w1)
     elif RULE == R_LION:
         m = _lerp(m, grad, w2)
-    else:  # SGD momentum
+    else:  # SGD momentum, heavy-ball or Nesterov: the same buffer
         m = m * momentum + grad
     m = tl.where(mask, m, 0.0)
     if M_KIND == K_TERNARY:

@@ -7,10 +7,10 @@
  * coded moment are read once and written once.
  *
  * Rules (slimopt/optim/algorithm/rules.py): AdamW (arXiv 1412.6980, 1711.05101; eps after the bias correction as
- * torch.optim.AdamW, or before it as galore-torch), Lion (arXiv 2302.06675), heavy-ball SGD momentum, and the
- * state-free sign or SGD update (signSGD, FRUGAL's residual, arXiv 2411.07837). A bf16 weight is written to
- * nearest, or stochastically rounded from its own counter-based stream, or with a Kahan compensation
- * (rules.rounded).
+ * torch.optim.AdamW, or before it as galore-torch), Lion (arXiv 2302.06675), heavy-ball and Nesterov SGD
+ * momentum, and the state-free sign or SGD update (signSGD, FRUGAL's residual, arXiv 2411.07837). A bf16 weight
+ * is written to nearest, or stochastically rounded from its own counter-based stream, or with a Kahan
+ * compensation (rules.rounded).
  * Codecs (slimopt/optim/algorithm/codecs.py): fp32, bf16 (nearest), blockwise absmax int8 / int4 on a sorted map
  * (arXiv 2110.02861, 2309.01507), ternary with stochastic rounding or with a carried ternary residual, scaled by
  * the block's absmax, mean magnitude (arXiv 2402.17764) or root mean square, the scale stored fp32 or bf16;
@@ -45,7 +45,7 @@
  * RULE_FIRST_FREE; RULE_SIGN, RULE_SGD: the state-free update (no moments) of FRUGAL's residual, an inactive
  * block, signSGD; RULE_LIFT_SIGN, RULE_LIFT_SGD: a projected step's write with FRUGAL's residual (step_t's lift
  * fields) */
-enum { RULE_ADAMW = 0, RULE_LION = 1, RULE_SGDM = 2, RULE_FIRST_FREE = 16, RULE_SIGN = 16,
+enum { RULE_ADAMW = 0, RULE_LION = 1, RULE_SGDM = 2, RULE_NESTEROV = 3, RULE_FIRST_FREE = 16, RULE_SIGN = 16,
        RULE_SGD = 17, RULE_LIFT_SIGN = 18, RULE_LIFT_SGD = 19 };
 enum { C_FP32 = 0, C_BF16 = 1, C_BLOCK8 = 2, C_BLOCK4 = 3, C_TERNARY_SR = 4, C_TERNARY_EF = 5, C_FACTORED = 6 };
 enum { D_FP32 = 0, D_BF16 = 1 };
@@ -107,8 +107,8 @@ typedef struct {
     float bias2_sqrt;      /* adamw: sqrt(1 - beta2^t) */
     float eps;
     int32_t eps_before;    /* adamw: galore-torch's placement (sqrt(v) + eps) / bias2_sqrt */
-    float momentum;        /* sgdm */
-    int32_t n_codecs;      /* moments of the rule: adamw 2 (m, v), lion and sgdm 1, sign and sgd 0 */
+    float momentum;        /* sgdm, nesterov */
+    int32_t n_codecs;      /* moments of the rule: adamw 2 (m, v), lion, sgdm and nesterov 1, sign and sgd 0 */
     int32_t direction_only; /* param is an fp32 (n,) buffer that receives the direction d (a projected step's
                              * subspace rule, windowed.directions): no decay, no weight update */
     int32_t rounding;      /* W_*: how a bf16 weight is written (rules.rounded); fp32 weights: W_NEAREST */
@@ -659,6 +659,11 @@ static int step_range(step_t *s, int64_t tile, int64_t lo, int64_t hi) {
             for (int64_t i = 0; i < cnt; i++) {
                 m[i] = m[i] * s->momentum + g[i];
                 d[i] = m[i];
+            }
+        } else if (s->rule == RULE_NESTEROV) {  /* rules._nesterov: one momentum ahead, two roundings */
+            for (int64_t i = 0; i < cnt; i++) {
+                m[i] = m[i] * s->momentum + g[i];
+                d[i] = m[i] * s->momentum + g[i];
             }
         } else if (s->rule == RULE_SIGN) {
             for (int64_t i = 0; i < cnt; i++) d[i] = sign(g[i]);  /* torch's sign: 0 for NaN, as for zero */
