@@ -13,10 +13,12 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from slimopt.compare.plan import PlanSetting
+from slimopt.compare.plan import PLACEMENT, PlanSetting
 from slimopt.compare.protocol import CONTROL, DEFAULT_LR_EXTENSIONS, DEFAULT_LR_GRID, seed_list
 from slimopt.options import split_variant
 from slimopt.train.loop import TrainConfig, known_methods, method_kind, resolve_lr
+
+PLACEMENT_KEYS = tuple(PLACEMENT)  # TrainConfig fields a variant sets: where the run's weights live
 
 __all__ = ["DEFAULT_METHODS", "FINE_TUNING_METHODS", "DEFAULT_SETTING_LR", "DEFAULT_CONTROL_LR_GRID",
            "DEFAULT_TUNE_FRACTION", "CompareConfig", "default_methods", "starts_pretrained", "scaled_schedule_opts",
@@ -260,7 +262,8 @@ def at_default_setting(cfg: CompareConfig) -> bool:
 
 def split_method(entry: str) -> tuple[str, dict]:
     """A compared entry as (method, settings): a method name, or a variant ``NAME+KEY=VALUE[+KEY=VALUE...]``
-    (e.g. ``adamw+param_rounding=kahan``), which runs NAME with those settings under its own row."""
+    (e.g. ``adamw+param_rounding=kahan``), which runs NAME with those settings under its own row. The keys of
+    ``PLACEMENT_KEYS`` (``adamw+weights=int8+offload=host``) set where the run's weights live."""
     return split_variant(entry) if "+" in entry else (entry, {})
 
 
@@ -269,9 +272,11 @@ def _method_config(cfg: CompareConfig, method: str, lr: float | None = None, see
     name, variant = split_method(method)
     extra = {**scaled_schedule_opts(name, _full_steps(cfg)), **variant, **cfg.method_opts.get(method, {})}
     extra.pop("lr", None)
+    # where the weights live is the run's setting, not the optimizer's: adamw+weights=int8+offload=host
+    placement = {k: extra.pop(k) for k in PLACEMENT_KEYS if k in extra}
     if lr is None:
         lr = _base_lr(cfg, method)[0]
-    return replace(cfg.base, method=name, opt={**cfg.base.opt, **extra}, lr=lr,
+    return replace(cfg.base, method=name, opt={**cfg.base.opt, **extra}, lr=lr, **placement,
                    seed=cfg.base.seed if seed is None else seed,
                    out=str(out if out is not None else Path(cfg.out) / "runs" / method), overwrite=True,
                    resume=False, save_every=0, save_model=False, tensorboard=False)

@@ -32,9 +32,21 @@ class PlanSetting:
         return parse_size(self.gpu_memory, "--plan-gpu-memory")
 
 
+# the run settings a variant may set (adamw+weights=int8+offload=host) -> the planner's keyword, slimopt memory's
+PLACEMENT = {"weights": ("weight_format", "--weights"), "int8_group": ("int8_group", "--int8-group"),
+             "offload": ("offload", "--offload"), "master": ("master", "--master"),
+             "vocab_slice": ("vocab_slice", "--vocab-slice")}
+
+
 def _plan_settings(settings: dict) -> dict:
-    """The settings of a compared entry that shape its state (its lr does not)."""
-    return {k: v for k, v in settings.items() if k != "lr"}
+    """The optimizer settings of a compared entry that shape its state (its lr does not)."""
+    return {k: v for k, v in settings.items() if k != "lr" and k not in PLACEMENT}
+
+
+def _placement(settings: dict) -> dict:
+    """An entry's run settings as the planner's keywords (a master only where it lives on the host)."""
+    given = {k: v for k, v in settings.items() if k in PLACEMENT and (k != "master" or settings.get("offload") == "host")}
+    return {PLACEMENT[k][0]: v for k, v in given.items()}
 
 
 def memory_command(setting: PlanSetting, method: str, settings: dict) -> str:
@@ -44,6 +56,8 @@ def memory_command(setting: PlanSetting, method: str, settings: dict) -> str:
     if setting.layerwise:
         parts.append("--layerwise")
     parts.append(f"--gpu-memory {setting.gpu_memory}")
+    parts += [f"{PLACEMENT[k][1]} {v}" for k, v in settings.items()
+              if k in PLACEMENT and (k != "master" or settings.get("offload") == "host")]
     parts += [f"--set {method}.{k}={v}" for k, v in sorted(_plan_settings(settings).items())]
     return " ".join(parts)
 
@@ -67,7 +81,8 @@ def plan_methods(setting: PlanSetting, entries: dict[str, tuple[str, dict]]) -> 
             continue
         try:
             prep = planner.prepare(planner.meta_model(config, setting.dtype), method, dtype=setting.dtype,
-                                   label=label, config=config, **_plan_settings(settings))
+                                   label=label, config=config, **_placement(settings),
+                                   **_plan_settings(settings))
         except ValueError as e:
             raise ValueError(f"method {entry!r}: {e}") from e
         plan = prep.plan(setting.batch, setting.seq, setting.layerwise, False)
