@@ -218,6 +218,12 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if S.is_sharded(p) else p.detach()).clone() for n, p in model.named_parameters()}
 
 
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference between two sets of tensors under the same names."""
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
 def start_ranks(parser=None):
     """A worker's start: its arguments (--out, and `parser`'s own), one torch thread, gloo, UserWarnings off, a 1-D
     mesh over the ranks. Returns (args, mesh, world, rank); the caller destroys the process group."""

@@ -33,9 +33,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import common as C  # noqa: E402
 from defaults_worker import TOLERANCE, settings  # noqa: E402
+from helpers import assert_same_state  # noqa: E402
 
 import slimopt  # noqa: E402
 from slimopt.optim.distributed import portable  # noqa: E402
@@ -75,19 +77,6 @@ def local_state(model, opt) -> dict[str, torch.Tensor]:
     return {f"{name}.{key}": v for name, p in model.named_parameters() for key, v in opt.state[p].items()}
 
 
-def assert_same(what: str, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    if sorted(a) != sorted(b):
-        raise AssertionError(f"{what}: different tensors {sorted(set(a) ^ set(b))[:6]}")
-    for name in a:
-        x, y = a[name], b[name]
-        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
-            raise AssertionError(f"{what}: {name} differs")
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max((a[n] - b[n]).abs().max().item() for n in a)
-
-
 def check(method: str, mesh) -> dict:
     hp = settings(method)
     ref = C.small_llama()
@@ -115,9 +104,9 @@ def check(method: str, mesh) -> dict:
         raise AssertionError(f"{method}: the optimizer keeps {kept} plain parameters alive after the switch")
     C.run_steps(switched, switched_opt, 1, STEPS)
     what = f"{method} switched before its first step"
-    assert_same(f"{what}, weights", C.full_params(switched), C.full_params(after))
-    assert_same(f"{what}, state", local_state(switched, switched_opt), local_state(after, after_opt))
-    before_diff = max_diff(C.full_params(switched), one_process)
+    assert_same_state(C.full_params(switched), C.full_params(after), f"{what}, weights")
+    assert_same_state(local_state(switched, switched_opt), local_state(after, after_opt), f"{what}, state")
+    before_diff = C.max_diff(C.full_params(switched), one_process)
 
     # switched after SWITCH_AT steps == built after sharding and loaded with the state at the switch
     later = C.small_llama()
@@ -134,9 +123,9 @@ def check(method: str, mesh) -> dict:
     loaded_opt.load_state_dict(state_at_switch)
     C.run_steps(loaded, loaded_opt, SWITCH_AT + 1, STEPS)
     what = f"{method} switched after {SWITCH_AT} steps"
-    assert_same(f"{what}, weights", C.full_params(later), C.full_params(loaded))
-    assert_same(f"{what}, state", local_state(later, later_opt), local_state(loaded, loaded_opt))
-    after_diff = max_diff(C.full_params(later), one_process)
+    assert_same_state(C.full_params(later), C.full_params(loaded), f"{what}, weights")
+    assert_same_state(local_state(later, later_opt), local_state(loaded, loaded_opt), f"{what}, state")
+    after_diff = C.max_diff(C.full_params(later), one_process)
     if not (before_diff <= TOLERANCE and after_diff <= TOLERANCE):
         raise AssertionError(f"{method}: switched runs differ from one process by {before_diff:.3e} (before any "
                              f"step) and {after_diff:.3e} (after {SWITCH_AT}); allowed {TOLERANCE:.0e}")

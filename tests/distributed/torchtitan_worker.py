@@ -155,11 +155,6 @@ def full_params(model) -> dict[str, torch.Tensor]:
     return {canonical_fqn(n): t for n, t in C.full_params(model).items()}
 
 
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
 def manager(model, optimizers, schedulers, folder: str, step_box: dict):
     class TrainState:
         def state_dict(self):
@@ -221,8 +216,8 @@ def phase_save(out: str, world: int, rank: int) -> dict:
         assert box2["step"] == K1, box2
         for s in range(K1, K1 + K2):
             titan_step(again, again_opt, again_sched, s)
-        resumed = max_diff(final, full_params(again))
-        own = max_diff(final, own_fsdp_run(case, initial, rates))
+        resumed = C.max_diff(final, full_params(again))
+        own = C.max_diff(final, own_fsdp_run(case, initial, rates))
         if rank == 0:
             torch.save(final, os.path.join(out, f"{case}.final.pt"))
         report[case] = {"groups": groups, "resumed_diff": resumed, "own_fsdp_diff": own, "rates": rates}
@@ -243,7 +238,7 @@ def phase_load(out: str, world: int, rank: int) -> dict:
         for s in range(K1, K1 + K2):
             titan_step(model, optimizers, schedulers, s)
         final = torch.load(os.path.join(out, f"{case}.final.pt"), weights_only=True)
-        report[case] = {"resharded_diff": max_diff(final, full_params(model))}
+        report[case] = {"resharded_diff": C.max_diff(final, full_params(model))}
         if rank == 0:
             print(f"{case} resumed at {world} ranks: {report[case]['resharded_diff']:.3g}", flush=True)
     report["stock_manager"] = stock_manager_refuses(out)
