@@ -17,12 +17,12 @@ import torch
 from pretrain_helpers import fast_config
 
 import slimopt
+from slimopt.catalog import known_methods
 from slimopt.cli import main
 from slimopt.optim.distributed import distcheckpoint
 from slimopt.train import checkpoint as ckpt
 from slimopt.train.logger import read_jsonl
-from slimopt.train.loop import known_methods, train
-
+from slimopt.train.loop import train
 
 # ------------------------------------------------------------------------------------------------ atomic writes
 

@@ -266,7 +266,7 @@ def check_memory_needs_model(argv, rc, out, err, cwd):
 
 
 def check_methods(argv, rc, out, err, cwd):
-    from slimopt.train.loop import known_methods
+    from slimopt.catalog import known_methods
 
     assert rc == 0, err
     kind = _flag(argv, "--kind", "all")

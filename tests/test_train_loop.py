@@ -11,12 +11,12 @@ import pytest
 import torch
 from pretrain_helpers import VOCAB, fast_config
 
+from slimopt.catalog import known_methods
 from slimopt.cli import main
 from slimopt.models import llama as models
 from slimopt.train.evaluate import evaluate, lm_loss
-from slimopt.train.loop import known_methods, train
+from slimopt.train.loop import train
 from slimopt.train.schedule import WarmupCosine, build_scheduler, resolve_warmup
-
 
 # ------------------------------------------------------------------------------------------------ schedule
 

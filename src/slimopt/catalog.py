@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["Entry", "CATALOG", "KINDS", "TACO_LR", "of_kind", "known_methods", "method_kind", "default_lr",
+__all__ = ["Entry", "CATALOG", "KINDS", "TACO_LR", "of_kind", "known_methods", "method_kind", "resolve_lr", "default_lr",
            "lr_source", "lr_is_papers"]
 
 KINDS = ("slimopt", "baseline", "peer")
@@ -139,6 +139,11 @@ def lr_is_papers(method: str) -> bool:
     """Whether ``default_lr(method)`` is a paper's (its source cites an arXiv id and is not a measured ratio)."""
     source = lr_source(method)
     return bool(re.search(r"\d{4}\.\d{5}", source)) and "measured" not in source
+
+
+def resolve_lr(method: str, lr: float | None = None) -> float:
+    """`lr` when given, else the method's default (``default_lr``)."""
+    return float(lr) if lr is not None else default_lr(method)
 
 
 def default_lr(method: str) -> float:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from slimopt.catalog import method_kind
 from slimopt.compare.analysis import baseline_full_rank_weights, full_rank_weights
 from slimopt.compare.config import CompareConfig, _grid_for, _method_config, split_method
 from slimopt.compare.protocol import CONTROL
-from slimopt.train.loop import TrainConfig, method_kind
+from slimopt.train.loop import TrainConfig
 from slimopt.train.results import check_out_dir
 
 __all__ = []

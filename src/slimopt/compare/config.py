@@ -13,10 +13,11 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from slimopt.catalog import known_methods, method_kind, resolve_lr
 from slimopt.compare.plan import PLACEMENT, PlanSetting
 from slimopt.compare.protocol import CONTROL, DEFAULT_LR_EXTENSIONS, DEFAULT_LR_GRID, seed_list
 from slimopt.options import split_variant
-from slimopt.train.loop import TrainConfig, known_methods, method_kind, resolve_lr
+from slimopt.train.loop import TrainConfig
 
 PLACEMENT_KEYS = tuple(PLACEMENT)  # TrainConfig fields a variant sets: where the run's weights live
 

@@ -16,8 +16,9 @@ import traceback
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from slimopt.catalog import method_kind
 from slimopt.compare.config import CompareConfig, _default_gap, split_method
-from slimopt.train.loop import TrainConfig, method_kind, train
+from slimopt.train.loop import TrainConfig, train
 
 __all__ = ["jobs_for"]
 

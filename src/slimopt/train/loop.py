@@ -29,17 +29,17 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from slimopt import catalog
+from slimopt.catalog import method_kind, resolve_lr
 from slimopt.factory import make_optimizer
 from slimopt.train import checkpoint as ckpt
 from slimopt.train import fsdp, run_checkpoint
 from slimopt.train.evaluate import evaluate, lm_loss
-from slimopt.train.vocab_chunked_loss import causal_lm_loss
 from slimopt.train.logger import MemoryProbe, RunLogger, read_jsonl
 from slimopt.train.results import check_out_dir
 from slimopt.train.schedule import build_scheduler
+from slimopt.train.vocab_chunked_loss import causal_lm_loss
 
-__all__ = ["TrainConfig", "train", "method_kind", "known_methods", "resolve_lr", "DTYPES"]
+__all__ = ["TrainConfig", "train", "DTYPES"]
 
 DTYPES = ("fp32", "bf16-autocast", "bf16")
 WEIGHT_FORMATS = ("dtype", "int8")
@@ -95,21 +95,6 @@ class TrainConfig:
 
 
 # --------------------------------------------------------------------------------------------- methods
-
-def known_methods() -> dict[str, tuple[str, str]]:
-    """Every name `--method` accepts -> (kind, description); kind is 'slimopt', 'peer' or 'baseline'."""
-    return catalog.known_methods()
-
-
-def method_kind(method: str) -> str:
-    """'slimopt', 'peer' or 'baseline'; ValueError for an unknown name."""
-    return catalog.method_kind(method)
-
-
-def resolve_lr(method: str, lr: float | None = None) -> float:
-    """`lr` when given, else the method's paper default."""
-    return float(lr) if lr is not None else catalog.default_lr(method)
-
 
 def slimopt_state_nbytes(opt: torch.optim.Optimizer, total: bool = False) -> int:
     from slimopt.optim.accounting import state_nbytes
