@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import batches, tiny_llama
+
 from slimopt.optim.algorithm import int8_weight
 from slimopt.optim.algorithm.noise import CounterStream
 from slimopt.weights.convert import int8_weights, to_int8

@@ -4,13 +4,13 @@ for bit, for every kind of state; the event log shows steps starting before the 
 
 import pytest
 import torch
-
 from helpers import batches, tiny_llama
-from slimopt.optim.recipes import param_groups
+
 from slimopt.optim.optimizer import SlimOptimizer
+from slimopt.optim.recipes import param_groups
 from slimopt.weights.convert import to_int8
-from slimopt.weights.masters import MasterWeights
 from slimopt.weights.int8_linear import Int8Linear
+from slimopt.weights.masters import MasterWeights
 
 METHODS = {
     "adamw": {},

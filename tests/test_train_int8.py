@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from pretrain_helpers import fast_config
 from transformers import AutoModelForCausalLM
 
-from pretrain_helpers import fast_config
 from slimopt.train.checkpoint import load_checkpoint
 from slimopt.train.logger import read_jsonl
 from slimopt.train.loop import train

@@ -3,8 +3,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import batches, tiny_llama
+
 from slimopt.train.evaluate import lm_loss
 from slimopt.train.vocab_chunked_loss import IGNORE, causal_lm_loss, linear_cross_entropy
 
