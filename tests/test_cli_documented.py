@@ -410,6 +410,8 @@ CASES = [
     Case("memory-7b-16gb", "slimopt memory --model 7b --method frugal_head,frugal_rho0,taco,signsgd,galore8bit,"
          "galore-torch-8bit --layerwise --checkpointing --batch 1 --seq 1024 --gpu-memory 16GB", check=check_memory),
     # issue 46: int8 weights on the device, the master copy and the state on the host (docs/benchmarks.md, section 7)
+    Case("memory-int8-host-plain", "slimopt memory --model 7b --method galore8bit --weights int8 --offload host "
+         "--checkpointing --batch 1 --seq 2048", check=check_memory),
     Case("memory-int8-host", "slimopt memory --model 7b --method galore8bit,frugal_head --weights int8 --offload host "
          "--master bf16+int8 --checkpointing --batch 1 --seq 2048 --gpu-memory 8GiB", check=check_memory),
     Case("memory-bf16-host", "slimopt memory --model 7b --method torch-adamw-fused --offload host --master bf16 "
@@ -479,6 +481,8 @@ CASES = [
                  replace={"--model": "tiny", "--seq-len": "32", "--max-steps": "2", "--eval-tokens": "512",
                           "--seeds": "1"}, slow=True),
     compare_case("compare-bbc", "slimopt compare --data bbc", add=("--methods", "adamw,galore"), slow=True),
+    compare_case("compare-int8-variants", "slimopt compare --methods adamw,adamw+weights=int8+offload=host,"
+                 "adamw+weights=int8 --seeds 3", replace={"--seeds": "2"}),
     compare_case("compare-methods-tokens", "slimopt compare --methods adamw,galore,frugal,torch-adamw,galore-torch "
                  "--tokens 4e6", replace={"--tokens": "512"}, slow=True),
     compare_case("compare-vocab-steps", "slimopt compare --vocab-size 512 --max-steps 512",

@@ -1,6 +1,6 @@
-"""The runnable examples of the docs run: the python blocks of README.md and docs/taco.md (standalone programs;
-the other docs' blocks are fragments of torchrun scripts or of a fine-tuning script), and the ``>>>`` examples of
-the public classes' docstrings (doctest)."""
+"""The runnable examples of the docs run: the python blocks of README.md, docs/taco.md and docs/offload.md
+(standalone programs; the other docs' blocks are fragments of torchrun scripts or of a fine-tuning script), and
+the ``>>>`` examples of the public classes' docstrings (doctest)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import re
 import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-STANDALONE = ("README.md", "docs/taco.md")
-DOCTESTED = ("slimopt.optim.optimizer", "slimopt.optim.recipes", "slimopt.optim.layerwise")
+STANDALONE = ("README.md", "docs/taco.md", "docs/offload.md")
+DOCTESTED = ("slimopt.optim.optimizer", "slimopt.optim.recipes", "slimopt.optim.layerwise", "slimopt.factory")
 
 
 def python_blocks(path: str) -> list[str]:

@@ -246,3 +246,30 @@ def test_in_place_resume_continues_identically(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
     host.close()
     resumed.close()
+
+
+def test_slimopt_build_places_the_weights_and_steps_in_the_backward_pass():
+    import slimopt
+
+    model = tiny_llama(seed=0)
+    opt = slimopt.build(model, "adamw8bit", weights="int8", offload="host", accumulation_steps=1)
+    assert isinstance(opt, MasterWeights) and not opt.in_place
+    assert isinstance(model.model.layers[0].mlp.down_proj, Int8Linear)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt.front, lambda s: 0.5)
+    ids = batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    assert opt.steps == 1 and slimopt.state_nbytes(opt) > 0
+    in_place = slimopt.build(tiny_llama(seed=0), "adamw", weights="int8")
+    assert in_place.in_place
+    assert type(slimopt.build(tiny_llama(seed=0), "adamw")).__name__ == "SlimOptimizer"
+    with pytest.raises(ValueError, match="weights must be one of"):
+        slimopt.build(tiny_llama(seed=0), "adamw", weights="int4")
+    with pytest.raises(ValueError, match="offload must be one of"):
+        slimopt.build(tiny_llama(seed=0), "adamw", offload="disk")
+    with pytest.raises(ValueError, match="clip apply with"):
+        slimopt.build(tiny_llama(seed=0), "adamw", clip=1.0)
+    opt.close()
+    in_place.close()

@@ -19,8 +19,9 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "state_nbytes": "slimopt.optim.accounting",
     "SlimOptimizer": "slimopt.optim.optimizer",
-    **{name: "slimopt.optim.recipes" for name in ("TACO", "BAdam", "FRUGAL", "GaLoreAdamW", "build", "default_lr",
-                                                    "methods", "param_groups")},
+    "build": "slimopt.factory",  # recipes.build, or int8 weights and host masters (slimopt.weights)
+    **{name: "slimopt.optim.recipes" for name in ("TACO", "BAdam", "FRUGAL", "GaLoreAdamW", "default_lr", "methods",
+                                                    "param_groups")},
 }
 
 __all__ = ["SlimOptimizer", "GaLoreAdamW", "FRUGAL", "BAdam", "TACO", "build", "param_groups", "methods",

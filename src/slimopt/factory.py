@@ -16,7 +16,7 @@ from slimopt import catalog
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["make_optimizer"]
+__all__ = ["make_optimizer", "build", "WEIGHT_FORMATS", "OFFLOADS"]
 
 
 def make_optimizer(model: torch.nn.Module, method: str, lr: float | None = None, weight_decay: float = 0.0, *,
@@ -70,3 +70,46 @@ def _rank_from_width(model: torch.nn.Module, method: str, hp: dict[str, Any]) ->
     if (method.startswith("galore") and "rank" not in hp and "density" not in hp and hidden
             and hp.get("projector") != "none"):
         hp["rank"] = max(1, hidden // 4)
+
+
+WEIGHT_FORMATS = ("dtype", "int8")
+OFFLOADS = ("none", "host")
+_MASTER_SETTINGS = ("accumulation_steps", "clip", "clip_mode", "overlap")  # MasterWeights' own keywords
+
+
+def build(model: torch.nn.Module, method: str = "adamw", *, weights: str = "dtype", offload: str = "none",
+          master: str = "fp32", int8_group: int = 0, **settings: Any):
+    """``slimopt.build``: the optimizer for `method` over `model` (``slimopt.optim.recipes.build``, whose
+    keywords it takes), and where the weights live.
+
+    - weights: ``"dtype"`` (as the model holds them) or ``"int8"``: the attention and MLP weights become int8
+      codes and scales on the device (``slimopt.weights``; ``int8_group`` elements of a row share a scale, 0: a
+      row), converted in place.
+    - offload: ``"none"`` or ``"host"``: a ``master`` copy (``"fp32"`` or ``"bf16"``) of every trainable weight and
+      all optimizer state on the host, each weight stepped there as the backward pass completes its gradient.
+      int8 weights without offload are updated in place on the device with stochastic rounding.
+
+    With either, the model is converted in place and a ``MasterWeights`` returned: it steps during the backward
+    pass (``accumulation_steps``, ``clip`` and ``clip_mode`` are its settings), and its ``step()`` and
+    ``zero_grad()`` are there for loops written for torch.optim; give ``opt.front`` to an lr schedule.
+
+    Example::
+
+        >>> import torch, slimopt
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+        >>> opt = slimopt.build(model, "adamw8bit", weights="int8", offload="host")
+        >>> model(torch.randn(4, 16)).square().mean().backward()  # each weight steps as its gradient completes
+        >>> opt.step(); opt.zero_grad()
+    """
+    for name, value, allowed in (("weights", weights, WEIGHT_FORMATS), ("offload", offload, OFFLOADS)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+    own = {k: settings.pop(k) for k in _MASTER_SETTINGS if k in settings}
+    if weights == "dtype" and offload == "none":
+        if own:
+            raise ValueError(f"{', '.join(own)} apply with weights='int8' or offload='host'")
+        from slimopt.optim.recipes import build as build_in_place
+        return build_in_place(model, method, **settings)
+    from slimopt.weights.masters import MasterWeights
+    return MasterWeights(model, method, int8=weights == "int8", int8_group=int8_group,
+                         master=master if offload == "host" else "none", **own, **settings)

@@ -288,7 +288,9 @@ class MasterWeights:
 
     @property
     def state(self):
-        """The host optimizer's state (what ``slimopt.state_nbytes`` and the peers' byte counts read)."""
+        """The host optimizer's state (what ``slimopt.state_nbytes`` and the peers' byte counts read), once every
+        update in flight has landed."""
+        self.synchronize()
         return self.optimizer.state
 
     @torch.no_grad()
