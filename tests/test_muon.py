@@ -299,7 +299,7 @@ def test_muon_refuses_tensors_that_are_not_2d():
 @pytest.mark.parametrize("method,setting,why", [
     ("adamw", {"ns_steps": 3}, "only rule 'muon' reads it"),
     ("galore", {"adjust_lr_fn": "match_rms_adamw"}, "only rule 'muon' reads it"),
-    ("adamw", {"momentum": 0.5}, "only rules 'sgdm' and 'muon' read it"),
+    ("adamw", {"momentum": 0.5}, "only rules 'sgdm', 'muon', 'nesterov' read it"),
 ])
 def test_muon_settings_are_refused_where_nothing_reads_them(method, setting, why):
     key = next(iter(setting))

@@ -11,7 +11,8 @@ from slimopt.optim.routes.torch import compiled
 
 @pytest.mark.parametrize("method,setting,why", [
     ("adamw", {"rank": 4}, "the projector is 'none'"),
-    ("adamw", {"momentum": 0.5}, "only rules 'sgdm' and 'muon' read it"),
+    ("adamw", {"momentum": 0.5}, "only rules 'sgdm', 'muon', 'nesterov' read it"),
+    ("adamw", {"rule": "nesterov", "betas": (0.9, 0.99)}, "rule 'nesterov' uses momentum, not betas"),
     ("adamw", {"ns_steps": 3}, "only rule 'muon' reads it"),
     ("adamw", {"taco_k": 2}, "only rule 'taco' reads it"),
     ("frugal", {"scale": 2.0}, "the projector is 'block'"),

@@ -62,7 +62,7 @@ def kind(codecs: list[tuple[str, Any]], rule: str = "adamw") -> str:
         return "ternary_sr"
     if names & {"int8", "int4"}:
         return "8bit"
-    if rule in ("lion", "sgdm"):
+    if rule in ("lion", "sgdm", "nesterov"):  # one moment: the momentum step's scratch
         return "momentum"
     return "factored" if "factored" in names else "plain"
 

@@ -10,6 +10,10 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from slimopt.optim.algorithm import projectors as P
+from slimopt.optim.algorithm.rules import REGISTRY
+
+# the rules whose one moment is a momentum buffer read `momentum` and not `betas` (sgdm, nesterov, muon)
+_MOMENTUM_RULES = tuple(n for n, r in REGISTRY.items() if [k for k, _ in r.moments] == ["momentum_buffer"])
 
 __all__ = ["unused_reason"]
 
@@ -36,13 +40,13 @@ def unused_reason(key: str, group: Mapping[str, Any]) -> str | None:
         return f"it orders the block projector's blocks; the projector is {projector!r}"
     if key == "free_scale" and (projector == "none" or group["free_rule"] == "none"):
         return "it scales the state-free residual, and there is none (projector 'none' or free_rule 'none')"
-    if key == "momentum" and rule not in ("sgdm", "muon"):
-        return f"only rules 'sgdm' and 'muon' read it; the rule is {rule!r}"
+    if key == "momentum" and rule not in _MOMENTUM_RULES:
+        return f"only rules {', '.join(map(repr, _MOMENTUM_RULES))} read it; the rule is {rule!r}"
     if key in _MUON and rule != "muon":
         return f"only rule 'muon' reads it; the rule is {rule!r}"
     if key in ("eps", "eps_placement") and rule not in ("adamw", "taco"):
         return f"only the Adam rules read it; the rule is {rule!r}"
-    if key == "betas" and rule in ("sgdm", "muon"):
+    if key == "betas" and rule in _MOMENTUM_RULES:
         return f"rule {rule!r} uses momentum, not betas"
     if key.startswith("taco_") and rule != "taco":
         return f"only rule 'taco' reads it; the rule is {rule!r}"
