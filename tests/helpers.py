@@ -147,6 +147,19 @@ def run_steps(params, opt, grads, lrs=None) -> None:
         opt.step()
 
 
+def seeded_steps(params, opt, first: int, last: int, lrs) -> None:
+    """Optimizer steps first..last-1: step t's gradients drawn from seed 100 + t (0.1 N(0, 1), in each parameter's
+    dtype), every group's learning rate set from `lrs` (cycled by t) first. A run split in two (first..k, then
+    k..last) draws what one run draws."""
+    for t in range(first, last):
+        gen = torch.Generator().manual_seed(100 + t)
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=gen) * 0.1).to(p.dtype)
+        for group in opt.param_groups:
+            group["lr"] = lrs[t % len(lrs)]
+        opt.step()
+
+
 def assert_same_state(sa: dict, sb: dict, what="", bitwise: bool = False, codes: float | None = None, **tol) -> None:
     """Two states of a weight (or any two dicts of tensors): the same keys, and under each the same dtype and shape
     and values that are

@@ -5,23 +5,18 @@ from __future__ import annotations
 
 import os
 import random
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
-from pretrain_helpers import fast_config
+from pretrain_helpers import Crash, crash_at, eval_losses, fast_config, killed_and_resumed, train_losses
 
 import slimopt
 from slimopt.catalog import known_methods
 from slimopt.cli import main
 from slimopt.optim.distributed import distcheckpoint
 from slimopt.train import checkpoint as ckpt
-from slimopt.train.logger import read_jsonl
 from slimopt.train.loop import train
 
 # ------------------------------------------------------------------------------------------------ atomic writes
@@ -101,7 +96,7 @@ def written(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("written") / "run"
     with pytest.raises(Crash):
         train(fast_config(corpus, cache, method="adamw8bit", max_steps=4, save_every=2, out=str(out)),
-              callback=_crash_at(3))
+              callback=crash_at(3))
     return out
 
 
@@ -215,7 +210,7 @@ def written_fsdp(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("written_fsdp") / "run"
     with pytest.raises(Crash):
         train(fast_config(corpus, cache, method="adamw8bit", max_steps=4, save_every=2, out=str(out), fsdp=True),
-              callback=_crash_at(3))
+              callback=crash_at(3))
     return out
 
 
@@ -236,7 +231,7 @@ def test_fsdp_resume_from_a_whole_copy_finishes_the_run(data, written_fsdp, tmp_
     _copy(_files(written_fsdp), out)
     res = train(fast_config(corpus, cache, method="adamw8bit", max_steps=4, save_every=2, out=str(out), fsdp=True,
                             resume=True))
-    assert res["steps"] == 4 and [s for s, _ in _train_losses(out)] == [1, 2, 3, 4]
+    assert res["steps"] == 4 and [s for s, _ in train_losses(out)] == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("name", ["train_state.pt", "rng_rank0.pt"])
@@ -260,23 +255,6 @@ def test_fsdp_resume_from_a_cut_short_file_prints_one_line_and_changes_nothing(d
 
 # ------------------------------------------------------------------------------------------------ exact resume
 
-class Crash(Exception):
-    pass
-
-
-def _crash_at(step_to_die: int):
-    def callback(step, record):
-        if step == step_to_die:
-            raise Crash(f"killed after step {step}")
-    return callback
-
-
-def _train_losses(out):
-    return [(r["step"], r["loss"]) for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"]
-
-
-def _eval_losses(out):
-    return [(r["step"], r["val_loss"]) for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "eval"]
 
 
 def _assert_same_checkpoint(a, b):
@@ -317,14 +295,14 @@ def test_interrupted_and_resumed_equals_uninterrupted(data, tmp_path, method):
     ref = train(replace(cfg, out=str(whole)))
 
     with pytest.raises(Crash):
-        train(replace(cfg, out=str(broken)), callback=_crash_at(5))  # last checkpoint: step 3
+        train(replace(cfg, out=str(broken)), callback=crash_at(5))  # last checkpoint: step 3
     assert ckpt.load_checkpoint(broken / "checkpoint.pt")["step"] == 3
     res = train(replace(cfg, out=str(broken), resume=True))
 
     _assert_same_checkpoint(whole, broken)
-    assert _train_losses(whole) == _train_losses(broken)  # exact floats, steps 1..10, no duplicates
-    assert [s for s, _ in _train_losses(broken)] == list(range(1, 11))
-    assert _eval_losses(whole) == _eval_losses(broken)
+    assert train_losses(whole) == train_losses(broken)  # exact floats, steps 1..10, no duplicates
+    assert [s for s, _ in train_losses(broken)] == list(range(1, 11))
+    assert eval_losses(whole) == eval_losses(broken)
     assert res["val_loss"] == ref["val_loss"]
 
 
@@ -333,7 +311,7 @@ def test_resume_with_changed_settings_is_refused(data, tmp_path):
     out = tmp_path / "run"
     cfg = fast_config(corpus, cache, max_steps=4, save_every=2, out=str(out))
     with pytest.raises(Crash):
-        train(cfg, callback=_crash_at(3))
+        train(cfg, callback=crash_at(3))
     with pytest.raises(ValueError, match="batch_size"):
         train(replace(cfg, batch_size=16, resume=True))
 
@@ -346,7 +324,7 @@ def test_resume_without_a_checkpoint_starts_fresh_and_a_finished_run_stays_finis
     assert first["steps"] == 3
     again = train(cfg)  # resumes at the final checkpoint: no further step, the same model
     assert again["steps"] == 3 and again["val_loss"] == first["val_loss"]
-    assert [s for s, _ in _train_losses(out)] == [1, 2, 3]
+    assert [s for s, _ in train_losses(out)] == [1, 2, 3]
 
 
 @pytest.mark.slow
@@ -357,18 +335,6 @@ def test_sigkill_at_a_random_moment_then_resume(data, tmp_path):
             "--max-steps", "40", "--save-every", "2", "--method", "frugal", "--update-gap", "3", "--threads", "1",
             "--cache-dir", str(cache), "--no-progress", "--no-save-model", "--eval-every", "0", "--eval-tokens",
             "1024"]
-    whole, broken = tmp_path / "whole", tmp_path / "broken"
-    cmd = [sys.executable, "-m", "slimopt", "train", *args]
-    subprocess.run(cmd + ["--out", str(whole)], check=True, capture_output=True)
-    proc = subprocess.Popen(cmd + ["--out", str(broken)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:  # kill once a few checkpoints exist
-        if (broken / "checkpoint.pt").exists() and len(_train_losses(broken)) >= 7:
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-    subprocess.run(cmd + ["--out", str(broken), "--resume"], check=True, capture_output=True)
+    whole, broken = killed_and_resumed(args, tmp_path)
     _assert_same_checkpoint(whole, broken)
-    assert _train_losses(whole) == _train_losses(broken)
+    assert train_losses(whole) == train_losses(broken)

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from helpers import seeded_steps
 from launch import interpreted_worker
 
 import slimopt
@@ -30,13 +31,7 @@ def _params(dtype, seed=0):
 
 
 def _run(ps, opt, steps=3):
-    for t in range(steps):
-        gen = torch.Generator().manual_seed(100 + t)
-        for p in ps:
-            p.grad = (torch.randn(p.shape, generator=gen) * 0.1).to(p.dtype)
-        for group in opt.param_groups:
-            group["lr"] = LRS[t % len(LRS)]
-        opt.step()
+    seeded_steps(ps, opt, 0, steps, LRS)
 
 
 def _pair(dtype, **kw):

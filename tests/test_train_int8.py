@@ -1,35 +1,15 @@
 """`slimopt train` with int8 weights (--weights int8) and a host master (--offload host) or none: a run cut short
 and resumed equals the unbroken one, after a real kill -9 too; the final model is a plain transformers model."""
 
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import replace
 
 import pytest
 import torch
-from pretrain_helpers import fast_config
+from pretrain_helpers import Crash, crash_at, fast_config, killed_and_resumed, train_losses
 from transformers import AutoModelForCausalLM
 
 from slimopt.train.checkpoint import load_checkpoint
-from slimopt.train.logger import read_jsonl
 from slimopt.train.loop import train
-
-
-class Crash(Exception):
-    pass
-
-
-def _crash_at(step_to_die: int):
-    def callback(step, record):
-        if step == step_to_die:
-            raise Crash(f"killed after step {step}")
-    return callback
-
-
-def _losses(out):
-    return [(r["step"], r["loss"]) for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"]
 
 
 def _same_checkpoints(a, b):
@@ -54,10 +34,10 @@ def test_interrupted_and_resumed_equals_uninterrupted(data, tmp_path, offload, m
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     ref = train(replace(cfg, out=str(whole)))
     with pytest.raises(Crash):
-        train(replace(cfg, out=str(broken)), callback=_crash_at(5))  # the last checkpoint: step 3
+        train(replace(cfg, out=str(broken)), callback=crash_at(5))  # the last checkpoint: step 3
     res = train(replace(cfg, out=str(broken), resume=True))
     _same_checkpoints(whole, broken)
-    assert _losses(whole) == _losses(broken) and res["val_loss"] == ref["val_loss"]
+    assert train_losses(whole) == train_losses(broken) and res["val_loss"] == ref["val_loss"]
     assert ref["trainable_params"] == ref["params"]  # the int8 weights' masters count as trainable
 
 
@@ -99,18 +79,6 @@ def test_sigkill_then_resume_gives_the_uninterrupted_run(data, tmp_path):
             "--max-steps", "30", "--save-every", "2", "--method", "adamw8bit", "--weights", "int8", "--offload",
             "host", "--threads", "1", "--cache-dir", str(cache), "--no-progress", "--no-save-model",
             "--eval-every", "0", "--eval-tokens", "1024"]
-    whole, broken = tmp_path / "whole", tmp_path / "broken"
-    cmd = [sys.executable, "-m", "slimopt", "train", *args]
-    subprocess.run(cmd + ["--out", str(whole)], check=True, capture_output=True)
-    proc = subprocess.Popen(cmd + ["--out", str(broken)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if (broken / "checkpoint.pt").exists() and len(_losses(broken)) >= 7:
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-    subprocess.run(cmd + ["--out", str(broken), "--resume"], check=True, capture_output=True)
+    whole, broken = killed_and_resumed(args, tmp_path)
     _same_checkpoints(whole, broken)
-    assert _losses(whole) == _losses(broken)
+    assert train_losses(whole) == train_losses(broken)

@@ -18,6 +18,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("SLIMOPT_TRI
 
 import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
+from helpers import seeded_steps  # noqa: E402  (tests/ is this script's folder: sys.path[0])
 
 import slimopt  # noqa: E402
 from slimopt.optim.routes import kernel_plan  # noqa: E402
@@ -114,13 +115,7 @@ def params(dtype):
 
 
 def run(ps, opt, first, last):
-    for t in range(first, last):
-        gen = torch.Generator().manual_seed(100 + t)
-        for p in ps:
-            p.grad = (torch.randn(p.shape, generator=gen) * 0.1).to(p.dtype)
-        for group in opt.param_groups:
-            group["lr"] = LRS[t % len(LRS)]
-        opt.step()
+    seeded_steps(ps, opt, first, last, LRS)
 
 
 def settings(rule, m, v, extra):
