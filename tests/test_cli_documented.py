@@ -427,6 +427,7 @@ CASES = [
     train_case("train", "slimopt train"),
     train_case("train-out", "slimopt train --method frugal --out runs/frugal"),
     train_case("train-int8-host", "slimopt train --weights int8 --offload host --master fp32"),
+    train_case("train-int8-host-default-master", "slimopt train --weights int8 --offload host"),
     train_case("train-tokens", "slimopt train --method galore --tokens 2e6 --out runs/galore",
                replace={"--tokens": "512"}),
     train_case("train-save-then-resume",
