@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LLAMA_LIKE", "ActivationEstimate", "activation_bytes"]
+__all__ = ["LLAMA_LIKE", "ActivationEstimate", "activation_bytes", "check_vocab_slice"]
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
 
@@ -59,6 +59,12 @@ def llama_layer_bytes(h: int, hq: int, hkv: int, i: int, a: int, e: int) -> int:
     return 8 * h + 8 + 4 * e * h + 2 * e * hq + 2 * e * hkv + 4 * a + 4 * e * i
 
 
+def check_vocab_slice(vocab_slice: object) -> None:
+    """ValueError unless `vocab_slice` is an integer >= 0 (rows of the vocabulary the loss takes at a time)."""
+    if isinstance(vocab_slice, bool) or not isinstance(vocab_slice, int) or vocab_slice < 0:
+        raise ValueError(f"vocab_slice must be an integer >= 0 (0: the whole logits), got {vocab_slice!r}")
+
+
 def activation_bytes(config, batch: int, seq: int, elem_size: int, checkpointing: bool = False,
                      has_lm_head: bool = True, body_trains: bool = True, vocab_slice: int = 0) -> ActivationEstimate:
     """Activation bytes of one forward pass of `batch` sequences of `seq` tokens.
@@ -71,8 +77,7 @@ def activation_bytes(config, batch: int, seq: int, elem_size: int, checkpointing
     whole logits): it saves one log-sum-exp per token instead of the log-softmax, and its backward pass holds one
     slice's fp32 logits, softmax and compute-dtype gradient plus the hidden states' fp32 gradient.
     """
-    if isinstance(vocab_slice, bool) or not isinstance(vocab_slice, int) or vocab_slice < 0:
-        raise ValueError(f"vocab_slice must be an integer >= 0 (0: the whole logits), got {vocab_slice!r}")
+    check_vocab_slice(vocab_slice)
     for name, v in (("batch", batch), ("seq", seq)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{name} must be an integer >= 0, got {v!r}")

@@ -19,7 +19,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from slimopt.bench.activations import ActivationEstimate, activation_bytes
+from slimopt.bench.activations import ActivationEstimate, activation_bytes, check_vocab_slice
+from slimopt.factory import OFFLOADS, WEIGHT_FORMATS
 from slimopt.optim.algorithm import int8_weight
 from slimopt.weights.convert import int8_weights
 
@@ -39,8 +40,6 @@ __all__ = [
     "plan",
     "plan_many",
     "max_batch",
-    "WEIGHT_FORMATS",
-    "OFFLOADS",
     "MASTERS",
     "GRADS_IN_FLIGHT",
     "int8_nbytes",
@@ -51,8 +50,6 @@ _COUNTER = 4  # ``step`` and ``moment_step``: fp32 0-D tensors (optimizer.py)
 
 # Weight formats on the device and where the master copy and the optimizer state live (module docstring,
 # "Weights below bf16 and host offload").
-WEIGHT_FORMATS = ("dtype", "int8")
-OFFLOADS = ("none", "host")
 MASTERS = {"fp32": 4, "bf16+int8": 3, "bf16": 2}  # bytes per parameter of the host's master copy
 INT8_SCALE_BYTES = 4  # one fp32 scale per row (or per group of a row) of an int8 weight
 GRADS_IN_FLIGHT = 2  # gradient buffers on the device with host offload: one being written, one leaving
@@ -601,7 +598,7 @@ def prepare(model: str | nn.Module, method: str, *, dtype: str | None = None, st
         label, config = load_config(model, vocab_size)
         net = meta_model(config, dtype)
     states = state_plan(_state_net(net, config, dtype, master), method, step=step, **hparams)
-    activation_bytes(config, 1, 1, 2, vocab_slice=vocab_slice)  # checks vocab_slice before any planning
+    check_vocab_slice(vocab_slice)
     return Prepared(net, config, label, method, dtype, states, step, weight_format, offload, master, int8_group,
                     int8_embeddings, grads_in_flight, vocab_slice)
 

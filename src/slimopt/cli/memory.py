@@ -91,11 +91,11 @@ def run(args) -> int:
     import json
     from pathlib import Path
 
+    from slimopt.atomic import write_atomic
     from slimopt.bench import planner
     from slimopt.bench.plots import memory_chart
     from slimopt.bench.tables import memory_table
     from slimopt.bench.units import parse_size
-    from slimopt.atomic import write_atomic
     from slimopt.options import parse_method_opts
     from slimopt.train.results import check_out_dir
 
@@ -168,7 +168,8 @@ def run(args) -> int:
 
 def _placement(args) -> dict:
     """The planner's weight-format and offload keywords from the options, with errors that name the option."""
-    from slimopt.bench.planner import MASTERS, OFFLOADS, WEIGHT_FORMATS
+    from slimopt.bench.planner import MASTERS
+    from slimopt.factory import OFFLOADS, WEIGHT_FORMATS
 
     if args.weights not in WEIGHT_FORMATS:
         raise ValueError(f"--weights must be one of {', '.join(WEIGHT_FORMATS)}; got {args.weights!r}")

@@ -43,10 +43,10 @@ def _plan_settings(settings: dict) -> dict:
     return {k: v for k, v in settings.items() if k != "lr" and k not in PLACEMENT}
 
 
-def _placement(settings: dict) -> dict:
-    """An entry's run settings as the planner's keywords (a master only where it lives on the host)."""
-    given = {k: v for k, v in settings.items() if k in PLACEMENT and (k != "master" or settings.get("offload") == "host")}
-    return {PLACEMENT[k][0]: v for k, v in given.items()}
+def _placed(settings: dict) -> dict:
+    """An entry's run settings (a master only where it lives on the host: without offload there is none)."""
+    return {k: v for k, v in settings.items()
+            if k in PLACEMENT and (k != "master" or settings.get("offload") == "host")}
 
 
 def memory_command(setting: PlanSetting, method: str, settings: dict) -> str:
@@ -56,8 +56,7 @@ def memory_command(setting: PlanSetting, method: str, settings: dict) -> str:
     if setting.layerwise:
         parts.append("--layerwise")
     parts.append(f"--gpu-memory {setting.gpu_memory}")
-    parts += [f"{PLACEMENT[k][1]} {v}" for k, v in settings.items()
-              if k in PLACEMENT and (k != "master" or settings.get("offload") == "host")]
+    parts += [f"{PLACEMENT[k][1]} {v}" for k, v in _placed(settings).items()]
     parts += [f"--set {method}.{k}={v}" for k, v in sorted(_plan_settings(settings).items())]
     return " ".join(parts)
 
@@ -81,7 +80,7 @@ def plan_methods(setting: PlanSetting, entries: dict[str, tuple[str, dict]]) -> 
             continue
         try:
             prep = planner.prepare(planner.meta_model(config, setting.dtype), method, dtype=setting.dtype,
-                                   label=label, config=config, **_placement(settings),
+                                   label=label, config=config, **{PLACEMENT[k][0]: v for k, v in _placed(settings).items()},
                                    **_plan_settings(settings))
         except ValueError as e:
             raise ValueError(f"method {entry!r}: {e}") from e

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from slimopt.catalog import method_kind, resolve_lr
-from slimopt.factory import make_optimizer
+from slimopt.factory import OFFLOADS, WEIGHT_FORMATS, make_optimizer
 from slimopt.train import checkpoint as ckpt
 from slimopt.train import fsdp, run_checkpoint
 from slimopt.train.evaluate import evaluate, lm_loss
@@ -42,8 +42,6 @@ from slimopt.train.vocab_chunked_loss import causal_lm_loss
 __all__ = ["TrainConfig", "train", "DTYPES"]
 
 DTYPES = ("fp32", "bf16-autocast", "bf16")
-WEIGHT_FORMATS = ("dtype", "int8")
-OFFLOADS = ("none", "host")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -428,8 +426,8 @@ def _build(c: TrainConfig, d: _Dist) -> _Run:
     n_val = min(packed.val.shape[0], max(1, c.eval_tokens // c.seq_len))
     val_blocks = torch.from_numpy(np.asarray(packed.val[:n_val], dtype=np.int64))  # [n_val, seq_len]
 
-    from slimopt.train import data as data_mod
     from slimopt.models import llama as models
+    from slimopt.train import data as data_mod
     probe = MemoryProbe(device)
     probe.start()
     model = models.build_model(c.model, packed.vocab_size, c.seq_len, dtype=weight_dtype, seed=c.seed,

@@ -37,9 +37,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             running_sum = running_sum * torch.exp(running_max - new_max) + \
                 torch.exp(logits - new_max[:, None]).sum(dim=1)
             running_max = new_max
-            inside = valid & (target >= start) & (target < stop)
-            rows = inside.nonzero().squeeze(1)
-            picked[rows] = logits[rows, target[rows] - start]
+            inside, column = _in_slice(target, valid, start, stop)
+            picked += torch.where(inside, logits.gather(1, column).squeeze(1), 0.0)
         lse = running_max + torch.log(running_sum)  # (N,)
         count = valid.sum().clamp_min(1)
         ctx.save_for_backward(hidden, weight, target, lse, count)
@@ -57,14 +56,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
             stop = min(start + ctx.slice_rows, weight.shape[0])
             logits = (hidden @ weight[start:stop].t()).float()
             grad_logits = torch.exp(logits - lse[:, None])  # softmax, (N, slice)
-            inside = valid & (target >= start) & (target < stop)
-            rows = inside.nonzero().squeeze(1)
-            grad_logits[rows, target[rows] - start] -= 1.0
+            inside, column = _in_slice(target, valid, start, stop)
+            grad_logits.scatter_add_(1, column, -inside.to(torch.float32)[:, None])  # -1 at the target, -0.0 elsewhere
             grad_logits = (grad_logits * per_token[:, None]).to(hidden.dtype)
             grad_hidden += (grad_logits @ weight[start:stop]).float()
             if grad_weight is not None:
                 grad_weight[start:stop] = grad_logits.t() @ hidden
         return grad_hidden.to(hidden.dtype), grad_weight, None, None
+
+
+def _in_slice(target: Tensor, valid: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
+    """Which targets fall in vocabulary rows [start, stop), and each one's column in the slice (N, 1) (a target
+    elsewhere points at column 0 and is masked): tensor ops only, so no host sync a slice."""
+    inside = valid & (target >= start) & (target < stop)
+    return inside, (target - start).clamp_(0, stop - start - 1)[:, None]
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, slice_rows: int = 8192) -> Tensor:

@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from slimopt.optim.algorithm import int8_weight
+from slimopt.optim.algorithm.noise import CounterStream
 
 __all__ = ["Int8Linear"]
 
@@ -107,11 +108,11 @@ class Int8Linear(nn.Module):
         return layer
 
     @torch.no_grad()
-    def load_weight(self, weight: Tensor) -> None:
+    def load_weight(self, weight: Tensor, noise: CounterStream | None = None) -> None:
         """Write `weight` (out, in), any float dtype and device, as this layer's codes and scales (nearest
-        rounding). Rounded where the weight is (a host master: the host), so only the int8 codes and the scales
-        cross to the layer's device."""
-        codes, scale = int8_weight.quantize(weight, self.group)
+        rounding, or stochastic from `noise`). Rounded where the weight is (a host master: the host), so only the
+        int8 codes and the scales cross to the layer's device."""
+        codes, scale = int8_weight.quantize(weight, self.group, noise=noise)
         self.weight_codes.copy_(codes)
         self.weight_scale.copy_(scale)
 

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from slimopt.optim.algorithm import int8_weight
 from slimopt.optim.algorithm.noise import CounterStream, mix_seed
 from slimopt.optim.optimizer import SlimOptimizer
 from slimopt.optim.recipes import param_groups
@@ -167,7 +166,7 @@ class MasterWeights:
             return
         self._wait((name,))  # a step of this master still running reads its .grad
         master = self.masters[name]
-        host = grad.detach().to(device=master.device, dtype=master.dtype, copy=True)
+        host = grad.detach().to(device=master.device, dtype=master.dtype)
         if master.grad is None:
             master.grad = host
         else:
@@ -241,10 +240,8 @@ class MasterWeights:
         layer = self._layers[name]
         master.data = layer.dequantized_weight(torch.float32)
         self.optimizer.step_param(master)
-        stream = CounterStream(mix_seed(self.seed, self._index[name], self.steps, _WEIGHT_STREAM))
-        codes, scale = int8_weight.quantize(master.detach(), layer.group, noise=stream)
-        layer.weight_codes.copy_(codes)
-        layer.weight_scale.copy_(scale)
+        layer.load_weight(master.detach(), CounterStream(mix_seed(self.seed, self._index[name], self.steps,
+                                                                  _WEIGHT_STREAM)))
         master.data = _stand_in(master, master.device)
 
     def _write(self, name: str, master: Tensor) -> None:

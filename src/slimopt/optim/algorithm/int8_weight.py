@@ -33,15 +33,14 @@ def group_count(cols: int, group: int) -> int:
 
 
 def _grouped(w: Tensor, group: int) -> Tensor:
-    """(rows, cols) -> (rows, groups, width) fp32, the short last group padded with zeros (which never change an
-    absmax and are cut again after rounding)."""
+    """(rows, cols) -> (rows, groups, width) in w's dtype, the short last group padded with zeros (which never
+    change an absmax and are cut again after rounding)."""
     rows, cols = w.shape
     width = cols if group == 0 else group
     groups = group_count(cols, group)
-    flat = w.float()
     if groups * width != cols:
-        flat = F.pad(flat, (0, groups * width - cols))
-    return flat.view(rows, groups, width)
+        w = F.pad(w, (0, groups * width - cols))
+    return w.view(rows, groups, width)
 
 
 def quantize(w: Tensor, group: int = 0, *, noise: CounterStream | None = None) -> tuple[Tensor, Tensor]:
@@ -53,7 +52,7 @@ def quantize(w: Tensor, group: int = 0, *, noise: CounterStream | None = None) -
     if w.dim() != 2:
         raise ValueError(f"an int8 weight is a matrix; got shape {tuple(w.shape)}")
     rows, cols = w.shape
-    blocks = _grouped(w, check_group(group))
+    blocks = _grouped(w.float(), check_group(group))
     # the row's (or group's) absmax in one pass, without an |w| copy: the same value as abs().amax()
     scale = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=-1).div_(QMAX)
     # Divide (not multiply by a reciprocal) so the absmax element lands on exactly +-127; a zero scale (an
@@ -74,5 +73,5 @@ def dequantize(codes: Tensor, scale: Tensor, group: int = 0, dtype: torch.dtype 
     if tuple(scale.shape) != (rows, group_count(cols, group)):
         raise ValueError(f"scales of shape {tuple(scale.shape)} do not fit codes {tuple(codes.shape)} at "
                          f"int8_group={group} (expected {(rows, group_count(cols, group))})")
-    values = _grouped(codes, group) * scale.unsqueeze(-1)
+    values = _grouped(codes, group) * scale.unsqueeze(-1)  # int8 times fp32: fp32, with no fp32 copy of the codes
     return values.view(rows, -1)[:, :cols].to(dtype)
