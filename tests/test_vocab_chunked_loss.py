@@ -22,7 +22,10 @@ def test_equals_cross_entropy_on_full_logits(slice_rows, dtype):
     ref = F.cross_entropy((ref_h @ ref_w.t()).float().reshape(-1, 64), target.reshape(-1), ignore_index=IGNORE)
     loss = linear_cross_entropy(hidden, weight, target, slice_rows)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
-    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    # a slice's bf16 logits need not round like the whole product's on every processor (the GEMM's blocking):
+    # within bf16's half-ulp (2^-9) of the logits, averaged
+    torch.testing.assert_close(loss, ref, **(dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32
+                                             else dict(rtol=4e-3, atol=0.0)))
     (loss * 3).backward()
     (ref * 3).backward()
     torch.testing.assert_close(hidden.grad, ref_h.grad, **tol)
