@@ -5,9 +5,9 @@ stepped in place on the device with stochastic rounding (Q-GaLore's way, arXiv 2
 With a master, every trainable parameter gets a copy on the host that a ``SlimOptimizer`` steps with the
 partition and settings ``slimopt.build`` would give the model: the optimizer never sees a device tensor. A weight's
 gradient leaves the device as soon as the backward pass has completed it (the Int8Linear's token, or the
-parameter's post-accumulate-grad hook), its host step starts at once (in the backward pass's thread, or on a
-worker thread while the backward pass goes on: ``overlap``), and the new value is written back (requantized for an int8 layer, cast for the
-rest) before the next forward pass reaches that module: each module waits only for its own updates. The plan of
+parameter's post-accumulate-grad hook), its host step runs at once in the backward pass's thread, and the new value
+is written back (requantized for an int8 layer, cast for the rest) before the next forward pass reaches that
+module, which waits only for its own updates (kept for a worker thread, ``overlap``, refused for now). The plan of
 the bytes: ``slimopt memory --weights int8 --offload host``; how it works: docs/modules.md, slimopt.weights.
 """
 
@@ -46,8 +46,8 @@ class MasterWeights:
             and rounded back stochastically (needs ``int8=True``; the other parameters step in place).
         accumulation_steps: backward passes per update; scale the loss by 1 / accumulation_steps as usual.
         overlap: step in a worker thread while the backward pass runs (the default False: in the backward pass's
-            thread, each step finished before the next layer's gradient is computed). Refused with int8 layers for
-            now: with them the worker thread has corrupted the heap (docs/offload.md, "Not yet").
+            thread, each step finished before the next layer's gradient is computed). Refused for now: the worker
+            thread has corrupted the heap (docs/offload.md, "Not yet"); the pending-update waits stay for it.
         clip: the global gradient norm limit (as ``torch.nn.utils.clip_grad_norm_`` over every master), or None.
         clip_mode: ``"hold"`` (exact: the window's steps wait for the end of its backward pass, when the norm is
             known; the updates still overlap the next forward pass) or ``"previous"`` (each gradient scaled as
@@ -70,9 +70,9 @@ class MasterWeights:
             raise ValueError(f"accumulation_steps must be an integer >= 1, got {accumulation_steps!r}")
         if master not in MASTERS:
             raise ValueError(f"master must be one of {', '.join(MASTERS)}; got {master!r}")
-        if overlap and int8:
-            raise ValueError("overlap=True with int8 weights is disabled: stepping them on a worker thread while the "
-                             "backward pass runs corrupted the heap in tests (docs/offload.md); use overlap=False")
+        if overlap:
+            raise ValueError("overlap=True is disabled: stepping on a worker thread while the backward pass runs "
+                             "corrupted the heap in tests (docs/offload.md, 'Not yet'); use overlap=False")
         if master == "none" and not int8:
             raise ValueError("master='none' steps int8 weights in place; with int8=False use slimopt.build")
         self.in_place = master == "none"
