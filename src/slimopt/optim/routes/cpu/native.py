@@ -118,7 +118,7 @@ def _build(native_flags: list[str] = NATIVE_FLAGS) -> tuple[ctypes.CDLL | None, 
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
         return None, "no C compiler found (set CC, or install gcc or clang)"
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in sorted(SOURCE.parent.iterdir()) if path.suffix in (".c", ".h"))
     key = hashlib.sha256(source + " ".join([cc, *FLAGS, *native_flags, _machine()]).encode()).hexdigest()[:16]
     target = cache_root() / "native" / f"elementwise_step-{key}.so"
     if not target.exists():

@@ -623,12 +623,17 @@ static inline float lerp(float self, float end, float w) {  /* torch's vectorize
 
 static inline float sign(float x) { return (float)((x > 0.0f) - (x < 0.0f)); }
 
+#include "adamw_blocks_avx512.h"
+
 /* Elements [lo, hi) of the window, in tiles of `tile` elements from lo (lo a multiple of tile, so that the
  * tiles are the same whatever range a call is given). Returns 0, or -1 for a rule it does not know. */
 static int step_range(step_t *s, int64_t tile, int64_t lo, int64_t hi) {
     const int state_free = s->rule >= RULE_FIRST_FREE;
     float m[MAX_TILE], v[MAX_TILE], d[MAX_TILE];
     const float w1 = s->w1, w2 = s->w2, beta2 = s->beta2, eps = s->eps, b2s = s->bias2_sqrt;
+#ifdef __AVX512F__
+    if (adamw_blocks16_applies(s)) lo = adamw_blocks16_range(s, tile, lo, hi, m, v);  /* the same bits */
+#endif
     for (int64_t t0 = lo; t0 < hi; t0 += tile) {
         const int64_t cnt = hi - t0 < tile ? hi - t0 : tile;
         float g[MAX_TILE];

@@ -1,0 +1,67 @@
+"""The C kernel's fused AVX-512 AdamW path of block-coded moments (kernels/adamw_blocks_avx512.h) against the same
+kernel built without AVX-512 (its tile-by-tile loops) and without any vector extension: weights and state the same
+bytes after three steps, on gradients that reach every branch of the fused path (blocks whose smallest element is
+far below their scale and take the checked or the divider's quotient, zeros, a NaN and an inf, a window whose end is
+not a whole register), for fp32 and bf16 weights, with and without decay, both placements of eps, and 8-bit and
+4-bit moments alone and mixed. On a machine without AVX-512 the builds are the same code and the test still holds.
+"""
+
+import pytest
+import torch
+from helpers import assert_same_state
+
+import slimopt
+from slimopt.optim.routes.cpu import native
+
+LEVELS = {"no-avx512": ["-march=native", "-mno-avx512f"], "portable": []}
+SHAPES = [(48, 300), (4099,), (9, 512)]  # a ragged end (4099: not a whole register); 9 x 512: whole blocks
+
+
+def _grads(steps: int) -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for step in range(steps):
+        gs = []
+        for shape in SHAPES:
+            g = torch.randn(shape, generator=gen) * 0.1
+            flat = g.view(-1)
+            flat[5:9] = 1e-30 * torch.randn(4, generator=gen)  # far below the block's scale: the checked quotient
+            flat[300:556] *= 1e-36  # a whole block of tiny values: the scale below the reciprocal's range
+            flat[600:620] = 0.0
+            if step == 1 and shape == (9, 512):
+                flat[1000] = float("nan")
+                flat[2000] = float("inf")
+            gs.append(g)
+        out.append(gs)
+    return out
+
+
+def _run(lib, monkeypatch, dtype, **kw):
+    monkeypatch.setitem(native._state, "lib", lib)
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.05).to(dtype)) for s in SHAPES]
+    opt = slimopt.SlimOptimizer(params, lr=1e-2, **kw)
+    for gs in _grads(3):
+        for p, g in zip(params, gs):
+            p.grad = g.to(dtype)
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("m,v", [("int8", "int8"), ("int4", "int4"), ("int8", "int4")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("extra", [{"weight_decay": 0.1}, {"weight_decay": 0.0, "eps_placement": "galore"}],
+                         ids=["decay", "galore-eps"])
+def test_the_fused_path_gives_the_bits_of_every_other_build(monkeypatch, m, v, dtype, extra):
+    if native.library() is None:
+        pytest.skip("the kernel cannot be built here (no C compiler)")
+    kw = dict(m_codec=m, v_codec=v, **extra)
+    fused_params, fused = _run(native.library(), monkeypatch, dtype, **kw)
+    for level, flags in LEVELS.items():
+        lib, why = native._build(flags)
+        assert lib is not None, why
+        params, opt = _run(lib, monkeypatch, dtype, **kw)
+        for pa, pb in zip(fused_params, params):
+            assert torch.equal(pa.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                               pb.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), level
+            assert_same_state(fused.state[pa], opt.state[pb], level, bitwise=True)
