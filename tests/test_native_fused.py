@@ -1,9 +1,10 @@
-"""The C kernel's fused AVX-512 AdamW path of block-coded moments (kernels/adamw_blocks_avx512.h) against the same
+"""The C kernel's fused AVX-512 AdamW path (kernels/adamw_blocks_avx512.h) against the same
 kernel built without AVX-512 (its tile-by-tile loops) and without any vector extension: weights and state the same
 bytes after three steps, on gradients that reach every branch of the fused path (blocks whose smallest element is
 far below their scale and take the checked or the divider's quotient, zeros, a NaN and an inf, a window whose end is
-not a whole register), for fp32 and bf16 weights, with and without decay, both placements of eps, and 8-bit and
-4-bit moments alone and mixed. On a machine without AVX-512 the builds are the same code and the test still holds.
+not a whole register), for fp32 and bf16 weights, with and without decay, both placements of eps, and the moments'
+codecs it reads: 8-bit and 4-bit alone and mixed, ternary (stochastic and with a carried residual) with factored,
+8-bit or its own kind, fp32 and bf16. On a machine without AVX-512 the builds are the same code and the test still holds.
 """
 
 import pytest
@@ -14,7 +15,7 @@ import slimopt
 from slimopt.optim.routes.cpu import native
 
 LEVELS = {"no-avx512": ["-march=native", "-mno-avx512f"], "portable": []}
-SHAPES = [(48, 300), (4099,), (9, 512)]  # a ragged end (4099: not a whole register); 9 x 512: whole blocks
+SHAPES = [(48, 300), (4099,), (9, 512), (96, 1024)]  # a ragged end (4099); whole blocks; rows of whole registers
 
 
 def _grads(steps: int) -> list[list[torch.Tensor]]:
@@ -48,7 +49,9 @@ def _run(lib, monkeypatch, dtype, **kw):
     return params, opt
 
 
-@pytest.mark.parametrize("m,v", [("int8", "int8"), ("int4", "int4"), ("int8", "int4")])
+@pytest.mark.parametrize("m,v", [("int8", "int8"), ("int4", "int4"), ("int8", "int4"), ("ternary", "factored"),
+                                 ("ternary_ef", "int8"), ("ternary_ef_mean64", "factored"), ("fp32", "fp32"),
+                                 ("bf16", "int4")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("extra", [{"weight_decay": 0.1}, {"weight_decay": 0.0, "eps_placement": "galore"}],
                          ids=["decay", "galore-eps"])

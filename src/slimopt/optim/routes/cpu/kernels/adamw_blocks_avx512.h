@@ -43,14 +43,17 @@ static inline __m256i to_bf16_16(__m512 x) {
 }
 
 /* a / b for a vector a and a scalar b with y = 1.0f / b (b within [SAFE_LOW, SAFE_HIGH]): the correctly rounded
- * quotient where |a| >= low (low = max(SAFE_LOW, b 2^-100): the quotient and the remainder are normal numbers),
- * by the divider in the rare register where some nonzero element lies below. Zeros give +0. */
+ * quotient where low <= |a| <= SAFE_HIGH (low = max(SAFE_LOW, b 2^-100): the quotient and the remainder are
+ * normal numbers), by the divider in the rare register where a nonzero element lies outside (NaN and inf too).
+ * Zeros give +0. */
 static inline __m512 div_by_scalar(__m512 a, __m512 bv, __m512 yv, __m512 low) {
     const __m512 q = _mm512_mul_ps(a, yv);
     const __m512 r = _mm512_fnmadd_ps(q, bv, a);  /* exact: a - q b */
     const __m512 q2 = _mm512_fmadd_ps(r, yv, q);
-    const __mmask16 slow = _mm512_cmp_ps_mask(_mm512_abs_ps(a), low, _CMP_LT_OQ)
-                           & _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    const __m512 mag = _mm512_abs_ps(a);
+    const __mmask16 ok = _mm512_cmp_ps_mask(mag, low, _CMP_GE_OQ)
+                         & _mm512_cmp_ps_mask(mag, _mm512_set1_ps(SAFE_HIGH), _CMP_LE_OQ);
+    const __mmask16 slow = (__mmask16)(~ok & _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_UQ));
     return slow ? _mm512_mask_div_ps(q2, slow, a, bv) : q2;
 }
 
@@ -67,40 +70,105 @@ static inline __m512 adamw_denom(__m512 v, __m512 b2s, __m512 y, __m512 eps, int
     return eps_before ? quot : _mm512_add_ps(quot, eps);
 }
 
-/* 16 codes' map values of a block codec from element e (a multiple of 16): a gather from the 256-entry map (in L1;
- * the map in sixteen registers left too few for the rest of the step), a permute of the 16-entry one */
-static inline __m512 map16(const codec_t *c, __m512 tab16, int64_t e) {
-    if (c->kind == C_BLOCK8) {
-        const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)c->data + e)));
-        return _mm512_i32gather_ps(code, c->qmap, 4);
-    }
-    /* C_BLOCK4: 8 bytes, the first code of a byte in its high half */
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)c->data + e / 2)));
-    const __m512i pairs = _mm512_permutexvar_epi32(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), bytes);
-    const __m512i shift = _mm512_set_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-    const __m512i code = _mm512_and_si512(_mm512_srlv_epi32(pairs, shift), _mm512_set1_epi32(15));
-    return _mm512_permutexvar_ps(code, tab16);
+/* Element e + j of a base-3 packed array, for e = 5 q + phase: digit (phase + j) % 5 of byte q + (phase + j) / 5 */
+static int32_t TRIT_BYTE[5][16], TRIT_DIGIT[5][16];
+
+static void init_trit_lanes(void) {
+    for (int p = 0; p < 5; p++)
+        for (int j = 0; j < 16; j++) { TRIT_BYTE[p][j] = (p + j) / 5; TRIT_DIGIT[p][j] = (p + j) % 5; }
 }
 
-/* A block codec's scales along a tile, 16 elements at a time: the block's scale, reloaded at each block's start */
+/* A moment's decoded values along a tile, sixteen elements at a time from a start element (a multiple of 16):
+ * decode() of every codec, with the position in blocks, bytes of trits or rows of a factored moment carried from
+ * one register to the next instead of divided out */
 typedef struct {
     const codec_t *c;
-    int64_t block, left;  /* the current block, and the registers left in it */
-    __m512 scale;
-} scales16_t;
+    __m512 tab16;                     /* C_BLOCK4: the map */
+    int64_t block, left;              /* block and ternary codecs: the current block, registers left in it */
+    __m512 scale;                     /* its scale */
+    int64_t byte, phase;              /* ternary codecs: element = 5 byte + phase */
+    int64_t row, col;                 /* C_FACTORED: the position in the (rows, cols) moment */
+    __m512 rowv, dn, y, low;          /* row mean; denominator, its reciprocal and the checked quotients' bound */
+    int by_reciprocal;
+} reader16_t;
 
-static inline void scales16_start(scales16_t *t, const codec_t *c, int64_t e) {
-    t->c = c;
-    t->block = e / c->block;
-    t->left = c->block / 16;
-    t->scale = _mm512_set1_ps(scale_at(c, t->block));
+static inline void reader16_start(reader16_t *r, const codec_t *c, int64_t e) {
+    memset(r, 0, sizeof *r);
+    r->c = c;
+    if (c->kind == C_BLOCK4) r->tab16 = _mm512_loadu_ps(c->qmap);
+    if (c->kind == C_BLOCK8 || c->kind == C_BLOCK4 || c->kind == C_TERNARY_SR || c->kind == C_TERNARY_EF) {
+        r->block = e / c->block;
+        r->left = c->block / 16;
+        r->scale = _mm512_set1_ps(scale_at(c, r->block));
+    }
+    r->byte = e / 5;
+    r->phase = e % 5;
+    if (c->kind == C_FACTORED) {
+        r->row = e / c->cols;
+        r->col = e % c->cols;
+        r->rowv = _mm512_set1_ps(c->row[r->row]);
+        const float dn = c->denom;
+        r->by_reciprocal = dn >= SAFE_LOW && dn <= SAFE_HIGH;
+        r->dn = _mm512_set1_ps(dn);
+        r->y = _mm512_set1_ps(r->by_reciprocal ? 1.0f / dn : 0.0f);
+        r->low = _mm512_set1_ps(dn * 0x1p-100f > SAFE_LOW ? dn * 0x1p-100f : SAFE_LOW);
+    }
 }
 
-static inline void scales16_next(scales16_t *t) {
-    if (--t->left > 0) return;
-    t->block++;
-    t->left = t->c->block / 16;
-    t->scale = _mm512_set1_ps(scale_at(t->c, t->block));
+static inline void next_block16(reader16_t *r) {
+    if (--r->left > 0) return;
+    r->block++;
+    r->left = r->c->block / 16;
+    r->scale = _mm512_set1_ps(scale_at(r->c, r->block));
+}
+
+/* the 16 values of elements [e, e + 16), e the element after the last call's (or the start) */
+static inline __m512 reader16_next(reader16_t *r, int64_t e) {
+    const codec_t *c = r->c;
+    switch (c->kind) {
+    case C_BLOCK8: {  /* a gather from the map (in L1; the map in sixteen registers left too few for the step) */
+        const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)c->data + e)));
+        const __m512 x = _mm512_mul_ps(_mm512_i32gather_ps(code, c->qmap, 4), r->scale);
+        next_block16(r);
+        return x;
+    }
+    case C_BLOCK4: {  /* 8 bytes, the first code of a byte in its high half; the map in one register */
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)c->data + e / 2)));
+        const __m512i pairs = _mm512_permutexvar_epi32(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), bytes);
+        const __m512i shift = _mm512_set_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+        const __m512i code = _mm512_and_si512(_mm512_srlv_epi32(pairs, shift), _mm512_set1_epi32(15));
+        const __m512 x = _mm512_mul_ps(_mm512_permutexvar_ps(code, r->tab16), r->scale);
+        next_block16(r);
+        return x;
+    }
+    case C_TERNARY_SR:
+    case C_TERNARY_EF: {  /* ternary_values: digit - 1 (TRITS, by byte and digit) times the block's scale */
+        const int64_t p = r->phase;
+        const __mmask16 needed = (__mmask16)((1u << ((p + 15) / 5 + 1)) - 1);  /* the bytes these elements lie in */
+        const __m512i four = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(needed, (const uint8_t *)c->data + r->byte));
+        const __m512i b = _mm512_permutexvar_epi32(_mm512_loadu_si512(TRIT_BYTE[p]), four);
+        const __m512i idx = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(b, 2), b),
+                                             _mm512_loadu_si512(TRIT_DIGIT[p]));
+        const __m512 x = _mm512_mul_ps(_mm512_i32gather_ps(idx, &TRITS[0][0], 4), r->scale);
+        r->byte += 3 + (p == 4);  /* 16 = 3 x 5 + 1 */
+        r->phase = p == 4 ? 0 : p + 1;
+        next_block16(r);
+        return x;
+    }
+    case C_FACTORED: {  /* (row * col) / denom; a register lies in one row (cols a multiple of 16) */
+        if (r->col == 0) r->rowv = _mm512_set1_ps(c->row[r->row]);  /* the old mean: see adamw16_range */
+        const __m512 prod = _mm512_mul_ps(r->rowv, _mm512_loadu_ps(c->col + r->col));
+        const __m512 x = r->by_reciprocal ? div_by_scalar(prod, r->dn, r->y, r->low) : _mm512_div_ps(prod, r->dn);
+        r->col += 16;
+        if (r->col == c->cols) {
+            r->col = 0;
+            r->row++;
+        }
+        return x;
+    }
+    default:
+        return load16(c->data, c->kind == C_FP32 ? D_FP32 : D_BF16, e);
+    }
 }
 
 /* count(points <= x) of 16 normalized values on a 256-code map: the range table's gather (count_le_many's) */
@@ -163,6 +231,7 @@ static void encode_blocks16(codec_t *c, int64_t off, int64_t cnt, float *x) {
     const int64_t B = c->block, padded = (cnt + B - 1) / B * B;
     for (int64_t i = cnt; i < padded; i++) x[i] = 0.0f;
     search16_t search;
+    memset(&search, 0, sizeof search);
     if (c->kind == C_BLOCK4) search16_init(&search, &c->nearest);
     const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), one = _mm512_set1_epi32(1);
     for (int64_t b0 = 0; b0 < padded; b0 += B) {
@@ -209,25 +278,38 @@ static void encode_blocks16(codec_t *c, int64_t off, int64_t cnt, float *x) {
     }
 }
 
-/* Whether the fused path takes this step: AdamW writing a weight (to nearest if bf16) with two block-coded moments
- * (256-code or 16-code maps, absmax scales, blocks of whole pairs of registers) */
-static int adamw_blocks16_applies(const step_t *s) {
+/* Whether the fused path takes this step: AdamW writing a weight (to nearest if bf16) with two moments whose codecs
+ * it reads sixteen at a time (block and ternary codecs with blocks of whole registers, factored moments with rows
+ * of whole registers, fp32, bf16) */
+static int adamw16_applies(const step_t *s) {
     if (s->rule != RULE_ADAMW || s->direction_only || s->n_codecs != 2) return 0;
     if (!(s->bias2_sqrt >= 0x1p-60f && s->bias2_sqrt <= 0x1p60f)) return 0;  /* adamw_denom's reciprocal */
     if (s->param_dtype == D_BF16 && s->rounding != W_NEAREST) return 0;
     for (int k = 0; k < 2; k++) {
         const codec_t *c = &s->codecs[k];
-        const int ok8 = c->kind == C_BLOCK8 && c->qmap_n == 256 && c->nearest.packed != NULL;
-        const int ok4 = c->kind == C_BLOCK4 && c->qmap_n == 16 && c->nearest.n_points <= 15;
-        if (!(ok8 || ok4) || c->scale_kind != S_ABSMAX || c->block % 32 != 0) return 0;
+        switch (c->kind) {
+        case C_BLOCK8:  /* encode_blocks16's codes, 32 at a time */
+            if (c->qmap_n != 256 || c->nearest.packed == NULL || c->scale_kind != S_ABSMAX || c->block % 32) return 0;
+            break;
+        case C_BLOCK4:
+            if (c->qmap_n != 16 || c->nearest.n_points > 15 || c->scale_kind != S_ABSMAX || c->block % 32) return 0;
+            break;
+        case C_TERNARY_SR:
+        case C_TERNARY_EF:
+            if (c->block % 16) return 0;
+            break;
+        case C_FACTORED:
+            if (c->cols % 16) return 0;
+            break;
+        default:
+            break;
+        }
     }
     return 1;
 }
 
-/* step_range's AdamW tile [t0, t0 + cnt), cnt a multiple of 16, on the fused path: the new moments into m and v */
-static void adamw_blocks16_tile(const step_t *s, int64_t t0, int64_t cnt, float *m, float *v) {
-    const codec_t *cm = &s->codecs[0], *cv = &s->codecs[1];
-    const __m512 tab_m = _mm512_loadu_ps(cm->qmap), tab_v = _mm512_loadu_ps(cv->qmap);  /* 16-entry maps */
+/* step_range's AdamW over [t0, t0 + cnt), cnt a multiple of 16, on the fused path: the new moments into m and v */
+static void adamw16_tile(const step_t *s, int64_t t0, int64_t cnt, float *m, float *v) {
     const __m512 w1 = _mm512_set1_ps(s->w1), w2 = _mm512_set1_ps(s->w2), beta2 = _mm512_set1_ps(s->beta2);
     const __m512 eps = _mm512_set1_ps(s->eps), b2s = _mm512_set1_ps(s->bias2_sqrt);
     const __m512 yb = _mm512_set1_ps(1.0f / s->bias2_sqrt), alpha = _mm512_set1_ps(s->alpha);
@@ -236,15 +318,13 @@ static void adamw_blocks16_tile(const step_t *s, int64_t t0, int64_t cnt, float 
     const int32_t grad_dtype = s->grad_dtype, param_dtype = s->param_dtype;
     const void *grad = s->grad;
     void *param = s->param;
-    scales16_t sm, sv;
-    scales16_start(&sm, cm, t0);
-    scales16_start(&sv, cv, t0);
+    reader16_t rm, rv;
+    reader16_start(&rm, &s->codecs[0], t0);
+    reader16_start(&rv, &s->codecs[1], t0);
     for (int64_t i = 0; i < cnt; i += 16) {
         const int64_t e = t0 + i;
         const __m512 g = load16(grad, grad_dtype, e);
-        __m512 mv = _mm512_mul_ps(map16(cm, tab_m, e), sm.scale), vv = _mm512_mul_ps(map16(cv, tab_v, e), sv.scale);
-        scales16_next(&sm);
-        scales16_next(&sv);
+        __m512 mv = reader16_next(&rm, e), vv = reader16_next(&rv, e);
         const __m512 diff = _mm512_sub_ps(g, mv);  /* lerp(m, g, w1) as torch's vectorized lerp */
         mv = lerp_low ? _mm512_fmadd_ps(w1, diff, mv) : _mm512_fmadd_ps(w1_hi, diff, g);
         vv = _mm512_fmadd_ps(_mm512_mul_ps(w2, g), g, _mm512_mul_ps(vv, beta2));
@@ -266,18 +346,28 @@ static void adamw_blocks16_tile(const step_t *s, int64_t t0, int64_t cnt, float 
     }
 }
 
-/* The fused path over [lo, hi) (lo a multiple of tile) in runs of whole tiles of about 2048 elements (fewer
- * set-ups than tile by tile; the block codecs carry nothing from one run to the next, so the bits do not depend on
- * where runs end); m and v: (MAX_TILE,) buffers. Returns where the general loop takes over: hi, or the start of a
- * last run whose length is not a multiple of 16. */
-static int64_t adamw_blocks16_range(step_t *s, int64_t tile, int64_t lo, int64_t hi, float *m, float *v) {
+/* The fused path over [lo, hi) (lo a multiple of tile) in runs of whole tiles of about 2048 elements (fewer set-ups
+ * than tile by tile): each run read and updated (adamw16_tile), then its moments encoded, a block codec's over the
+ * whole run (its blocks carry nothing from one to the next), any other codec's tile by tile as step_range does (a
+ * factored moment's sums grouped as there). A factored moment's row means are read by the run's decode before its
+ * encode writes a completed row's new mean, as tile by tile. m and v: (MAX_TILE,) buffers. Returns where the
+ * general loop takes over: hi, or the start of a last run whose length is not a multiple of 16. */
+static int64_t adamw16_range(step_t *s, int64_t tile, int64_t lo, int64_t hi, float *m, float *v) {
     const int64_t run = tile * (2048 / tile > 1 ? 2048 / tile : 1);
+    float *moments[2] = {m, v};
     for (int64_t t0 = lo; t0 < hi; t0 += run) {
         const int64_t cnt = hi - t0 < run ? hi - t0 : run;
         if (cnt % 16 != 0) return t0;
-        adamw_blocks16_tile(s, t0, cnt, m, v);
-        encode_blocks16(&s->codecs[0], t0, cnt, m);
-        encode_blocks16(&s->codecs[1], t0, cnt, v);
+        adamw16_tile(s, t0, cnt, m, v);
+        for (int k = 0; k < 2; k++) {
+            codec_t *c = &s->codecs[k];
+            if (c->kind == C_BLOCK8 || c->kind == C_BLOCK4) {
+                encode_blocks16(c, t0, cnt, moments[k]);
+                continue;
+            }
+            for (int64_t u0 = t0; u0 < t0 + cnt; u0 += tile)
+                encode(c, u0, t0 + cnt - u0 < tile ? t0 + cnt - u0 : tile, moments[k] + (u0 - t0));
+        }
     }
     return hi;
 }

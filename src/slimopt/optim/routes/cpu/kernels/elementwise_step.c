@@ -632,7 +632,7 @@ static int step_range(step_t *s, int64_t tile, int64_t lo, int64_t hi) {
     float m[MAX_TILE], v[MAX_TILE], d[MAX_TILE];
     const float w1 = s->w1, w2 = s->w2, beta2 = s->beta2, eps = s->eps, b2s = s->bias2_sqrt;
 #ifdef __AVX512F__
-    if (adamw_blocks16_applies(s)) lo = adamw_blocks16_range(s, tile, lo, hi, m, v);  /* the same bits */
+    if (adamw16_applies(s)) lo = adamw16_range(s, tile, lo, hi, m, v);  /* the same bits (adamw_blocks_avx512.h) */
 #endif
     for (int64_t t0 = lo; t0 < hi; t0 += tile) {
         const int64_t cnt = hi - t0 < tile ? hi - t0 : tile;
@@ -757,7 +757,12 @@ static void *run_part(void *arg) {
  * order, so the result is the same bits at any thread count; every other codec's block is whole in one tile and
  * its random numbers are drawn by element index. */
 int slimopt_elementwise_step(step_t *s) {
-    if (!trits_ready) init_trits();
+    if (!trits_ready) {
+#ifdef __AVX512F__
+        init_trit_lanes();
+#endif
+        init_trits();
+    }
     const int state_free = s->rule >= RULE_FIRST_FREE;
     if (s->n_codecs < (state_free ? 0 : 1) || s->n_codecs > (state_free ? 0 : 2)) return -1;
     int64_t align = 1;  /* a tile holds whole blocks of every codec (and whole bytes of five trits) */
