@@ -217,20 +217,11 @@ def _placement_lines(plans, offload: bool) -> list[str]:
 
 
 def available_host_memory() -> int | None:
-    """Bytes this machine can still give (MemAvailable of /proc/meminfo, else psutil), None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        import psutil
+    """Bytes this machine can still give ($SLIMOPT_HOST_BYTES, else MemAvailable of /proc/meminfo, else psutil),
+    None if unknown: what `slimopt train` checks its plan against too."""
+    from slimopt.train.host_memory import available_host_bytes
 
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        return None
+    return available_host_bytes()
 
 
 def _host_note(plans, config, label, args, opts, place) -> dict:

@@ -117,7 +117,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--offload", default=d.offload, choices=("none", "host"),
                    help="host: a master copy and the optimizer state on the host, each weight stepped there while "
                         "the backward pass goes on; none with --weights int8: no master, the int8 weights updated "
-                        "in place with stochastic rounding (default: %(default)s)")
+                        "in place with stochastic rounding (default: %(default)s). Either stops before the "
+                        "first step, with one line, when the planned host memory exceeds the free memory "
+                        "(MemAvailable; $SLIMOPT_HOST_BYTES, e.g. 8GiB, stands in for it)")
     g.add_argument("--master", default=d.master, choices=("fp32", "bf16"),
                    help="with --offload host: the master copy's dtype (default: %(default)s)")
     g.add_argument("--vocab-slice", type=_int, default=d.vocab_slice, metavar="N",

@@ -436,6 +436,11 @@ def _build(c: TrainConfig, d: _Dist) -> _Run:
     if max_pos is not None and c.seq_len > max_pos:
         raise ValueError(f"--seq-len {c.seq_len} exceeds the model's max_position_embeddings {max_pos}")
     kind = method_kind(c.method)
+    if _placement(c) is not None:  # before the masters and the state exist: one line if the host cannot hold them
+        from slimopt.train.host_memory import check_host_memory
+        check_host_memory(model, c.method, c.opt, weights=c.weights, offload=c.offload, master=c.master,
+                          int8_group=c.int8_group, batch=c.batch_size // c.grad_accum, seq=c.seq_len,
+                          device=device, vocab_slice=c.vocab_slice)
     baseline_hook = None
     # Seed before anything that draws from the global generators (LoRA's adapter init, random projections), so
     # a run depends on its seed alone, not on what the process did before.
