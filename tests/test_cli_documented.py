@@ -548,6 +548,8 @@ CASES = [
                            "--max-train-samples": "8", "--max-eval-samples": "8", "--threads": "1"}),
     finetune_case("finetune-lora-plus", "slimopt finetune --methods lora,lora+adamw8bit "
                   "--set lora+adamw8bit.lr=5e-4 --max-steps 50", replace={"--max-steps": "1"}),
+    finetune_case("finetune-int8-host", "slimopt finetune --methods adamw,galore --weights int8 --offload host "
+                  "--master bf16"),
     finetune_case("finetune-own-files", "slimopt finetune --tasks reviews --train-file train.csv "
                   "--validation-file dev.csv --text-columns text --num-labels 3", files=("reviews",)),
     # --- bench: tiny LLaMA, 1 step per method, a 48 x 80 refresh; torchao's rows are made "not installed"

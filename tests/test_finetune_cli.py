@@ -3,6 +3,7 @@ that fails before any training."""
 
 import csv
 import json
+import math
 
 import pytest
 from helpers import run_cli, save_tiny_bert, sentences
@@ -92,6 +93,23 @@ def test_table_for_methods_by_tasks(tmp_path, tiny_model_dir, glue_dir, capsys):
     assert any(x.startswith("| LoRA r=8 |") for x in md.splitlines())
     assert json.loads((out / "config.json").read_text())["methods"] == ["adamw", "galore", "lora"]
     assert "wrote" in stdout
+
+
+@pytest.mark.parametrize("placement", [["--weights", "int8", "--offload", "host"], ["--offload", "host"],
+                                       ["--weights", "int8", "--offload", "host", "--master", "bf16",
+                                        "--int8-group", "16"]],
+                         ids=["int8-host", "host", "int8-bf16-group"])
+def test_int8_weights_and_host_masters_fine_tune(tmp_path, tiny_model_dir, glue_dir, capsys, placement):
+    out = tmp_path / "out"
+    rc, _, err = _run(["--model", str(tiny_model_dir), "--tasks", "sst2", "--data-dir", str(glue_dir),
+                       "--methods", "adamw,galore", "--max-steps", "2", "--batch-size", "8", "--max-length", "16",
+                       "--set", "galore.update_gap=1", "--out", str(out), *placement], capsys)
+    assert rc == 0, err
+    rows = read_results(out / "results.csv")
+    assert [r["method"] for r in rows] == ["head", "adamw", "galore"]
+    assert all(r["status"] == "ok" and r["steps"] == 2 and 0.0 <= r["score"] <= 1.0 for r in rows)
+    assert all(math.isfinite(r["eval_loss"]) and math.isfinite(r["train_loss"]) for r in rows)
+    assert all(r["state_bytes"] > 0 for r in rows)  # the host optimizer's state, counted
 
 
 def _tiny_model(path, num_labels):
@@ -190,6 +208,8 @@ def _write_sst2(root, rows):
     (["--tune-lr", "--lr-grid", "1,x"], "'x' is not a number"),
     (["--seeds", "0"], "positive"),
     (["--tasks", "mytask", "--data-dir", "."], "give num_labels"),
+    (["--methods", "adamw,lora", "--weights", "int8"], "apply to full fine-tuning methods"),
+    (["--int8-group", "32"], "--int8-group needs --weights int8"),
 ])
 def test_bad_arguments_fail_before_training(tmp_path, capsys, args, message):
     out = tmp_path / "out"

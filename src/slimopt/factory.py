@@ -57,10 +57,8 @@ def make_optimizer(model: torch.nn.Module, method: str, lr: float | None = None,
     if lr is not None:
         hp["lr"] = lr
     if placement is not None:
-        if groups is not param_groups:
-            raise ValueError("int8 weights and host masters take slimopt.param_groups' partition")
         from slimopt.weights.masters import MasterWeights
-        return MasterWeights(model, method, weight_decay=weight_decay, **placement, **hp)
+        return MasterWeights(model, method, weight_decay=weight_decay, groups=groups, **placement, **hp)
     return SlimOptimizer(groups(model, method, weight_decay=weight_decay, **hp))
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 
 from slimopt.cli.honest import add_honest_args, tuning_from_args
-from slimopt.cli.train import _int
+from slimopt.cli.train import _int, add_placement_args
 from slimopt.options import parse_method_opts
 
 __all__ = ["add_parser", "run", "config_from_args"]
@@ -34,6 +34,8 @@ EXAMPLES = """examples:
   slimopt finetune --tasks reviews --train-file train.csv --validation-file dev.csv --text-columns text \\
       --num-labels 3
   slimopt finetune --model smollm2-135m --methods adamw,taco,lora --tune-lr --lr-grid 1/4,1,4 --seeds 3
+  slimopt finetune --methods adamw,galore --weights int8 --offload host --master bf16
+                                                # body Linear weights int8, masters and state on the host
 """
 
 
@@ -109,6 +111,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--set", action="append", metavar="METHOD.KEY=VALUE", dest="set_opts",
                    help="a setting for one method, repeatable: --set galore.scale=4 --set lora.lr=5e-4 "
                         "--set frugal.state_full=head")
+    add_placement_args(p, d)
     add_honest_args(p, control="(head: AdamW on the classification head alone, the pretrained body frozen), the "
                                "score a method must beat to show it trains the body",
                     tuning_runs="on the first seed", tuning_files="runs.csv lists every run",
@@ -129,6 +132,7 @@ def config_from_args(args):
         batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, grad_accum=args.grad_accum, lr=args.lr,
         rank=args.rank, lora_alpha=args.lora_alpha, warmup=args.warmup, weight_decay=args.weight_decay,
         clip=args.clip, bf16=args.bf16, seed=args.seed, seeds=args.seeds, control=not args.no_control,
+        weights=args.weights, int8_group=args.int8_group, offload=args.offload, master=args.master,
         tune_lr=args.tune_lr, method_opts=parse_method_opts(args.set_opts),
         out=args.out, **extra,
     )

@@ -12,7 +12,7 @@ import sys
 
 from slimopt.options import parse_int, parse_opt
 
-__all__ = ["add_parser", "run", "add_data_model_args", "add_recipe_args", "config_from_args"]
+__all__ = ["add_data_model_args", "add_parser", "add_placement_args", "add_recipe_args", "config_from_args", "run"]
 
 EXAMPLES = """examples:
   slimopt train                                      # tiny LLaMA on the built-in KJV corpus, AdamW
@@ -86,6 +86,25 @@ def add_recipe_args(p: argparse.ArgumentParser, defaults, budget_default_help: s
                    help="held-out tokens per evaluation (default: %(default)s)")
 
 
+def add_placement_args(p: argparse.ArgumentParser, defaults) -> argparse._ArgumentGroup:
+    """--weights, --int8-group, --offload and --master (train and finetune): their group, for more options."""
+    g = p.add_argument_group("where the weights live (slimopt memory plans each)")
+    g.add_argument("--weights", default=defaults.weights, choices=("dtype", "int8"),
+                   help="int8: the attention and MLP weights in int8 on the device, one fp32 scale per row (default: "
+                        "%(default)s, every weight in its dtype)")
+    g.add_argument("--int8-group", type=_int, default=defaults.int8_group, metavar="N",
+                   help="with --weights int8: one scale per N elements of a row (default 0: per row)")
+    g.add_argument("--offload", default=defaults.offload, choices=("none", "host"),
+                   help="host: a master copy and the optimizer state on the host, each weight stepped there while "
+                        "the backward pass goes on; none with --weights int8: no master, the int8 weights updated "
+                        "in place with stochastic rounding (default: %(default)s). slimopt train stops before the "
+                        "first step, with one line, when the planned host memory exceeds the free memory "
+                        "(MemAvailable; $SLIMOPT_HOST_BYTES, e.g. 8GiB, stands in for it)")
+    g.add_argument("--master", default=defaults.master, choices=("fp32", "bf16"),
+                   help="with --offload host: the master copy's dtype (default: %(default)s)")
+    return g
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     from slimopt.train.loop import TrainConfig  # light: loop imports torch lazily enough for --help
     d = TrainConfig()
@@ -108,20 +127,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "are DCP folders that resume on any number of ranks; slimopt methods only)")
     g.add_argument("--opt", action="append", metavar="KEY=VALUE",
                    help="any other method hyperparameter, repeatable (e.g. --opt projector=randomized_svd)")
-    g = p.add_argument_group("where the weights live (slimopt memory plans each)")
-    g.add_argument("--weights", default=d.weights, choices=("dtype", "int8"),
-                   help="int8: the attention and MLP weights in int8 on the device, one fp32 scale per row (default: "
-                        "%(default)s, every weight in --dtype)")
-    g.add_argument("--int8-group", type=_int, default=d.int8_group, metavar="N",
-                   help="with --weights int8: one scale per N elements of a row (default 0: per row)")
-    g.add_argument("--offload", default=d.offload, choices=("none", "host"),
-                   help="host: a master copy and the optimizer state on the host, each weight stepped there while "
-                        "the backward pass goes on; none with --weights int8: no master, the int8 weights updated "
-                        "in place with stochastic rounding (default: %(default)s). Either stops before the "
-                        "first step, with one line, when the planned host memory exceeds the free memory "
-                        "(MemAvailable; $SLIMOPT_HOST_BYTES, e.g. 8GiB, stands in for it)")
-    g.add_argument("--master", default=d.master, choices=("fp32", "bf16"),
-                   help="with --offload host: the master copy's dtype (default: %(default)s)")
+    g = add_placement_args(p, d)
     g.add_argument("--vocab-slice", type=_int, default=d.vocab_slice, metavar="N",
                    help="the loss takes the vocabulary N rows at a time and never holds the whole logits "
                         "(default 0: the whole logits)")

@@ -21,6 +21,7 @@ import re
 from functools import partial
 from typing import Any, Iterable
 
+import torch
 from torch import nn
 
 from slimopt import factory
@@ -29,6 +30,7 @@ from slimopt.optim.recipes import METHODS, param_groups
 from slimopt.options import parse_value, split_pairs
 
 __all__ = [
+    "TrainerMasterWeights",
     "TrainerSlimOptimizer",
     "optimizer_cls_and_kwargs",
     "make_optimizer",
@@ -67,6 +69,41 @@ class TrainerSlimOptimizer(SlimOptimizer):
                 "again for every Trainer."
             )
         super().__init__(params, **settings)
+
+
+class TrainerMasterWeights(torch.optim.Optimizer):
+    """A ``slimopt.weights.MasterWeights`` (int8 weights, host masters) as the Trainer, accelerate and torch's lr
+    schedulers take an optimizer: its ``param_groups`` are the MasterWeights' front groups (the Trainer's
+    scheduler writes the lr there; the next window's steps read it), ``step()`` and ``zero_grad()`` do nothing
+    (each weight stepped during the backward pass), ``state`` is the host optimizer's and ``state_dict()`` holds
+    the masters, the state and the counters (``torch.load(weights_only=True)`` reads it)."""
+
+    def __init__(self, masters: Any) -> None:
+        self.masters = masters
+        front = masters.front
+        super().__init__(front.param_groups, front.defaults)  # the same group dicts: nothing copied
+        self.param_groups = front.param_groups
+
+    @property
+    def state(self):  # type: ignore[override]
+        return self.masters.state
+
+    @state.setter
+    def state(self, value) -> None:  # torch.optim.Optimizer.__init__ sets an empty one: the host optimizer's is it
+        pass
+
+    def step(self, closure=None) -> None:
+        self.masters.step(closure)
+        self.masters.front._opt_called = True  # type: ignore[attr-defined]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.masters.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.masters.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.masters.load_state_dict(state_dict)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -248,8 +285,12 @@ def make_optimizer(
     *,
     optim_target_modules: str | list[str] | None = _UNSET,
     optim_args: str | None = _UNSET,
+    weights: str = "dtype",
+    offload: str = "none",
+    master: str = "fp32",
+    int8_group: int = 0,
     **hparams: Any,
-) -> SlimOptimizer:
+) -> SlimOptimizer | TrainerMasterWeights:
     """A ``SlimOptimizer`` built from ``TrainingArguments``-style settings, for ``Trainer(optimizers=(opt, None))``.
 
     Args:
@@ -261,6 +302,11 @@ def make_optimizer(
         optim_target_modules: overrides ``args.optim_target_modules`` (None: slimopt's default selection).
         optim_args: overrides ``args.optim_args``; e.g. ``"rank=8,update_gap=100,scale=2"`` for GaLore
             (see ``parse_optim_args``).
+        weights, offload, master, int8_group: as ``slimopt.build``. With ``weights="int8"`` or
+            ``offload="host"`` the model is converted in place (its body's Linear weights int8, not the head) and a
+            ``TrainerMasterWeights`` returned: every weight steps during the backward pass, with
+            ``args.gradient_accumulation_steps`` and the clipping of ``args.max_grad_norm``; the Trainer's own
+            clipping then finds no gradient on the model and does nothing.
         hparams: further SlimOptimizer settings; a key also given in optim_args is an error.
 
     Example (``model`` a BERT-style classifier)::
@@ -293,5 +339,25 @@ def make_optimizer(
     settings.update(hparams)
     # without args, lr and weight decay are the method's defaults (slimopt.catalog's lr, no decay)
     groups = partial(_groups, optim_target_modules=optim_target_modules, state_full=settings.pop("state_full", "all"))
-    return factory.make_optimizer(model, method, settings.pop("lr", None), settings.pop("weight_decay", 0.0),
-                                  groups=groups, **settings)
+    placement = _placement(args, weights, offload, master, int8_group)
+    opt = factory.make_optimizer(model, method, settings.pop("lr", None), settings.pop("weight_decay", 0.0),
+                                 groups=groups, placement=placement, **settings)
+    return opt if placement is None else TrainerMasterWeights(opt)
+
+
+def _placement(args: Any, weights: str, offload: str, master: str, int8_group: int) -> dict[str, Any] | None:
+    """MasterWeights' settings from ``slimopt.build``'s names and the TrainingArguments (None: in place)."""
+    for name, value, allowed in (("weights", weights, factory.WEIGHT_FORMATS), ("offload", offload, factory.OFFLOADS),
+                                 ("master", master, ("fp32", "bf16"))):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+    if isinstance(int8_group, bool) or not isinstance(int8_group, int) or int8_group < 0:
+        raise ValueError(f"int8_group must be an integer >= 0 (0: one scale per row); got {int8_group!r}")
+    if int8_group and weights != "int8":
+        raise ValueError("int8_group needs weights='int8'")
+    if weights == "dtype" and offload == "none":
+        return None
+    clip = float(getattr(args, "max_grad_norm", 0.0) or 0.0)
+    return {"int8": weights == "int8", "int8_group": int8_group, "master": master if offload == "host" else "none",
+            "accumulation_steps": int(getattr(args, "gradient_accumulation_steps", 1) or 1),
+            "clip": clip if clip > 0 else None}

@@ -157,7 +157,16 @@ class FinetuneConfig:
     lr_grid: tuple[float, ...] = DEFAULT_LR_GRID
     lr_extensions: int = DEFAULT_LR_EXTENSIONS  # at most this many factor-2 steps past the grid's edge
     method_opts: dict[str, dict[str, Any]] = field(default_factory=dict)  # {method name: {setting: value}}
+    weights: str = "dtype"  # dtype | int8: the body's attention and MLP Linear weights in int8 (not the head)
+    int8_group: int = 0  # with int8 weights: one scale per this many elements of a row (0: a row)
+    offload: str = "none"  # none | host: master copies and optimizer state on the host, stepped in backward
+    master: str = "fp32"  # with offload host: the master copy's dtype, fp32 | bf16
     out: str = "slimopt-finetune"
+
+    @property
+    def placed(self) -> bool:
+        """Whether the full fine-tuning methods run with int8 weights or host masters."""
+        return self.weights != "dtype" or self.offload != "none"
 
     @property
     def entries(self) -> list[str]:
@@ -195,6 +204,7 @@ class FinetuneConfig:
         if not isinstance(self.lr_extensions, int) or self.lr_extensions < 0:
             raise ValueError(f"lr_extensions must be an integer >= 0, got {self.lr_extensions!r}")
         plans = [parse_method(m) for m in self.entries]
+        self._validate_placement(plans)
         names = [p.name for p in plans]
         if len(set(names)) != len(names):
             raise ValueError(f"methods: {names} lists a method twice")
@@ -204,6 +214,21 @@ class FinetuneConfig:
         if unknown:
             raise ValueError(f"settings given for {unknown}, which are not among the methods {names}")
         check_out_dir(self.out)
+
+    def _validate_placement(self, plans: list[MethodPlan]) -> None:
+        for name, value, allowed in (("weights", self.weights, ("dtype", "int8")),
+                                     ("offload", self.offload, ("none", "host")),
+                                     ("master", self.master, ("fp32", "bf16"))):
+            if value not in allowed:
+                raise ValueError(f"--{name} must be one of {', '.join(allowed)}, got {value!r}")
+        if isinstance(self.int8_group, bool) or not isinstance(self.int8_group, int) or self.int8_group < 0:
+            raise ValueError(f"--int8-group must be an integer >= 0 (0: one scale per row), got {self.int8_group!r}")
+        if self.int8_group and self.weights != "int8":
+            raise ValueError("--int8-group needs --weights int8")
+        lora = [p.name for p in plans if p.lora]
+        if self.placed and lora:
+            raise ValueError(f"--weights int8 and --offload host apply to full fine-tuning methods; {lora} train "
+                             "LoRA adapters: run them without these options")
 
 
 def method_settings(plan: MethodPlan, cfg: FinetuneConfig) -> dict[str, Any]:
@@ -421,6 +446,9 @@ def _train_and_score(model, plan: MethodPlan, data, cfg: FinetuneConfig, setting
             use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
         )
         opt_settings = {k: v for k, v in settings.items() if k != "lr"}
+        if cfg.placed and not plan.head_only:  # the control's frozen body stays as it is: it is the reference
+            opt_settings.update(weights=cfg.weights, int8_group=cfg.int8_group, offload=cfg.offload,
+                                master=cfg.master)
         optimizer = make_optimizer(model, args, plan.optimizer, optim_target_modules=None, optim_args=None,
                                    **opt_settings)
         trainer = Trainer(model=model, args=args, train_dataset=data.train, data_collator=data.data_collator,

@@ -1,9 +1,9 @@
 """Which weights a model holds in int8 on the device, and the conversion of a model to that form.
 
 The choice is the planner's (``slimopt memory --weights int8``) and the trainer's alike: every ``nn.Linear`` of
-the model's body (a decoder's attention and MLP projections), not the output layer; norms, biases and embeddings
-stay in the model's dtype. ``to_int8`` swaps each chosen layer for an ``Int8Linear`` whose master copy is the
-trainable parameter an optimizer steps.
+the model's body (attention and MLP projections), not the output layer nor an encoder's pooler (a classifier's
+head reads it); norms, biases and embeddings stay in the model's dtype. ``to_int8`` swaps each chosen layer for
+an ``Int8Linear`` whose master copy is the trainable parameter an optimizer steps.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ __all__ = ["int8_weights", "to_int8"]
 
 def int8_weights(model: nn.Module, embeddings: bool = False) -> list[tuple[str, nn.Parameter]]:
     """The weights held in int8, as (name, parameter) in the model's order: every ``nn.Linear`` weight of the
-    model's body (``base_model_prefix``), not the output layer; with `embeddings` (planned only), the input and
-    output embeddings too."""
+    model's body (``base_model_prefix``), not the output layer nor a pooler (a classifier's head); with
+    `embeddings` (planned only), the input and output embeddings too."""
     prefix = getattr(model, "base_model_prefix", "")
     body = getattr(model, prefix, None) if prefix else None
     body = body if isinstance(body, nn.Module) else model
@@ -29,7 +29,9 @@ def int8_weights(model: nn.Module, embeddings: bool = False) -> list[tuple[str, 
     in_emb = get_in() if callable(get_in) else None
     chosen: dict[int, tuple[str, nn.Parameter]] = {}
     names = {id(p): n for n, p in model.named_parameters()}
-    for mod in body.modules():
+    for path, mod in body.named_modules():
+        if "pooler" in path.split("."):
+            continue
         if isinstance(mod, nn.Linear) and mod is not out_emb and id(mod.weight) in names:
             chosen.setdefault(id(mod.weight), (names[id(mod.weight)], mod.weight))
     if embeddings:

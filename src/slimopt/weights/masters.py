@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -39,6 +40,8 @@ class MasterWeights:
     Args:
         model: the model on its device; its chosen Linear layers become ``Int8Linear`` in place (``int8=True``).
         method, build_settings: as ``slimopt.build(model, method, **build_settings)``.
+        groups: the partition, called as ``groups(model, method, **build_settings)`` (default
+            ``slimopt.param_groups``; the Trainer path passes its own, with its no-decay groups).
         int8: hold the body's Linear weights in int8 on the device (else in their dtype).
         int8_group: 0 for one scale a row, else the elements of a row that share one.
         master: "fp32" (the updates are what an fp32 run would make) or "bf16": host copies in that dtype; "none":
@@ -61,7 +64,7 @@ class MasterWeights:
     def __init__(self, model: nn.Module, method: str = "adamw", *, int8: bool = True, int8_group: int = 0,
                  master: str = "fp32", accumulation_steps: int = 1, overlap: bool = False,
                  clip: float | None = None, clip_mode: str = "hold", record: bool = False,
-                 **build_settings: Any) -> None:
+                 groups: Callable[..., list[dict[str, Any]]] | None = None, **build_settings: Any) -> None:
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
             raise ValueError(f"clip must be None or a number > 0, got {clip!r}")
         if clip_mode not in CLIP_MODES:
@@ -76,7 +79,7 @@ class MasterWeights:
         if master == "none" and not int8:
             raise ValueError("master='none' steps int8 weights in place; with int8=False use slimopt.build")
         self.in_place = master == "none"
-        groups = param_groups(model, method, **build_settings)  # the partition of the model as it is
+        groups = (groups or param_groups)(model, method, **build_settings)  # the partition of the model as it is
         self.masters: dict[str, nn.Parameter] = {}
         self._device_param: dict[str, Tensor] = {}  # name -> the device tensor a non-int8 master is written to
         self._place_masters(model, groups, int8, int8_group, MASTERS[master])
