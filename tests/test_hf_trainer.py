@@ -271,3 +271,50 @@ def test_bad_input():
         hf.make_optimizer(model, None, "galore", optim_args="rank=4.5")
     with pytest.raises(ValueError, match="unknown hyperparameter"):
         hf.optimizer_cls_and_kwargs(model, "galore", rnak=4)
+
+
+def _int8_trainer(out, dataset, **kw):
+    """A tiny BERT with int8 body weights and host masters, in a Trainer whose schedule, accumulation and
+    clipping are on (training_args)."""
+    model = tiny_bert()
+    args = training_args(out, **kw)
+    opt = hf.make_optimizer(model, args, "adamw8bit", weights="int8", offload="host")
+    return model, opt, Trainer(model=model, args=args, train_dataset=dataset, optimizers=(opt, None))
+
+
+def test_trainer_trains_int8_weights_with_host_masters(tmp_path, dataset):
+    from slimopt.weights.int8_linear import Int8Linear
+
+    model, opt, trainer = _int8_trainer(tmp_path, dataset, max_steps=12, learning_rate=3e-3, save_strategy="no",
+                                        logging_steps=1, warmup_steps=2)
+    # attention and MLP weights int8; the head, and the pooler it reads, in their dtype
+    assert sum(isinstance(m, Int8Linear) for m in model.bert.encoder.modules()) == 6 * 2  # 2 layers
+    assert [n for n, m in model.named_modules() if type(m) is torch.nn.Linear] == ["bert.pooler.dense",
+                                                                                  "classifier"]
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    losses = [h["loss"] for h in logs]
+    assert len(losses) == 12 and all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.05, losses  # the loss falls
+    assert opt.masters.steps == 12  # one update per optimizer step of the Trainer (2 micro-batches each)
+    # the Trainer's own scheduler drives the lr: warmup then linear decay, handed to the host optimizer's groups
+    assert [h["learning_rate"] for h in logs[:3]] == pytest.approx([0.0, 1.5e-3, 3e-3])
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+    assert opt.masters.optimizer.param_groups[0]["lr"] == pytest.approx(logs[-1]["learning_rate"])
+    assert opt.masters.last_grad_norm is not None  # clipped by args.max_grad_norm inside the backward pass
+
+
+def test_trainer_resumes_int8_weights_with_host_masters_exactly(tmp_path, dataset):
+    whole_model, whole_opt, whole = _int8_trainer(tmp_path / "a", dataset)
+    whole.train()
+    checkpoint = tmp_path / "a" / "checkpoint-2"
+    saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)  # what the Trainer loads
+    assert set(saved) == {"masters", "optimizer", "counters"}
+    model, opt, trainer = _int8_trainer(tmp_path / "b", dataset)
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert trainer.state.global_step == whole.state.global_step == 4
+    assert opt.masters.steps == whole_opt.masters.steps == 4
+    for name, master in whole_opt.masters.masters.items():
+        assert torch.equal(master, opt.masters.masters[name]), name
+    for (name, p), (_, q) in zip(whole_model.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(p, q), name

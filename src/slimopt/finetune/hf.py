@@ -1,18 +1,17 @@
-"""slimopt optimizers inside the Hugging Face ``transformers.Trainer``.
-
-Two ways in, both giving the Trainer a ``SlimOptimizer`` whose parameter groups are the ones ``slimopt.build``
-makes (GaLore, arXiv 2403.03507; FRUGAL, arXiv 2411.07837; TACO, arXiv 2610.02199; 8-bit state,
-arXiv 2110.02861)::
+"""slimopt optimizers inside the Hugging Face ``transformers.Trainer``, with the parameter groups ``slimopt.build``
+makes (GaLore, arXiv 2403.03507; FRUGAL, arXiv 2411.07837; TACO, arXiv 2610.02199; 8-bit state, arXiv 2110.02861)::
 
     # 1. the Trainer builds the optimizer, then its own scheduler
     trainer = Trainer(model=model, args=args, train_dataset=ds,
                       optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(model, "galore", rank=8, lr=1e-4))
-
     # 2. you build it from the TrainingArguments (lr, weight decay, betas, eps, optim_target_modules, optim_args)
-    opt = make_optimizer(model, args, method="galore")
+    trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=(make_optimizer(model, args), None))
+    # 3. int8 body weights, masters and state on the host, each weight stepped during backward (the model is
+    #    converted in place; accumulation and max_grad_norm from args; the Trainer's scheduler sets the lr)
+    opt = make_optimizer(model, args, "adamw8bit", weights="int8", offload="host")
     trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=(opt, None))
 
-Details: docs/modules.md, ``slimopt.finetune.hf``.
+Details: docs/modules.md, ``slimopt.finetune.hf``; int8 weights and host masters: docs/offload.md.
 """
 
 from __future__ import annotations
