@@ -123,9 +123,9 @@ static inline void next_block16(reader16_t *r) {
 }
 
 /* the 16 values of elements [e, e + 16), e the element after the last call's (or the start) */
-static inline __m512 reader16_next(reader16_t *r, int64_t e) {
+static inline __attribute__((always_inline)) __m512 reader16_next(reader16_t *r, int64_t e, const int kind) {
     const codec_t *c = r->c;
-    switch (c->kind) {
+    switch (kind >= 0 ? kind : c->kind) {  /* a constant kind: the caller's specialized loop */
     case C_BLOCK8: {  /* a gather from the map (in L1; the map in sixteen registers left too few for the step) */
         const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)c->data + e)));
         const __m512 x = _mm512_mul_ps(_mm512_i32gather_ps(code, c->qmap, 4), r->scale);
@@ -170,6 +170,9 @@ static inline __m512 reader16_next(reader16_t *r, int64_t e) {
         return load16(c->data, c->kind == C_FP32 ? D_FP32 : D_BF16, e);
     }
 }
+
+/* the moments' codec pairs whose loop is compiled for them (ADAMW16_SPECIALIZED), the others' through a switch */
+#define ADAMW16_PAIRS(X) X(C_BLOCK8, C_BLOCK8) X(C_BLOCK4, C_BLOCK4) X(C_TERNARY_SR, C_FACTORED)
 
 /* count(points <= x) of 16 normalized values on a 256-code map: the range table's gather (count_le_many's) */
 static inline __m512i codes16_table(const codec_t *c, __m512 x, int signed_zero_possible) {
@@ -234,6 +237,9 @@ static void encode_blocks16(codec_t *c, int64_t off, int64_t cnt, float *x) {
     memset(&search, 0, sizeof search);
     if (c->kind == C_BLOCK4) search16_init(&search, &c->nearest);
     const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), one = _mm512_set1_epi32(1);
+    float divs[MAX_TILE / 32], recips[MAX_TILE / 32], lows[MAX_TILE / 32];
+    int hows[MAX_TILE / 32];
+    /* every block's scale and divisor first: the blocks' reductions and reciprocals do not wait on one another */
     for (int64_t b0 = 0; b0 < padded; b0 += B) {
         /* |x| as int32 patterns order like the floats (NaN above inf): their max is the absmax, and the unsigned
          * min of pattern - 1 the smallest nonzero magnitude less one (a zero wraps to the largest) */
@@ -252,10 +258,17 @@ static void encode_blocks16(codec_t *c, int64_t off, int64_t cnt, float *x) {
         const float safe = div * 0x1p-100f > SAFE_LOW ? div * 0x1p-100f : SAFE_LOW;  /* quotients from 2^-100 on */
         uint32_t safe_bits;
         memcpy(&safe_bits, &safe, 4);
-        const int how = !(div >= SAFE_LOW && div <= SAFE_HIGH) ? BY_DIVISION
-                        : low >= safe_bits - 1 ? BY_RECIPROCAL : BY_RECIPROCAL_CHECKED;
-        const __m512 dv = _mm512_set1_ps(div), yv = _mm512_set1_ps(how != BY_DIVISION ? 1.0f / div : 0.0f);
-        const __m512 lowv = _mm512_set1_ps(safe);
+        const int64_t b = b0 / B;
+        hows[b] = !(div >= SAFE_LOW && div <= SAFE_HIGH) ? BY_DIVISION
+                  : low >= safe_bits - 1 ? BY_RECIPROCAL : BY_RECIPROCAL_CHECKED;
+        divs[b] = div;
+        recips[b] = hows[b] != BY_DIVISION ? 1.0f / div : 0.0f;
+        lows[b] = safe;
+    }
+    for (int64_t b0 = 0; b0 < padded; b0 += B) {
+        const int64_t b = b0 / B;
+        const int how = hows[b];
+        const __m512 dv = _mm512_set1_ps(divs[b]), yv = _mm512_set1_ps(recips[b]), lowv = _mm512_set1_ps(lows[b]);
         if (c->kind == C_BLOCK8) {
             for (int64_t i = b0; i < b0 + B; i += 16) {
                 /* the unchecked reciprocal gives +0 for a zero and normal numbers for the rest: no -0 to normalize */
@@ -276,6 +289,123 @@ static void encode_blocks16(codec_t *c, int64_t off, int64_t cnt, float *x) {
                              _mm512_cvtepi32_epi8(_mm512_or_si512(_mm512_slli_epi32(hi, 4), lo)));
         }
     }
+}
+
+/* mix32 (noise._mix32_) of sixteen words */
+static inline __m512i mix32_16(__m512i x) {
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int32_t)0x846CA68Bu));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+/* uniform_many's numbers of counters [j0, j0 + 16), or 0 where their high words differ (the caller's cue to take
+ * uniform_many) */
+static inline int uniform16(uint32_t key0, uint32_t key1, int64_t j0, __m512 *u) {
+    const uint64_t j = (uint64_t)j0;
+    if ((uint32_t)j > 0xFFFFFFFFu - 15u) return 0;
+    const __m512i lo = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(uint32_t)j),
+                                        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    __m512i h = mix32_16(_mm512_xor_si512(lo, _mm512_set1_epi32((int32_t)key0)));
+    h = mix32_16(_mm512_xor_si512(h, _mm512_set1_epi32((int32_t)((uint32_t)(j >> 32) ^ key1))));
+    *u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), _mm512_set1_ps(0x1p-24f));
+    return 1;
+}
+
+/* block_sum (the fp64 sum of |x| or of x * x rounded to fp32, in eight chains combined in its order) of a block of
+ * a multiple of 16 values */
+static inline double block_sum16(const float *x, int64_t n, int squares) {
+    __m512d acc = _mm512_setzero_pd();
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const __m256 t = squares ? _mm256_mul_ps(v, v) : _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
+        acc = _mm512_add_pd(acc, _mm512_cvtps_pd(t));
+    }
+    double a[8];
+    _mm512_storeu_pd(a, acc);
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+/* pack_trits, 80 digits (16 bytes) at a time where the processor permutes bytes: the digits narrowed to bytes, the
+ * k-th of every five picked by one permute, and the byte formed by Horner's rule (((d4 3 + d3) 3 + d2) 3 + d1) 3
+ * + d0, each product by 3 as two additions (no partial sum exceeds 242); the rest by pack_trits */
+static void pack_trits16(const int32_t *digits, int64_t n, uint8_t *bytes) {
+    int64_t j = 0;
+#ifdef __AVX512VBMI__
+    __m512i pick[5];
+    for (int d = 0; d < 5; d++) {
+        uint8_t idx[64];
+        for (int k = 0; k < 64; k++) idx[k] = (uint8_t)(k < 16 ? 5 * k + d : 0);
+        pick[d] = _mm512_loadu_si512(idx);
+    }
+    for (; j + 80 <= n; j += 80) {
+        uint8_t narrow[128];
+        for (int k = 0; k < 5; k++)
+            _mm_storeu_si128((__m128i *)(narrow + 16 * k), _mm512_cvtepi32_epi8(_mm512_loadu_si512(digits + j + 16 * k)));
+        const __m512i lo = _mm512_loadu_si512(narrow), hi = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(narrow + 64)));
+        __m128i t = _mm512_castsi512_si128(_mm512_permutex2var_epi8(lo, pick[4], hi));
+        for (int d = 3; d >= 0; d--)
+            t = _mm_add_epi8(_mm_add_epi8(_mm_add_epi8(t, t), t),
+                             _mm512_castsi512_si128(_mm512_permutex2var_epi8(lo, pick[d], hi)));
+        _mm_storeu_si128((__m128i *)(bytes + j / 5), t);
+    }
+#endif
+    pack_trits(digits + j, n - j, bytes + j / 5);
+}
+
+/* encode() of C_TERNARY_SR, vectorized: x holds cnt values (padded here with zeros to whole blocks); off a
+ * multiple of the block and of 5. The block's scale, the values divided by it (a checked reciprocal), the
+ * stochastic trit of each from its counter's number, packed five a byte. */
+static void encode_ternary_sr16(codec_t *c, int64_t off, int64_t cnt, float *x) {
+    const int64_t B = c->block, padded = (cnt + B - 1) / B * B;
+    for (int64_t i = cnt; i < padded; i++) x[i] = 0.0f;
+    int32_t code[MAX_TILE];
+    float scales[MAX_TILE / 16];
+    /* every block's scale first: the blocks' sums, square roots and divisions do not wait on one another */
+    for (int64_t b0 = 0; b0 < padded; b0 += B) {
+        float amax;
+        if (c->scale_kind == S_ABSMAX) {
+            __m512i bits = _mm512_setzero_si512();  /* as encode: the int32 max of |x|'s patterns, NaN above inf */
+            for (int64_t i = b0; i < b0 + B; i += 16)
+                bits = _mm512_max_epi32(bits, _mm512_and_si512(_mm512_loadu_si512(x + i), _mm512_set1_epi32(0x7FFFFFFF)));
+            const int32_t top = _mm512_reduce_max_epi32(bits);
+            memcpy(&amax, &top, 4);
+        } else {
+            const double acc = block_sum16(x + b0, B, c->scale_kind == S_RMS);
+            const double k = (double)(cnt - b0 < B ? cnt - b0 : B);
+            amax = c->scale_kind == S_MEAN ? (float)(acc / k) : (float)sqrt(acc / k);
+        }
+        scales[b0 / B] = store_scale(c, (off + b0) / B, amax);
+    }
+    for (int64_t b0 = 0; b0 < padded; b0 += B) {
+        const float amax = scales[b0 / B];
+        const float div = amax != amax ? amax : amax > TINY_NORMAL ? amax : TINY_NORMAL;
+        const int by_reciprocal = div >= SAFE_LOW && div <= SAFE_HIGH;
+        const __m512 dv = _mm512_set1_ps(div), yv = _mm512_set1_ps(by_reciprocal ? 1.0f / div : 0.0f);
+        const __m512 low = _mm512_set1_ps(div * 0x1p-100f > SAFE_LOW ? div * 0x1p-100f : SAFE_LOW);
+        for (int64_t i = b0; i < b0 + B; i += 16) {
+            const __m512 xv = _mm512_loadu_ps(x + i);
+            /* a quotient's sign decides nothing at zero: -0 and +0 give the same trit */
+            const __m512 q = by_reciprocal ? div_by_scalar(xv, dv, yv, low) : _mm512_div_ps(xv, dv);
+            __m512 u;
+            if (!uniform16(c->key0, c->key1, c->counter + off + i, &u)) {
+                float tmp[16];
+                uniform_many(c->key0, c->key1, c->counter + off + i, tmp, 16);
+                u = _mm512_loadu_ps(tmp);
+            }
+            /* ternary_sr_many: the bracket (0, 1) where q >= 0 or NaN, else (-1, 0); p_up = q - (upper - 1) */
+            const __mmask16 upper = _mm512_cmp_ps_mask(q, _mm512_setzero_ps(), _CMP_GE_OQ)
+                                    | _mm512_cmp_ps_mask(q, q, _CMP_UNORD_Q);
+            __m512 p = _mm512_sub_ps(q, _mm512_mask_mov_ps(_mm512_set1_ps(-1.0f), upper, _mm512_setzero_ps()));
+            p = _mm512_mask_mov_ps(p, _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps());
+            p = _mm512_mask_mov_ps(p, _mm512_cmp_ps_mask(p, _mm512_set1_ps(1.0f), _CMP_GT_OQ), _mm512_set1_ps(1.0f));
+            const __m512i up = _mm512_maskz_mov_epi32(upper, _mm512_set1_epi32(1));
+            _mm512_storeu_si512(code + i, _mm512_mask_add_epi32(up, _mm512_cmp_ps_mask(u, p, _CMP_LT_OQ), up,
+                                                                _mm512_set1_epi32(1)));
+        }
+    }
+    pack_trits16(code, padded, (uint8_t *)c->data + off / 5);
 }
 
 /* Whether the fused path takes this step: AdamW writing a weight (to nearest if bf16) with two moments whose codecs
@@ -308,14 +438,17 @@ static int adamw16_applies(const step_t *s) {
     return 1;
 }
 
-/* step_range's AdamW over [t0, t0 + cnt), cnt a multiple of 16, on the fused path: the new moments into m and v */
-static void adamw16_tile(const step_t *s, int64_t t0, int64_t cnt, float *m, float *v) {
+/* step_range's AdamW over [t0, t0 + cnt), cnt a multiple of 16, on the fused path: the new moments into m and v.
+ * km, kv, grad_dtype, param_dtype: constants in each specialized copy (adamw16_tile), so that the loop branches on
+ * none of them; km, kv -1: the codecs' kinds read at run time */
+static inline __attribute__((always_inline)) void adamw16_loop(const step_t *s, int64_t t0, int64_t cnt, float *m,
+                                                               float *v, const int km, const int kv,
+                                                               const int32_t grad_dtype, const int32_t param_dtype) {
     const __m512 w1 = _mm512_set1_ps(s->w1), w2 = _mm512_set1_ps(s->w2), beta2 = _mm512_set1_ps(s->beta2);
     const __m512 eps = _mm512_set1_ps(s->eps), b2s = _mm512_set1_ps(s->bias2_sqrt);
     const __m512 yb = _mm512_set1_ps(1.0f / s->bias2_sqrt), alpha = _mm512_set1_ps(s->alpha);
     const __m512 decay = _mm512_set1_ps(s->decay), w1_hi = _mm512_set1_ps(s->w1 - 1.0f);
     const int lerp_low = fabsf(s->w1) < 0.5f, eps_before = s->eps_before, has_decay = s->has_decay;
-    const int32_t grad_dtype = s->grad_dtype, param_dtype = s->param_dtype;
     const void *grad = s->grad;
     void *param = s->param;
     reader16_t rm, rv;
@@ -324,7 +457,7 @@ static void adamw16_tile(const step_t *s, int64_t t0, int64_t cnt, float *m, flo
     for (int64_t i = 0; i < cnt; i += 16) {
         const int64_t e = t0 + i;
         const __m512 g = load16(grad, grad_dtype, e);
-        __m512 mv = reader16_next(&rm, e), vv = reader16_next(&rv, e);
+        __m512 mv = reader16_next(&rm, e, km), vv = reader16_next(&rv, e, kv);
         const __m512 diff = _mm512_sub_ps(g, mv);  /* lerp(m, g, w1) as torch's vectorized lerp */
         mv = lerp_low ? _mm512_fmadd_ps(w1, diff, mv) : _mm512_fmadd_ps(w1_hi, diff, g);
         vv = _mm512_fmadd_ps(_mm512_mul_ps(w2, g), g, _mm512_mul_ps(vv, beta2));
@@ -346,6 +479,20 @@ static void adamw16_tile(const step_t *s, int64_t t0, int64_t cnt, float *m, flo
     }
 }
 
+#define ADAMW16_DTYPES(km, kv)                                                                              \
+    if (s->codecs[0].kind == (km) && s->codecs[1].kind == (kv)) {                                          \
+        if (s->grad_dtype == D_BF16 && s->param_dtype == D_BF16) adamw16_loop(s, t0, cnt, m, v, km, kv, D_BF16, D_BF16); \
+        else if (s->grad_dtype == D_BF16) adamw16_loop(s, t0, cnt, m, v, km, kv, D_BF16, D_FP32);          \
+        else if (s->param_dtype == D_BF16) adamw16_loop(s, t0, cnt, m, v, km, kv, D_FP32, D_BF16);         \
+        else adamw16_loop(s, t0, cnt, m, v, km, kv, D_FP32, D_FP32);                                       \
+        return;                                                                                            \
+    }
+
+static void adamw16_tile(const step_t *s, int64_t t0, int64_t cnt, float *m, float *v) {
+    ADAMW16_PAIRS(ADAMW16_DTYPES)
+    adamw16_loop(s, t0, cnt, m, v, -1, -1, s->grad_dtype, s->param_dtype);
+}
+
 /* The fused path over [lo, hi) (lo a multiple of tile) in runs of whole tiles of about 2048 elements (fewer set-ups
  * than tile by tile): each run read and updated (adamw16_tile), then its moments encoded, a block codec's over the
  * whole run (its blocks carry nothing from one to the next), any other codec's tile by tile as step_range does (a
@@ -363,6 +510,10 @@ static int64_t adamw16_range(step_t *s, int64_t tile, int64_t lo, int64_t hi, fl
             codec_t *c = &s->codecs[k];
             if (c->kind == C_BLOCK8 || c->kind == C_BLOCK4) {
                 encode_blocks16(c, t0, cnt, moments[k]);
+                continue;
+            }
+            if (c->kind == C_TERNARY_SR) {  /* nothing carried between blocks; t0 a multiple of 5 (whole bytes) */
+                encode_ternary_sr16(c, t0, cnt, moments[k]);
                 continue;
             }
             for (int64_t u0 = t0; u0 < t0 + cnt; u0 += tile)
