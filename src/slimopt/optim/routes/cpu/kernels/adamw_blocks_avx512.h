@@ -57,6 +57,17 @@ static inline __m512 div_by_scalar(__m512 a, __m512 bv, __m512 yv, __m512 low) {
     return slow ? _mm512_mask_div_ps(q2, slow, a, bv) : q2;
 }
 
+/* How a block's values are divided by its scale */
+enum { BY_RECIPROCAL = 0, BY_RECIPROCAL_CHECKED = 1, BY_DIVISION = 2 };
+
+static inline __m512 normalize16(int how, __m512 x, __m512 dv, __m512 yv, __m512 low) {
+    if (how == BY_RECIPROCAL) {  /* every nonzero |x| of the block >= low: no element needs the divider */
+        const __m512 q = _mm512_mul_ps(x, yv);
+        return _mm512_fmadd_ps(_mm512_fnmadd_ps(q, dv, x), yv, q);
+    }
+    return how == BY_RECIPROCAL_CHECKED ? div_by_scalar(x, dv, yv, low) : _mm512_div_ps(x, dv);
+}
+
 /* sqrt(v) / b2s (+ eps before or after, as the rule's placement) for 16 values, bit for bit the scalar loop's */
 static inline __m512 adamw_denom(__m512 v, __m512 b2s, __m512 y, __m512 eps, int eps_before) {
     __m512 s = _mm512_sqrt_ps(v);
@@ -89,10 +100,11 @@ typedef struct {
     int64_t byte, phase;              /* ternary codecs: element = 5 byte + phase */
     int64_t row, col;                 /* C_FACTORED: the position in the (rows, cols) moment */
     __m512 rowv, dn, y, low;          /* row mean; denominator, its reciprocal and the checked quotients' bound */
-    int by_reciprocal;
+    int by_reciprocal, row_fast;      /* the reciprocal; unchecked for the current row */
+    float col_min, col_max;           /* the smallest nonzero and the largest column mean (col_bounds) */
 } reader16_t;
 
-static inline void reader16_start(reader16_t *r, const codec_t *c, int64_t e) {
+static inline void reader16_start(reader16_t *r, const codec_t *c, int64_t e, const float *col_bounds) {
     memset(r, 0, sizeof *r);
     r->c = c;
     if (c->kind == C_BLOCK4) r->tab16 = _mm512_loadu_ps(c->qmap);
@@ -112,6 +124,9 @@ static inline void reader16_start(reader16_t *r, const codec_t *c, int64_t e) {
         r->dn = _mm512_set1_ps(dn);
         r->y = _mm512_set1_ps(r->by_reciprocal ? 1.0f / dn : 0.0f);
         r->low = _mm512_set1_ps(dn * 0x1p-100f > SAFE_LOW ? dn * 0x1p-100f : SAFE_LOW);
+        r->row_fast = -1;  /* not known before the first register */
+        r->col_min = col_bounds[0];
+        r->col_max = col_bounds[1];
     }
 }
 
@@ -156,9 +171,16 @@ static inline __attribute__((always_inline)) __m512 reader16_next(reader16_t *r,
         return x;
     }
     case C_FACTORED: {  /* (row * col) / denom; a register lies in one row (cols a multiple of 16) */
-        if (r->col == 0) r->rowv = _mm512_set1_ps(c->row[r->row]);  /* the old mean: see adamw16_range */
+        if (r->col == 0 || r->row_fast < 0) {  /* a row's first register (or the reader's): its old mean */
+            const float rv = c->row[r->row], low = _mm512_cvtss_f32(r->low);
+            r->rowv = _mm512_set1_ps(rv);
+            /* every product of the row a zero or, with room for its rounding, within the reciprocal's range */
+            r->row_fast = r->by_reciprocal && (rv == 0.0f || (rv * r->col_min >= 2.0f * low
+                                                              && rv * r->col_max <= 0.5f * SAFE_HIGH));
+        }
         const __m512 prod = _mm512_mul_ps(r->rowv, _mm512_loadu_ps(c->col + r->col));
-        const __m512 x = r->by_reciprocal ? div_by_scalar(prod, r->dn, r->y, r->low) : _mm512_div_ps(prod, r->dn);
+        const __m512 x = r->row_fast ? normalize16(BY_RECIPROCAL, prod, r->dn, r->y, r->low)
+                         : r->by_reciprocal ? div_by_scalar(prod, r->dn, r->y, r->low) : _mm512_div_ps(prod, r->dn);
         r->col += 16;
         if (r->col == c->cols) {
             r->col = 0;
@@ -216,17 +238,6 @@ static inline __m512i codes16_search(const search16_t *t, __m512 x, int nan_poss
     if (!nan_possible) return count;
     const __mmask16 high_nan = _mm512_cmpgt_epi32_mask(_mm512_castps_si512(x), _mm512_set1_epi32(0x7F800000));
     return _mm512_mask_mov_epi32(count, high_nan, _mm512_set1_epi32(t->n_points));
-}
-
-/* How a block's values are divided by its scale */
-enum { BY_RECIPROCAL = 0, BY_RECIPROCAL_CHECKED = 1, BY_DIVISION = 2 };
-
-static inline __m512 normalize16(int how, __m512 x, __m512 dv, __m512 yv, __m512 low) {
-    if (how == BY_RECIPROCAL) {  /* every nonzero |x| of the block >= low: no element needs the divider */
-        const __m512 q = _mm512_mul_ps(x, yv);
-        return _mm512_fmadd_ps(_mm512_fnmadd_ps(q, dv, x), yv, q);
-    }
-    return how == BY_RECIPROCAL_CHECKED ? div_by_scalar(x, dv, yv, low) : _mm512_div_ps(x, dv);
 }
 
 /* encode() of a block codec, vectorized: x holds cnt values (padded here with zeros to whole blocks) */
@@ -327,10 +338,10 @@ static inline double block_sum16(const float *x, int64_t n, int squares) {
     return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
 
-/* pack_trits, 80 digits (16 bytes) at a time where the processor permutes bytes: the digits narrowed to bytes, the
- * k-th of every five picked by one permute, and the byte formed by Horner's rule (((d4 3 + d3) 3 + d2) 3 + d1) 3
- * + d0, each product by 3 as two additions (no partial sum exceeds 242); the rest by pack_trits */
-static void pack_trits16(const int32_t *digits, int64_t n, uint8_t *bytes) {
+/* pack_trits of digits held one a byte, 80 (16 bytes) at a time where the processor permutes bytes: the k-th of
+ * every five picked by one permute, and the byte formed by Horner's rule (((d4 3 + d3) 3 + d2) 3 + d1) 3 + d0,
+ * each product by 3 as two additions (no partial sum exceeds 242); the rest one by one as pack_trits */
+static void pack_trit_bytes(const uint8_t *digits, int64_t n, uint8_t *bytes) {
     int64_t j = 0;
 #ifdef __AVX512VBMI__
     __m512i pick[5];
@@ -340,10 +351,8 @@ static void pack_trits16(const int32_t *digits, int64_t n, uint8_t *bytes) {
         pick[d] = _mm512_loadu_si512(idx);
     }
     for (; j + 80 <= n; j += 80) {
-        uint8_t narrow[128];
-        for (int k = 0; k < 5; k++)
-            _mm_storeu_si128((__m128i *)(narrow + 16 * k), _mm512_cvtepi32_epi8(_mm512_loadu_si512(digits + j + 16 * k)));
-        const __m512i lo = _mm512_loadu_si512(narrow), hi = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(narrow + 64)));
+        const __m512i lo = _mm512_loadu_si512(digits + j);
+        const __m512i hi = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(digits + j + 64)));
         __m128i t = _mm512_castsi512_si128(_mm512_permutex2var_epi8(lo, pick[4], hi));
         for (int d = 3; d >= 0; d--)
             t = _mm_add_epi8(_mm_add_epi8(_mm_add_epi8(t, t), t),
@@ -351,43 +360,63 @@ static void pack_trits16(const int32_t *digits, int64_t n, uint8_t *bytes) {
         _mm_storeu_si128((__m128i *)(bytes + j / 5), t);
     }
 #endif
-    pack_trits(digits + j, n - j, bytes + j / 5);
+    for (; j < n; j += 5) {  /* a last partial byte: the missing digits 0, as pack_trits */
+        int32_t byte = 0;
+        for (int64_t k = j; k < j + 5 && k < n; k++) byte += digits[k] * POW3[k - j];
+        bytes[j / 5] = (uint8_t)byte;
+    }
 }
 
 /* encode() of C_TERNARY_SR, vectorized: x holds cnt values (padded here with zeros to whole blocks); off a
- * multiple of the block and of 5. The block's scale, the values divided by it (a checked reciprocal), the
- * stochastic trit of each from its counter's number, packed five a byte. */
+ * multiple of the block and of 5. Every block's scale first (the blocks' sums, square roots and divisions then do
+ * not wait on one another), then the values divided by it (the reciprocal, unchecked where the block's magnitudes
+ * allow it), the stochastic trit of each from its counter's number, packed five a byte. */
 static void encode_ternary_sr16(codec_t *c, int64_t off, int64_t cnt, float *x) {
     const int64_t B = c->block, padded = (cnt + B - 1) / B * B;
     for (int64_t i = cnt; i < padded; i++) x[i] = 0.0f;
-    int32_t code[MAX_TILE];
-    float scales[MAX_TILE / 16];
-    /* every block's scale first: the blocks' sums, square roots and divisions do not wait on one another */
+    uint8_t code[MAX_TILE];
+    float divs[MAX_TILE / 16], recips[MAX_TILE / 16], lows[MAX_TILE / 16];
+    int hows[MAX_TILE / 16];
+    const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), one = _mm512_set1_epi32(1);
     for (int64_t b0 = 0; b0 < padded; b0 += B) {
+        /* as encode_blocks16: the largest |x| pattern (NaN above inf) and the smallest nonzero one less one */
+        __m512i max_bits = _mm512_setzero_si512(), min_bits = _mm512_set1_epi32(-1);
+        for (int64_t i = b0; i < b0 + B; i += 16) {
+            const __m512i a = _mm512_and_si512(_mm512_loadu_si512(x + i), magnitude);
+            max_bits = _mm512_max_epi32(max_bits, a);
+            min_bits = _mm512_min_epu32(min_bits, _mm512_sub_epi32(a, one));
+        }
+        const int32_t top = _mm512_reduce_max_epi32(max_bits);
+        const uint32_t low = _mm512_reduce_min_epu32(min_bits);
         float amax;
         if (c->scale_kind == S_ABSMAX) {
-            __m512i bits = _mm512_setzero_si512();  /* as encode: the int32 max of |x|'s patterns, NaN above inf */
-            for (int64_t i = b0; i < b0 + B; i += 16)
-                bits = _mm512_max_epi32(bits, _mm512_and_si512(_mm512_loadu_si512(x + i), _mm512_set1_epi32(0x7FFFFFFF)));
-            const int32_t top = _mm512_reduce_max_epi32(bits);
             memcpy(&amax, &top, 4);
         } else {
             const double acc = block_sum16(x + b0, B, c->scale_kind == S_RMS);
             const double k = (double)(cnt - b0 < B ? cnt - b0 : B);
             amax = c->scale_kind == S_MEAN ? (float)(acc / k) : (float)sqrt(acc / k);
         }
-        scales[b0 / B] = store_scale(c, (off + b0) / B, amax);
+        amax = store_scale(c, (off + b0) / B, amax);
+        const float div = amax != amax ? amax : amax > TINY_NORMAL ? amax : TINY_NORMAL;
+        const float safe = div * 0x1p-100f > SAFE_LOW ? div * 0x1p-100f : SAFE_LOW;
+        uint32_t safe_bits, high_bits;
+        const float high = SAFE_HIGH;
+        memcpy(&safe_bits, &safe, 4);
+        memcpy(&high_bits, &high, 4);
+        const int64_t b = b0 / B;
+        hows[b] = !(div >= SAFE_LOW && div <= SAFE_HIGH) || (uint32_t)top > high_bits ? BY_DIVISION
+                  : low >= safe_bits - 1 ? BY_RECIPROCAL : BY_RECIPROCAL_CHECKED;
+        divs[b] = div;
+        recips[b] = hows[b] != BY_DIVISION ? 1.0f / div : 0.0f;
+        lows[b] = safe;
     }
     for (int64_t b0 = 0; b0 < padded; b0 += B) {
-        const float amax = scales[b0 / B];
-        const float div = amax != amax ? amax : amax > TINY_NORMAL ? amax : TINY_NORMAL;
-        const int by_reciprocal = div >= SAFE_LOW && div <= SAFE_HIGH;
-        const __m512 dv = _mm512_set1_ps(div), yv = _mm512_set1_ps(by_reciprocal ? 1.0f / div : 0.0f);
-        const __m512 low = _mm512_set1_ps(div * 0x1p-100f > SAFE_LOW ? div * 0x1p-100f : SAFE_LOW);
+        const int64_t b = b0 / B;
+        const int how = hows[b];
+        const __m512 dv = _mm512_set1_ps(divs[b]), yv = _mm512_set1_ps(recips[b]), lowv = _mm512_set1_ps(lows[b]);
         for (int64_t i = b0; i < b0 + B; i += 16) {
-            const __m512 xv = _mm512_loadu_ps(x + i);
             /* a quotient's sign decides nothing at zero: -0 and +0 give the same trit */
-            const __m512 q = by_reciprocal ? div_by_scalar(xv, dv, yv, low) : _mm512_div_ps(xv, dv);
+            const __m512 q = normalize16(how, _mm512_loadu_ps(x + i), dv, yv, lowv);
             __m512 u;
             if (!uniform16(c->key0, c->key1, c->counter + off + i, &u)) {
                 float tmp[16];
@@ -400,12 +429,12 @@ static void encode_ternary_sr16(codec_t *c, int64_t off, int64_t cnt, float *x) 
             __m512 p = _mm512_sub_ps(q, _mm512_mask_mov_ps(_mm512_set1_ps(-1.0f), upper, _mm512_setzero_ps()));
             p = _mm512_mask_mov_ps(p, _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps());
             p = _mm512_mask_mov_ps(p, _mm512_cmp_ps_mask(p, _mm512_set1_ps(1.0f), _CMP_GT_OQ), _mm512_set1_ps(1.0f));
-            const __m512i up = _mm512_maskz_mov_epi32(upper, _mm512_set1_epi32(1));
-            _mm512_storeu_si512(code + i, _mm512_mask_add_epi32(up, _mm512_cmp_ps_mask(u, p, _CMP_LT_OQ), up,
-                                                                _mm512_set1_epi32(1)));
+            const __m512i up = _mm512_maskz_mov_epi32(upper, one);
+            const __m512i digit = _mm512_mask_add_epi32(up, _mm512_cmp_ps_mask(u, p, _CMP_LT_OQ), up, one);
+            _mm_storeu_si128((__m128i *)(code + i), _mm512_cvtepi32_epi8(digit));
         }
     }
-    pack_trits16(code, padded, (uint8_t *)c->data + off / 5);
+    pack_trit_bytes(code, padded, (uint8_t *)c->data + off / 5);
 }
 
 /* Whether the fused path takes this step: AdamW writing a weight (to nearest if bf16) with two moments whose codecs
@@ -442,8 +471,9 @@ static int adamw16_applies(const step_t *s) {
  * km, kv, grad_dtype, param_dtype: constants in each specialized copy (adamw16_tile), so that the loop branches on
  * none of them; km, kv -1: the codecs' kinds read at run time */
 static inline __attribute__((always_inline)) void adamw16_loop(const step_t *s, int64_t t0, int64_t cnt, float *m,
-                                                               float *v, const int km, const int kv,
-                                                               const int32_t grad_dtype, const int32_t param_dtype) {
+                                                               float *v, const float (*bounds)[2], const int km,
+                                                               const int kv, const int32_t grad_dtype,
+                                                               const int32_t param_dtype) {
     const __m512 w1 = _mm512_set1_ps(s->w1), w2 = _mm512_set1_ps(s->w2), beta2 = _mm512_set1_ps(s->beta2);
     const __m512 eps = _mm512_set1_ps(s->eps), b2s = _mm512_set1_ps(s->bias2_sqrt);
     const __m512 yb = _mm512_set1_ps(1.0f / s->bias2_sqrt), alpha = _mm512_set1_ps(s->alpha);
@@ -452,8 +482,8 @@ static inline __attribute__((always_inline)) void adamw16_loop(const step_t *s, 
     const void *grad = s->grad;
     void *param = s->param;
     reader16_t rm, rv;
-    reader16_start(&rm, &s->codecs[0], t0);
-    reader16_start(&rv, &s->codecs[1], t0);
+    reader16_start(&rm, &s->codecs[0], t0, bounds[0]);
+    reader16_start(&rv, &s->codecs[1], t0, bounds[1]);
     for (int64_t i = 0; i < cnt; i += 16) {
         const int64_t e = t0 + i;
         const __m512 g = load16(grad, grad_dtype, e);
@@ -481,16 +511,16 @@ static inline __attribute__((always_inline)) void adamw16_loop(const step_t *s, 
 
 #define ADAMW16_DTYPES(km, kv)                                                                              \
     if (s->codecs[0].kind == (km) && s->codecs[1].kind == (kv)) {                                          \
-        if (s->grad_dtype == D_BF16 && s->param_dtype == D_BF16) adamw16_loop(s, t0, cnt, m, v, km, kv, D_BF16, D_BF16); \
-        else if (s->grad_dtype == D_BF16) adamw16_loop(s, t0, cnt, m, v, km, kv, D_BF16, D_FP32);          \
-        else if (s->param_dtype == D_BF16) adamw16_loop(s, t0, cnt, m, v, km, kv, D_FP32, D_BF16);         \
-        else adamw16_loop(s, t0, cnt, m, v, km, kv, D_FP32, D_FP32);                                       \
+        if (s->grad_dtype == D_BF16 && s->param_dtype == D_BF16) adamw16_loop(s, t0, cnt, m, v, bounds, km, kv, D_BF16, D_BF16); \
+        else if (s->grad_dtype == D_BF16) adamw16_loop(s, t0, cnt, m, v, bounds, km, kv, D_BF16, D_FP32);          \
+        else if (s->param_dtype == D_BF16) adamw16_loop(s, t0, cnt, m, v, bounds, km, kv, D_FP32, D_BF16);         \
+        else adamw16_loop(s, t0, cnt, m, v, bounds, km, kv, D_FP32, D_FP32);                                       \
         return;                                                                                            \
     }
 
-static void adamw16_tile(const step_t *s, int64_t t0, int64_t cnt, float *m, float *v) {
+static void adamw16_tile(const step_t *s, int64_t t0, int64_t cnt, float *m, float *v, const float (*bounds)[2]) {
     ADAMW16_PAIRS(ADAMW16_DTYPES)
-    adamw16_loop(s, t0, cnt, m, v, -1, -1, s->grad_dtype, s->param_dtype);
+    adamw16_loop(s, t0, cnt, m, v, bounds, -1, -1, s->grad_dtype, s->param_dtype);
 }
 
 /* The fused path over [lo, hi) (lo a multiple of tile) in runs of whole tiles of about 2048 elements (fewer set-ups
@@ -502,10 +532,26 @@ static void adamw16_tile(const step_t *s, int64_t t0, int64_t cnt, float *m, flo
 static int64_t adamw16_range(step_t *s, int64_t tile, int64_t lo, int64_t hi, float *m, float *v) {
     const int64_t run = tile * (2048 / tile > 1 ? 2048 / tile : 1);
     float *moments[2] = {m, v};
+    float bounds[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};  /* a factored moment's smallest nonzero and largest column mean */
+    for (int k = 0; k < 2; k++) {
+        const codec_t *c = &s->codecs[k];
+        if (c->kind != C_FACTORED) continue;
+        uint32_t lo_bits = 0xFFFFFFFFu, hi_bits = 0;  /* as patterns: NaN above inf; a zero wraps past the largest */
+        for (int64_t j = 0; j < c->cols; j++) {
+            uint32_t u;
+            memcpy(&u, &c->col[j], 4);
+            u &= 0x7FFFFFFFu;
+            lo_bits = u - 1 < lo_bits ? u - 1 : lo_bits;
+            hi_bits = u > hi_bits ? u : hi_bits;
+        }
+        lo_bits = lo_bits == 0xFFFFFFFFu ? 0x7F800000u : lo_bits + 1;  /* no nonzero mean: inf */
+        memcpy(&bounds[k][0], &lo_bits, 4);
+        memcpy(&bounds[k][1], &hi_bits, 4);
+    }
     for (int64_t t0 = lo; t0 < hi; t0 += run) {
         const int64_t cnt = hi - t0 < run ? hi - t0 : run;
         if (cnt % 16 != 0) return t0;
-        adamw16_tile(s, t0, cnt, m, v);
+        adamw16_tile(s, t0, cnt, m, v, (const float (*)[2])bounds);
         for (int k = 0; k < 2; k++) {
             codec_t *c = &s->codecs[k];
             if (c->kind == C_BLOCK8 || c->kind == C_BLOCK4) {
