@@ -1,4 +1,4 @@
-"""The C kernel's fused AVX-512 AdamW path (kernels/adamw_blocks_avx512.h) against the same
+"""The C kernel's fused AVX-512 AdamW path (kernels/adamw_avx512.h) against the same
 kernel built without AVX-512 (its tile-by-tile loops) and without any vector extension: weights and state the same
 bytes after three steps, on gradients that reach every branch of the fused path (blocks whose smallest element is
 far below their scale and take the checked or the divider's quotient, zeros, a NaN and an inf, a window whose end is

@@ -23,6 +23,9 @@
  * integer answers of slimopt.optim.algorithm.quant (count of decision points <= x, found through the same 65536-range
  * look-up table), so codes agree whenever the fp32 moment does.
  *
+ * On a processor with AVX-512, AdamW's step takes adamw_avx512.h: the same arithmetic sixteen elements a register,
+ * in one pass, with the divisions by shared values through a correctly rounded reciprocal.
+ *
  * slimopt_column_best is TACO's candidate search (arXiv 2610.02199; slimopt/optim/algorithm/taco.py) at
  * one candidate a column: one pass over the gradient instead of |g|, a scatter and a strided argmax;
  * slimopt_taco_one is TACO's whole step at one stored component a column, that search included.
@@ -623,7 +626,7 @@ static inline float lerp(float self, float end, float w) {  /* torch's vectorize
 
 static inline float sign(float x) { return (float)((x > 0.0f) - (x < 0.0f)); }
 
-#include "adamw_blocks_avx512.h"
+#include "adamw_avx512.h"
 
 /* Elements [lo, hi) of the window, in tiles of `tile` elements from lo (lo a multiple of tile, so that the
  * tiles are the same whatever range a call is given). Returns 0, or -1 for a rule it does not know. */
@@ -632,7 +635,7 @@ static int step_range(step_t *s, int64_t tile, int64_t lo, int64_t hi) {
     float m[MAX_TILE], v[MAX_TILE], d[MAX_TILE];
     const float w1 = s->w1, w2 = s->w2, beta2 = s->beta2, eps = s->eps, b2s = s->bias2_sqrt;
 #ifdef __AVX512F__
-    if (adamw16_applies(s)) lo = adamw16_range(s, tile, lo, hi, m, v);  /* the same bits (adamw_blocks_avx512.h) */
+    if (adamw16_applies(s)) lo = adamw16_range(s, tile, lo, hi, m, v);  /* the same bits (adamw_avx512.h) */
 #endif
     for (int64_t t0 = lo; t0 < hi; t0 += tile) {
         const int64_t cnt = hi - t0 < tile ? hi - t0 : tile;

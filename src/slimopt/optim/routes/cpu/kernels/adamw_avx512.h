@@ -1,18 +1,19 @@
-/* AdamW on block-coded moments (8-bit and 4-bit codes, absmax block scales), fused for AVX-512.
+/* AdamW's one-pass step fused for AVX-512: every moment codec (8-bit and 4-bit block codes, ternary, factored,
+ * fp32, bf16), sixteen elements a register.
  *
- * Included by elementwise_step.c after its types and helpers; the same arithmetic as its step_range and encode,
- * sixteen elements a register, so that a tile is read and written once with no pass over a buffer but the
- * encode's (which needs the block's absmax before it can code the block):
- *   1. per 16 elements: the gradient, both moments decoded (map look-up times the block's scale), AdamW's update of
- *      m and v, the direction, the weight's decay and move, written; the new m and v kept in the tile's buffers;
- *   2. per codec and block: the absmax, the scale stored, every value divided by it and coded (a gather from the
- *      range table for 256 codes, a search in registers for 16), the codes packed and stored.
- * What keeps it near memory speed is the divider, the one unit both steps contend for: torch's fused AdamW divides
- * twice and takes a square root per element; here the divisions by a value shared by many elements (the bias
- * correction's sqrt(1 - beta2^t), a block's scale) are a multiplication by the correctly rounded reciprocal and
- * one fma correction, which gives the correctly rounded quotient (Markstein's theorem; Muller et al., Handbook of
- * Floating-Point Arithmetic, section 4.9) wherever the quotient, the remainder and the reciprocal are normal
- * numbers; the few elements outside that range take the division.
+ * Included by elementwise_step.c after its types and helpers, whose arithmetic it repeats operation for operation
+ * (tests/test_native_fused.py holds the two to the same bits). A run of about 2048 elements at a time:
+ *   1. per 16 elements: the gradient, both moments decoded, AdamW's update of m and v, the direction, the weight's
+ *      decay and move, written; the new moments kept in buffers (a loop compiled for each common codec pair);
+ *   2. per codec: every block's scale first (blocks then do not wait on one another's reductions), then the values
+ *      divided by it and coded (a gather from the range table for 256 codes, a search in registers for 16,
+ *      stochastic trits from the counter's hash) and packed; a factored moment's sums tile by tile, as there.
+ * The divider is the unit this step and torch's fused AdamW both wait on (torch: two divisions and a square root an
+ * element). Here a division by a value many elements share (the bias correction's sqrt(1 - beta2^t), a block's
+ * scale, a factored moment's denominator) is a product with the correctly rounded reciprocal and one fma
+ * correction, which is the correctly rounded quotient (Markstein's theorem; Muller et al., Handbook of
+ * Floating-Point Arithmetic, section 4.9) wherever quotient, remainder and reciprocal are normal numbers; elements
+ * outside that range take the divider. Measured: docs/benchmarks.md, "The host step at a LLaMA-7B layer's shapes".
  */
 
 #ifdef __AVX512F__
@@ -467,6 +468,56 @@ static int adamw16_applies(const step_t *s) {
     return 1;
 }
 
+/* AdamW's per-step values in registers */
+typedef struct {
+    __m512 w1, w2, beta2, eps, b2s, yb, alpha, decay, w1_hi;
+    int lerp_low, eps_before, has_decay;
+} adamw16_t;
+
+static inline adamw16_t adamw16_constants(const step_t *s) {
+    adamw16_t k;
+    k.w1 = _mm512_set1_ps(s->w1);
+    k.w2 = _mm512_set1_ps(s->w2);
+    k.beta2 = _mm512_set1_ps(s->beta2);
+    k.eps = _mm512_set1_ps(s->eps);
+    k.b2s = _mm512_set1_ps(s->bias2_sqrt);
+    k.yb = _mm512_set1_ps(1.0f / s->bias2_sqrt);
+    k.alpha = _mm512_set1_ps(s->alpha);
+    k.decay = _mm512_set1_ps(s->decay);
+    k.w1_hi = _mm512_set1_ps(s->w1 - 1.0f);
+    k.lerp_low = fabsf(s->w1) < 0.5f;
+    k.eps_before = s->eps_before;
+    k.has_decay = s->has_decay;
+    return k;
+}
+
+/* AdamW on elements [e, e + 16): the moments read, updated (into *m, *v), the weight decayed and moved */
+static inline __attribute__((always_inline)) void adamw16_vec(const step_t *s, const adamw16_t *k, reader16_t *rm,
+                                                              reader16_t *rv, int64_t e, __m512 *m, __m512 *v,
+                                                              const int km, const int kv, const int32_t grad_dtype,
+                                                              const int32_t param_dtype) {
+    const __m512 g = load16(s->grad, grad_dtype, e);
+    __m512 mv = reader16_next(rm, e, km), vv = reader16_next(rv, e, kv);
+    const __m512 diff = _mm512_sub_ps(g, mv);  /* lerp(m, g, w1) as torch's vectorized lerp */
+    mv = k->lerp_low ? _mm512_fmadd_ps(k->w1, diff, mv) : _mm512_fmadd_ps(k->w1_hi, diff, g);
+    vv = _mm512_fmadd_ps(_mm512_mul_ps(k->w2, g), g, _mm512_mul_ps(vv, k->beta2));
+    const __m512 d = _mm512_div_ps(mv, adamw_denom(vv, k->b2s, k->yb, k->eps, k->eps_before));
+    *m = mv;
+    *v = vv;
+    if (param_dtype == D_FP32) {
+        float *p = (float *)s->param + e;
+        __m512 w = _mm512_loadu_ps(p);
+        if (k->has_decay) w = _mm512_mul_ps(w, k->decay);
+        _mm512_storeu_ps(p, _mm512_fmadd_ps(d, k->alpha, w));
+    } else {
+        uint16_t *p = (uint16_t *)s->param + e;
+        __m512 w = load16(p, D_BF16, 0);
+        if (k->has_decay)  /* rounded to bf16 (p.mul_) before the update */
+            w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_16(_mm512_mul_ps(w, k->decay))), 16));
+        _mm256_storeu_si256((__m256i *)p, to_bf16_16(_mm512_fmadd_ps(d, k->alpha, w)));
+    }
+}
+
 /* step_range's AdamW over [t0, t0 + cnt), cnt a multiple of 16, on the fused path: the new moments into m and v.
  * km, kv, grad_dtype, param_dtype: constants in each specialized copy (adamw16_tile), so that the loop branches on
  * none of them; km, kv -1: the codecs' kinds read at run time */
@@ -474,38 +525,15 @@ static inline __attribute__((always_inline)) void adamw16_loop(const step_t *s, 
                                                                float *v, const float (*bounds)[2], const int km,
                                                                const int kv, const int32_t grad_dtype,
                                                                const int32_t param_dtype) {
-    const __m512 w1 = _mm512_set1_ps(s->w1), w2 = _mm512_set1_ps(s->w2), beta2 = _mm512_set1_ps(s->beta2);
-    const __m512 eps = _mm512_set1_ps(s->eps), b2s = _mm512_set1_ps(s->bias2_sqrt);
-    const __m512 yb = _mm512_set1_ps(1.0f / s->bias2_sqrt), alpha = _mm512_set1_ps(s->alpha);
-    const __m512 decay = _mm512_set1_ps(s->decay), w1_hi = _mm512_set1_ps(s->w1 - 1.0f);
-    const int lerp_low = fabsf(s->w1) < 0.5f, eps_before = s->eps_before, has_decay = s->has_decay;
-    const void *grad = s->grad;
-    void *param = s->param;
+    const adamw16_t k = adamw16_constants(s);
     reader16_t rm, rv;
     reader16_start(&rm, &s->codecs[0], t0, bounds[0]);
     reader16_start(&rv, &s->codecs[1], t0, bounds[1]);
     for (int64_t i = 0; i < cnt; i += 16) {
-        const int64_t e = t0 + i;
-        const __m512 g = load16(grad, grad_dtype, e);
-        __m512 mv = reader16_next(&rm, e, km), vv = reader16_next(&rv, e, kv);
-        const __m512 diff = _mm512_sub_ps(g, mv);  /* lerp(m, g, w1) as torch's vectorized lerp */
-        mv = lerp_low ? _mm512_fmadd_ps(w1, diff, mv) : _mm512_fmadd_ps(w1_hi, diff, g);
-        vv = _mm512_fmadd_ps(_mm512_mul_ps(w2, g), g, _mm512_mul_ps(vv, beta2));
-        const __m512 d = _mm512_div_ps(mv, adamw_denom(vv, b2s, yb, eps, eps_before));
+        __m512 mv, vv;
+        adamw16_vec(s, &k, &rm, &rv, t0 + i, &mv, &vv, km, kv, grad_dtype, param_dtype);
         _mm512_storeu_ps(m + i, mv);
         _mm512_storeu_ps(v + i, vv);
-        if (param_dtype == D_FP32) {
-            float *p = (float *)param + e;
-            __m512 w = _mm512_loadu_ps(p);
-            if (has_decay) w = _mm512_mul_ps(w, decay);
-            _mm512_storeu_ps(p, _mm512_fmadd_ps(d, alpha, w));
-        } else {
-            uint16_t *p = (uint16_t *)param + e;
-            __m512 w = load16(p, D_BF16, 0);
-            if (has_decay)  /* rounded to bf16 (p.mul_) before the update */
-                w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_16(_mm512_mul_ps(w, decay))), 16));
-            _mm256_storeu_si256((__m256i *)p, to_bf16_16(_mm512_fmadd_ps(d, alpha, w)));
-        }
     }
 }
 
