@@ -461,8 +461,11 @@ static int adamw16_applies(const step_t *s) {
         case C_FACTORED:
             if (c->cols % 16) return 0;
             break;
-        default:
+        case C_FP32:
+        case C_BF16:
             break;
+        default:  /* a codec reader16_next does not know: the tile-by-tile step */
+            return 0;
         }
     }
     return 1;
