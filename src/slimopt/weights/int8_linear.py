@@ -17,10 +17,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.graph import increment_version
 from torch.utils.hooks import RemovableHandle
 
 from slimopt.optim.algorithm import int8_weight
 from slimopt.optim.algorithm.noise import CounterStream
+from slimopt.optim.routes.cpu import native
 
 __all__ = ["Int8Linear"]
 
@@ -112,6 +114,18 @@ class Int8Linear(nn.Module):
         """Write `weight` (out, in), any float dtype and device, as this layer's codes and scales (nearest
         rounding, or stochastic from `noise`). Rounded where the weight is (a host master: the host), so only the
         int8 codes and the scales cross to the layer's device."""
+        if weight.device.type == "cpu":  # the C kernel's writer (the same bytes), straight into CPU buffers
+            on_cpu = self.weight_codes.device.type == "cpu"
+            codes = self.weight_codes if on_cpu else torch.empty(self.weight_codes.shape, dtype=torch.int8)
+            scale = self.weight_scale if on_cpu else torch.empty(self.weight_scale.shape, dtype=torch.float32)
+            if native.quantize_int8(weight.detach().contiguous(), self.group, noise, codes, scale):
+                if on_cpu:  # written through a pointer: tell autograd, as copy_ would, that the buffers changed
+                    increment_version(self.weight_codes)
+                    increment_version(self.weight_scale)
+                else:
+                    self.weight_codes.copy_(codes)
+                    self.weight_scale.copy_(scale)
+                return
         codes, scale = int8_weight.quantize(weight, self.group, noise=noise)
         self.weight_codes.copy_(codes)
         self.weight_scale.copy_(scale)

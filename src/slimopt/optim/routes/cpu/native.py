@@ -34,7 +34,7 @@ from slimopt.optim.routes import abi
 
 __all__ = ["library", "in_kernel", "scratch_per_element", "kernel_declines", "kernel_applies", "declines", "applies",
            "window_step",
-           "column_best_applies", "column_best"]
+           "column_best_applies", "column_best", "quantize_int8"]
 
 SOURCE = Path(__file__).parent / "kernels" / "elementwise_step.c"
 # -ffp-contract=off: only the fma() calls fuse, as torch's kernels do; -fno-math-errno lets sqrtf vectorize
@@ -76,6 +76,13 @@ class _Taco(ctypes.Structure):
                 ("out_rows", p), ("out_values", p), ("out_signs", p), ("hidden", p), ("cand_rows", p),
                 ("cand_abs", p), ("keys", p), ("row0", ctypes.c_int64), ("shard_keys", p)]
     del p
+
+
+class _Int8Q(ctypes.Structure):
+    _fields_ = [("rows", ctypes.c_int64), ("cols", ctypes.c_int64), ("group", ctypes.c_int64),
+                ("w", ctypes.c_void_p), ("w_dtype", ctypes.c_int32), ("codes", ctypes.c_void_p),
+                ("scales", ctypes.c_void_p), ("stochastic", ctypes.c_int32), ("key0", ctypes.c_uint32),
+                ("key1", ctypes.c_uint32), ("counter", ctypes.c_int64), ("threads", ctypes.c_int32)]
 
 
 class _Step(ctypes.Structure):
@@ -143,6 +150,8 @@ def _build(native_flags: list[str] = NATIVE_FLAGS) -> tuple[ctypes.CDLL | None, 
     p = ctypes.c_void_p
     lib.slimopt_column_best.argtypes = [p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, p, p, p, p]
     lib.slimopt_column_best.restype = ctypes.c_int
+    lib.slimopt_quantize_int8.argtypes = [ctypes.POINTER(_Int8Q)]
+    lib.slimopt_quantize_int8.restype = ctypes.c_int
     for name in ("slimopt_taco_one", "slimopt_taco_shard_keys", "slimopt_taco_shard_step"):
         getattr(lib, name).argtypes = [ctypes.POINTER(_Taco)]
         getattr(lib, name).restype = ctypes.c_int
@@ -522,6 +531,27 @@ def column_best(g: Tensor, hidden: Tensor | None) -> tuple[Tensor, Tensor]:
     if rc != 0:
         raise RuntimeError(f"slimopt: the native column search refused a {tuple(g.shape)} {g.dtype} gradient")
     return rows, absval
+
+
+def quantize_int8(w: Tensor, group: int, noise: CounterStream | None, codes: Tensor, scales: Tensor) -> bool:
+    """``int8_weight.quantize(w, group, noise=noise)`` written into `codes` (rows, cols) int8 and `scales`
+    (rows, groups) fp32 by the kernel, the rows split over torch's threads: True; False where the kernel does not
+    take it (no library, a tensor not a contiguous CPU one of those dtypes and shapes, a NaN or an infinity in w),
+    for the caller to run the reference."""
+    lib = library()
+    if lib is None or w.dim() != 2 or w.dtype not in _DTYPES:
+        return False
+    rows, cols = w.shape
+    groups = 1 if group == 0 else -(-cols // group)
+    for t, dtype, shape in ((w, w.dtype, (rows, cols)), (codes, torch.int8, (rows, cols)),
+                            (scales, torch.float32, (rows, groups))):
+        if t.device.type != "cpu" or t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+            return False
+    q = _Int8Q(rows=rows, cols=cols, group=group, w=w.data_ptr(), w_dtype=_DTYPES[w.dtype], codes=codes.data_ptr(),
+               scales=scales.data_ptr(), stochastic=int(noise is not None), threads=torch.get_num_threads())
+    if noise is not None:
+        (q.key0, q.key1), q.counter = noise.key_words, noise.offset
+    return lib.slimopt_quantize_int8(ctypes.byref(q)) == 0
 
 
 def taco_kernel_declines(group: dict[str, Any], dtype: torch.dtype, device_type: str) -> str | None:

@@ -1145,3 +1145,5 @@ int slimopt_taco_shard_step(const taco_t *t) {
     keep_and_move(t, stored, t->row0, t->m);
     return 0;
 }
+
+#include "int8_weight.h"
