@@ -241,6 +241,42 @@ static inline __m512i codes16_search(const search16_t *t, __m512 x, int nan_poss
     return _mm512_mask_mov_epi32(count, high_nan, _mm512_set1_epi32(t->n_points));
 }
 
+/* A block of B values (a multiple of 16) divided by its scale: how (normalize16's), the divisor (the scale clamped
+ * to the smallest normal), its reciprocal and the smallest magnitude the reciprocal takes unchecked */
+typedef struct {
+    int how;
+    float div, recip, low;
+} block_div_t;
+
+/* |x| as int32 patterns order like the floats (NaN above inf): *top their max (the absmax), *low the unsigned min
+ * of pattern - 1 (the smallest nonzero magnitude less one; a zero wraps to the largest) */
+static inline void block_magnitudes(const float *x, int64_t B, int32_t *top, uint32_t *low) {
+    __m512i max_bits = _mm512_setzero_si512(), min_bits = _mm512_set1_epi32(-1);
+    for (int64_t i = 0; i < B; i += 16) {
+        const __m512i a = _mm512_and_si512(_mm512_loadu_si512(x + i), _mm512_set1_epi32(0x7FFFFFFF));
+        max_bits = _mm512_max_epi32(max_bits, a);
+        min_bits = _mm512_min_epu32(min_bits, _mm512_sub_epi32(a, _mm512_set1_epi32(1)));
+    }
+    *top = _mm512_reduce_max_epi32(max_bits);
+    *low = _mm512_reduce_min_epu32(min_bits);
+}
+
+/* scale: what the codec stored; top, low: block_magnitudes'. The reciprocal where the divisor and every magnitude
+ * lie in its range (unchecked where the smallest nonzero one allows: quotients from 2^-100 on), else the divider. */
+static inline block_div_t block_divisor(float scale, int32_t top, uint32_t low) {
+    block_div_t d;
+    d.div = scale != scale ? scale : scale > TINY_NORMAL ? scale : TINY_NORMAL;
+    d.low = d.div * 0x1p-100f > SAFE_LOW ? d.div * 0x1p-100f : SAFE_LOW;
+    uint32_t low_bits, high_bits;
+    const float high = SAFE_HIGH;
+    memcpy(&low_bits, &d.low, 4);
+    memcpy(&high_bits, &high, 4);
+    d.how = !(d.div >= SAFE_LOW && d.div <= SAFE_HIGH) || (uint32_t)top > high_bits ? BY_DIVISION
+            : low >= low_bits - 1 ? BY_RECIPROCAL : BY_RECIPROCAL_CHECKED;
+    d.recip = d.how != BY_DIVISION ? 1.0f / d.div : 0.0f;
+    return d;
+}
+
 /* encode() of a block codec, vectorized: x holds cnt values (padded here with zeros to whole blocks) */
 static void encode_blocks16(codec_t *c, int64_t off, int64_t cnt, float *x) {
     const int64_t B = c->block, padded = (cnt + B - 1) / B * B;
@@ -248,39 +284,20 @@ static void encode_blocks16(codec_t *c, int64_t off, int64_t cnt, float *x) {
     search16_t search;
     memset(&search, 0, sizeof search);
     if (c->kind == C_BLOCK4) search16_init(&search, &c->nearest);
-    const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), one = _mm512_set1_epi32(1);
-    float divs[MAX_TILE / 32], recips[MAX_TILE / 32], lows[MAX_TILE / 32];
-    int hows[MAX_TILE / 32];
+    block_div_t divs[MAX_TILE / 32];
     /* every block's scale and divisor first: the blocks' reductions and reciprocals do not wait on one another */
     for (int64_t b0 = 0; b0 < padded; b0 += B) {
-        /* |x| as int32 patterns order like the floats (NaN above inf): their max is the absmax, and the unsigned
-         * min of pattern - 1 the smallest nonzero magnitude less one (a zero wraps to the largest) */
-        __m512i amax_bits = _mm512_setzero_si512(), min_bits = _mm512_set1_epi32(-1);
-        for (int64_t i = b0; i < b0 + B; i += 16) {
-            const __m512i a = _mm512_and_si512(_mm512_loadu_si512(x + i), magnitude);
-            amax_bits = _mm512_max_epi32(amax_bits, a);
-            min_bits = _mm512_min_epu32(min_bits, _mm512_sub_epi32(a, one));
-        }
-        const int32_t top = _mm512_reduce_max_epi32(amax_bits);
-        const uint32_t low = _mm512_reduce_min_epu32(min_bits);
+        int32_t top;
+        uint32_t low;
+        block_magnitudes(x + b0, B, &top, &low);
         float amax;
         memcpy(&amax, &top, 4);
-        amax = store_scale(c, (off + b0) / B, amax);
-        const float div = amax != amax ? amax : amax > TINY_NORMAL ? amax : TINY_NORMAL;
-        const float safe = div * 0x1p-100f > SAFE_LOW ? div * 0x1p-100f : SAFE_LOW;  /* quotients from 2^-100 on */
-        uint32_t safe_bits;
-        memcpy(&safe_bits, &safe, 4);
-        const int64_t b = b0 / B;
-        hows[b] = !(div >= SAFE_LOW && div <= SAFE_HIGH) ? BY_DIVISION
-                  : low >= safe_bits - 1 ? BY_RECIPROCAL : BY_RECIPROCAL_CHECKED;
-        divs[b] = div;
-        recips[b] = hows[b] != BY_DIVISION ? 1.0f / div : 0.0f;
-        lows[b] = safe;
+        divs[b0 / B] = block_divisor(store_scale(c, (off + b0) / B, amax), top, low);
     }
     for (int64_t b0 = 0; b0 < padded; b0 += B) {
-        const int64_t b = b0 / B;
-        const int how = hows[b];
-        const __m512 dv = _mm512_set1_ps(divs[b]), yv = _mm512_set1_ps(recips[b]), lowv = _mm512_set1_ps(lows[b]);
+        const block_div_t *d = &divs[b0 / B];
+        const int how = d->how;
+        const __m512 dv = _mm512_set1_ps(d->div), yv = _mm512_set1_ps(d->recip), lowv = _mm512_set1_ps(d->low);
         if (c->kind == C_BLOCK8) {
             for (int64_t i = b0; i < b0 + B; i += 16) {
                 /* the unchecked reciprocal gives +0 for a zero and normal numbers for the rest: no -0 to normalize */
@@ -376,19 +393,11 @@ static void encode_ternary_sr16(codec_t *c, int64_t off, int64_t cnt, float *x) 
     const int64_t B = c->block, padded = (cnt + B - 1) / B * B;
     for (int64_t i = cnt; i < padded; i++) x[i] = 0.0f;
     uint8_t code[MAX_TILE];
-    float divs[MAX_TILE / 16], recips[MAX_TILE / 16], lows[MAX_TILE / 16];
-    int hows[MAX_TILE / 16];
-    const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), one = _mm512_set1_epi32(1);
+    block_div_t divs[MAX_TILE / 16];
     for (int64_t b0 = 0; b0 < padded; b0 += B) {
-        /* as encode_blocks16: the largest |x| pattern (NaN above inf) and the smallest nonzero one less one */
-        __m512i max_bits = _mm512_setzero_si512(), min_bits = _mm512_set1_epi32(-1);
-        for (int64_t i = b0; i < b0 + B; i += 16) {
-            const __m512i a = _mm512_and_si512(_mm512_loadu_si512(x + i), magnitude);
-            max_bits = _mm512_max_epi32(max_bits, a);
-            min_bits = _mm512_min_epu32(min_bits, _mm512_sub_epi32(a, one));
-        }
-        const int32_t top = _mm512_reduce_max_epi32(max_bits);
-        const uint32_t low = _mm512_reduce_min_epu32(min_bits);
+        int32_t top;
+        uint32_t low;
+        block_magnitudes(x + b0, B, &top, &low);
         float amax;
         if (c->scale_kind == S_ABSMAX) {
             memcpy(&amax, &top, 4);
@@ -397,24 +406,13 @@ static void encode_ternary_sr16(codec_t *c, int64_t off, int64_t cnt, float *x) 
             const double k = (double)(cnt - b0 < B ? cnt - b0 : B);
             amax = c->scale_kind == S_MEAN ? (float)(acc / k) : (float)sqrt(acc / k);
         }
-        amax = store_scale(c, (off + b0) / B, amax);
-        const float div = amax != amax ? amax : amax > TINY_NORMAL ? amax : TINY_NORMAL;
-        const float safe = div * 0x1p-100f > SAFE_LOW ? div * 0x1p-100f : SAFE_LOW;
-        uint32_t safe_bits, high_bits;
-        const float high = SAFE_HIGH;
-        memcpy(&safe_bits, &safe, 4);
-        memcpy(&high_bits, &high, 4);
-        const int64_t b = b0 / B;
-        hows[b] = !(div >= SAFE_LOW && div <= SAFE_HIGH) || (uint32_t)top > high_bits ? BY_DIVISION
-                  : low >= safe_bits - 1 ? BY_RECIPROCAL : BY_RECIPROCAL_CHECKED;
-        divs[b] = div;
-        recips[b] = hows[b] != BY_DIVISION ? 1.0f / div : 0.0f;
-        lows[b] = safe;
+        divs[b0 / B] = block_divisor(store_scale(c, (off + b0) / B, amax), top, low);
     }
+    const __m512i one = _mm512_set1_epi32(1);
     for (int64_t b0 = 0; b0 < padded; b0 += B) {
-        const int64_t b = b0 / B;
-        const int how = hows[b];
-        const __m512 dv = _mm512_set1_ps(divs[b]), yv = _mm512_set1_ps(recips[b]), lowv = _mm512_set1_ps(lows[b]);
+        const block_div_t *d = &divs[b0 / B];
+        const int how = d->how;
+        const __m512 dv = _mm512_set1_ps(d->div), yv = _mm512_set1_ps(d->recip), lowv = _mm512_set1_ps(d->low);
         for (int64_t i = b0; i < b0 + B; i += 16) {
             /* a quotient's sign decides nothing at zero: -0 and +0 give the same trit */
             const __m512 q = normalize16(how, _mm512_loadu_ps(x + i), dv, yv, lowv);
