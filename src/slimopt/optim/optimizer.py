@@ -191,14 +191,17 @@ class SlimOptimizer(torch.optim.Optimizer):
         return loss
 
     @torch.no_grad()
-    def step_param(self, p: Tensor) -> None:
-        """Update one parameter from its .grad (for optimizer-in-backward use); a None grad is skipped."""
-        if p.grad is not None:
+    def step_param(self, p: Tensor, grad: Tensor | None = None) -> None:
+        """Update one parameter from its .grad (for optimizer-in-backward use); a None grad is skipped. grad: the
+        gradient to step with instead of p.grad, for a caller that keeps it off the parameter (a worker thread
+        must not set or drop a parameter's .grad while the backward pass runs: docs/offload.md)."""
+        grad = p.grad if grad is None else grad
+        if grad is not None:
             self.settle()
             if p not in self._where:  # only then: a full check at every parameter would cost O(n^2) a step
                 self._follow_params()
             try:
-                paramstep.step(self, p, self.param_groups[self._where[p][0]])
+                paramstep.step(self, p, self.param_groups[self._where[p][0]], grad=grad)
                 self._batch.run()
             finally:
                 self._end_batch()

@@ -5,10 +5,11 @@ stepped in place on the device with stochastic rounding (Q-GaLore's way, arXiv 2
 With a master, every trainable parameter gets a copy on the host that a ``SlimOptimizer`` steps with the
 partition and settings ``slimopt.build`` would give the model: the optimizer never sees a device tensor. A weight's
 gradient leaves the device as soon as the backward pass has completed it (the Int8Linear's token, or the
-parameter's post-accumulate-grad hook), its host step runs at once in the backward pass's thread, and the new value
-is written back (requantized for an int8 layer, cast for the rest) before the next forward pass reaches that
-module, which waits only for its own updates (kept for a worker thread, ``overlap``, refused for now). The plan of
-the bytes: ``slimopt memory --weights int8 --offload host``; how it works: docs/modules.md, slimopt.weights.
+parameter's post-accumulate-grad hook), its host step runs at once (in the backward pass's thread, or with
+``overlap`` on a worker thread while the backward pass goes on), and the new value is written back (requantized for
+an int8 layer, cast for the rest) before the next forward pass reaches that module, which waits only for its own
+updates. The plan of the bytes: ``slimopt memory --weights int8 --offload host``; how it works: docs/modules.md,
+slimopt.weights.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ class MasterWeights:
             and rounded back stochastically (needs ``int8=True``; the other parameters step in place).
         accumulation_steps: backward passes per update; scale the loss by 1 / accumulation_steps as usual.
         overlap: step in a worker thread while the backward pass runs (the default False: in the backward pass's
-            thread, each step finished before the next layer's gradient is computed). Refused for now: the worker
-            thread has corrupted the heap (docs/offload.md, "Not yet"); the pending-update waits stay for it.
+            thread, each step finished before the next layer's gradient is computed). The same updates either way;
+            the gradient leaves its master in the backward pass's thread and reaches the worker as an argument.
         clip: the global gradient norm limit (as ``torch.nn.utils.clip_grad_norm_`` over every master), or None.
         clip_mode: ``"hold"`` (exact: the window's steps wait for the end of its backward pass, when the norm is
             known; the updates still overlap the next forward pass) or ``"previous"`` (each gradient scaled as
@@ -73,9 +74,6 @@ class MasterWeights:
             raise ValueError(f"accumulation_steps must be an integer >= 1, got {accumulation_steps!r}")
         if master not in MASTERS:
             raise ValueError(f"master must be one of {', '.join(MASTERS)}; got {master!r}")
-        if overlap:
-            raise ValueError("overlap=True is disabled: stepping on a worker thread while the backward pass runs "
-                             "corrupted the heap in tests (docs/offload.md, 'Not yet'); use overlap=False")
         if master == "none" and not int8:
             raise ValueError("master='none' steps int8 weights in place; with int8=False use slimopt.build")
         self.in_place = master == "none"
@@ -216,33 +214,37 @@ class MasterWeights:
     def _submit(self, name: str, coef: float | None = None) -> None:
         if not self._handed:
             self._hand_over()
+        master = self.masters[name]
+        grad = master.grad
+        if grad is None:
+            return
+        # the gradient leaves the master here, in the thread of the backward pass or the loop: a worker that set
+        # or dropped a .grad while the backward pass ran corrupted the heap (docs/offload.md)
+        master.grad = None
         if self._pool is None:
-            self._step(name, coef)
+            self._step(name, coef, grad)
         else:
-            self._pending[name] = self._pool.submit(self._step, name, coef)
+            self._pending[name] = self._pool.submit(self._step, name, coef, grad)
 
     @torch.no_grad()
-    def _step(self, name: str, coef: float | None = None) -> None:
+    def _step(self, name: str, coef: float | None, grad: Tensor) -> None:
         master = self.masters[name]
-        if master.grad is None:
-            return
         self._log("step", name)
         if coef is not None and coef < 1.0:
-            master.grad.mul_(coef)
+            grad.mul_(coef)
         if self.in_place and name in self._layers:
-            self._step_in_place(name, master)
+            self._step_in_place(name, master, grad)
         else:
-            self.optimizer.step_param(master)
+            self.optimizer.step_param(master, grad)
             self._write(name, master)
-        master.grad = None
         self._log("done", name)
 
-    def _step_in_place(self, name: str, master: nn.Parameter) -> None:
+    def _step_in_place(self, name: str, master: nn.Parameter, grad: Tensor) -> None:
         """An int8 weight without a master: dequantized to fp32 for its step, rounded back stochastically (a hash
         of the seed, the weight and the step picks each element's noise), the fp32 copy dropped."""
         layer = self._layers[name]
         master.data = layer.dequantized_weight(torch.float32)
-        self.optimizer.step_param(master)
+        self.optimizer.step_param(master, grad)
         layer.load_weight(master.detach(), CounterStream(mix_seed(self.seed, self._index[name], self.steps,
                                                                   _WEIGHT_STREAM)))
         master.data = _stand_in(master, master.device)

@@ -107,10 +107,10 @@ def _local(t: Tensor) -> Tensor:
     return local if local is not None else t.to_local()
 
 
-def target_of(opt, param: Tensor) -> Target:
-    """The step's view of `param` (its gradient set): the tensors and rows it steps, from a cache of each
-    parameter's rows (``rows_of`` costs ~0.5 ms of mesh look-ups)."""
-    grad = param.grad
+def target_of(opt, param: Tensor, grad: Tensor | None = None) -> Target:
+    """The step's view of `param` and its gradient (param.grad unless given): the tensors and rows it steps, from a
+    cache of each parameter's rows (``rows_of`` costs ~0.5 ms of mesh look-ups)."""
+    grad = param.grad if grad is None else grad
     if grad.is_sparse:
         raise RuntimeError("slimopt does not support sparse gradients (use a dense embedding)")
     cache = opt._geometry

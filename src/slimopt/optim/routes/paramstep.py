@@ -78,10 +78,10 @@ def signature(t: Target, settings: tuple, work: str) -> tuple:
             g.shape == p.shape, t.rows.distributed)
 
 
-def step(opt, param: Tensor, group: dict[str, Any], settings: tuple | None = None) -> None:
+def step(opt, param: Tensor, group: dict[str, Any], settings: tuple | None = None, grad: Tensor | None = None) -> None:
     """One step of `param` from its gradient (see the module docstring); settings: ``group_key(group)``, where the
-    caller has it."""
-    t = target_of(opt, param)
+    caller has it; grad: the gradient where it is not param.grad."""
+    t = target_of(opt, param, grad)
     state = opt.state[param]
     route = opt._routes.get(param)
     n = _count_step(state, route)  # a CPU tensor, as in torch.optim: no device sync
