@@ -3,6 +3,7 @@ host, the run equals the same model stepped after its backward pass by one optim
 for bit, for every kind of state; the event log shows steps starting before the backward pass is over."""
 
 import gc
+
 import pytest
 import torch
 from helpers import batches, tiny_llama
