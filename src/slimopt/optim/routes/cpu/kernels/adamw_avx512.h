@@ -277,6 +277,40 @@ static inline block_div_t block_divisor(float scale, int32_t top, uint32_t low) 
     return d;
 }
 
+/* block_sum (the fp64 sum of |x| or of x * x rounded to fp32, in eight chains combined in its order) of a block of
+ * a multiple of 16 values */
+static inline double block_sum16(const float *x, int64_t n, int squares) {
+    __m512d acc = _mm512_setzero_pd();
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const __m256 t = squares ? _mm256_mul_ps(v, v) : _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
+        acc = _mm512_add_pd(acc, _mm512_cvtps_pd(t));
+    }
+    double a[8];
+    _mm512_storeu_pd(a, acc);
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+/* Every block's scale (absmax, or the mean or root mean square of |x| over its cnt real values, as encode), stored,
+ * and its divisor into divs: all blocks first, so that their reductions, square roots and reciprocals overlap */
+static void block_divisors(codec_t *c, int64_t off, int64_t cnt, const float *x, block_div_t *divs) {
+    const int64_t B = c->block, padded = (cnt + B - 1) / B * B;
+    for (int64_t b0 = 0; b0 < padded; b0 += B) {
+        int32_t top;
+        uint32_t low;
+        block_magnitudes(x + b0, B, &top, &low);
+        float scale;
+        if (c->scale_kind == S_ABSMAX) {
+            memcpy(&scale, &top, 4);
+        } else {
+            const double acc = block_sum16(x + b0, B, c->scale_kind == S_RMS);
+            const double k = (double)(cnt - b0 < B ? cnt - b0 : B);
+            scale = c->scale_kind == S_MEAN ? (float)(acc / k) : (float)sqrt(acc / k);
+        }
+        divs[b0 / B] = block_divisor(store_scale(c, (off + b0) / B, scale), top, low);
+    }
+}
+
 /* encode() of a block codec, vectorized: x holds cnt values (padded here with zeros to whole blocks) */
 static void encode_blocks16(codec_t *c, int64_t off, int64_t cnt, float *x) {
     const int64_t B = c->block, padded = (cnt + B - 1) / B * B;
@@ -284,16 +318,8 @@ static void encode_blocks16(codec_t *c, int64_t off, int64_t cnt, float *x) {
     search16_t search;
     memset(&search, 0, sizeof search);
     if (c->kind == C_BLOCK4) search16_init(&search, &c->nearest);
-    block_div_t divs[MAX_TILE / 32];
-    /* every block's scale and divisor first: the blocks' reductions and reciprocals do not wait on one another */
-    for (int64_t b0 = 0; b0 < padded; b0 += B) {
-        int32_t top;
-        uint32_t low;
-        block_magnitudes(x + b0, B, &top, &low);
-        float amax;
-        memcpy(&amax, &top, 4);
-        divs[b0 / B] = block_divisor(store_scale(c, (off + b0) / B, amax), top, low);
-    }
+    block_div_t divs[MAX_TILE / 16];
+    block_divisors(c, off, cnt, x, divs);
     for (int64_t b0 = 0; b0 < padded; b0 += B) {
         const block_div_t *d = &divs[b0 / B];
         const int how = d->how;
@@ -342,19 +368,6 @@ static inline int uniform16(uint32_t key0, uint32_t key1, int64_t j0, __m512 *u)
     return 1;
 }
 
-/* block_sum (the fp64 sum of |x| or of x * x rounded to fp32, in eight chains combined in its order) of a block of
- * a multiple of 16 values */
-static inline double block_sum16(const float *x, int64_t n, int squares) {
-    __m512d acc = _mm512_setzero_pd();
-    for (int64_t i = 0; i < n; i += 8) {
-        const __m256 v = _mm256_loadu_ps(x + i);
-        const __m256 t = squares ? _mm256_mul_ps(v, v) : _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
-        acc = _mm512_add_pd(acc, _mm512_cvtps_pd(t));
-    }
-    double a[8];
-    _mm512_storeu_pd(a, acc);
-    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-}
 
 /* pack_trits of digits held one a byte, 80 (16 bytes) at a time where the processor permutes bytes: the k-th of
  * every five picked by one permute, and the byte formed by Horner's rule (((d4 3 + d3) 3 + d2) 3 + d1) 3 + d0,
@@ -394,20 +407,7 @@ static void encode_ternary_sr16(codec_t *c, int64_t off, int64_t cnt, float *x) 
     for (int64_t i = cnt; i < padded; i++) x[i] = 0.0f;
     uint8_t code[MAX_TILE];
     block_div_t divs[MAX_TILE / 16];
-    for (int64_t b0 = 0; b0 < padded; b0 += B) {
-        int32_t top;
-        uint32_t low;
-        block_magnitudes(x + b0, B, &top, &low);
-        float amax;
-        if (c->scale_kind == S_ABSMAX) {
-            memcpy(&amax, &top, 4);
-        } else {
-            const double acc = block_sum16(x + b0, B, c->scale_kind == S_RMS);
-            const double k = (double)(cnt - b0 < B ? cnt - b0 : B);
-            amax = c->scale_kind == S_MEAN ? (float)(acc / k) : (float)sqrt(acc / k);
-        }
-        divs[b0 / B] = block_divisor(store_scale(c, (off + b0) / B, amax), top, low);
-    }
+    block_divisors(c, off, cnt, x, divs);
     const __m512i one = _mm512_set1_epi32(1);
     for (int64_t b0 = 0; b0 < padded; b0 += B) {
         const block_div_t *d = &divs[b0 / B];
