@@ -3,7 +3,7 @@ kernel built without AVX-512 (its tile-by-tile loops) and without any vector ext
 bytes after three steps, on gradients that reach every branch of the fused path (blocks whose smallest element is
 far below their scale and take the checked or the divider's quotient, zeros, a NaN and an inf, a window whose end is
 not a whole register), for fp32 and bf16 weights, with and without decay, both placements of eps, and the moments'
-codecs it reads: 8-bit and 4-bit alone and mixed, ternary (stochastic and with a carried residual) with factored,
+codecs it reads (8-bit codes from byte planes and by a gather): 8-bit and 4-bit alone and mixed, ternary (stochastic and with a carried residual) with factored,
 8-bit or its own kind, fp32 and bf16. On a machine without AVX-512 the builds are the same code and the test still holds.
 """
 
@@ -14,8 +14,11 @@ from helpers import assert_same_state
 import slimopt
 from slimopt.optim.routes.cpu import native
 
-LEVELS = {"no-avx512": ["-march=native", "-mno-avx512f"], "portable": []}
-SHAPES = [(48, 300), (4099,), (9, 512), (96, 1024)]  # a ragged end (4099); whole blocks; rows of whole registers
+# without VBMI the 8-bit codes are decoded by a gather, with it from byte planes (map256_decode)
+LEVELS = {"no-vbmi": ["-march=native", "-mno-avx512vbmi"], "no-avx512": ["-march=native", "-mno-avx512f"],
+          "portable": []}
+# a ragged end (4099); a last run of codes not a multiple of 64 (4192); whole blocks; rows of whole registers
+SHAPES = [(48, 300), (4099,), (4192,), (9, 512), (96, 1024)]
 
 
 def _grads(steps: int) -> list[list[torch.Tensor]]:
