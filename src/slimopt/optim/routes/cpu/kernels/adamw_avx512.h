@@ -267,7 +267,7 @@ static inline __attribute__((always_inline)) __m512 reader16_next(reader16_t *r,
 }
 
 /* the moments' codec pairs whose loop is compiled for them (ADAMW16_SPECIALIZED), the others' through a switch */
-#define ADAMW16_PAIRS(X) X(C_BLOCK8, C_BLOCK8) X(C_BLOCK4, C_BLOCK4) X(C_TERNARY_SR, C_FACTORED)
+#define ADAMW16_PAIRS(X) X(C_BLOCK8, C_BLOCK8) X(C_BLOCK4, C_BLOCK4) X(C_TERNARY_SR, C_FACTORED) X(C_FP32, C_FP32)
 
 /* count(points <= x) of 16 normalized values on a 256-code map: the range table's gather (count_le_many's) */
 static inline __m512i codes16_table(const codec_t *c, __m512 x, int signed_zero_possible) {
@@ -625,11 +625,14 @@ static inline __attribute__((always_inline)) void adamw16_loop(const step_t *s, 
 #else
     (void)maps;
 #endif
+    /* an fp32 moment is written in place (each element read before it is written), the others into the buffers */
+    float *mout = (km >= 0 ? km : s->codecs[0].kind) == C_FP32 ? (float *)s->codecs[0].data + t0 : m;
+    float *vout = (kv >= 0 ? kv : s->codecs[1].kind) == C_FP32 ? (float *)s->codecs[1].data + t0 : v;
     for (int64_t i = 0; i < cnt; i += 16) {
         __m512 mv, vv;
         adamw16_vec(s, &k, &rm, &rv, t0 + i, &mv, &vv, km, kv, grad_dtype, param_dtype);
-        _mm512_storeu_ps(m + i, mv);
-        _mm512_storeu_ps(v + i, vv);
+        _mm512_storeu_ps(mout + i, mv);
+        _mm512_storeu_ps(vout + i, vv);
     }
 }
 
@@ -688,6 +691,7 @@ static int64_t adamw16_range(step_t *s, int64_t tile, int64_t lo, int64_t hi, fl
                 encode_blocks16(c, t0, cnt, moments[k]);
                 continue;
             }
+            if (c->kind == C_FP32) continue;  /* written in place by the loop */
             if (c->kind == C_TERNARY_SR) {  /* nothing carried between blocks; t0 a multiple of 5 (whole bytes) */
                 encode_ternary_sr16(c, t0, cnt, moments[k]);
                 continue;
