@@ -17,9 +17,12 @@ def test_the_llama_1b_table_in_the_docs_is_the_prediction():
     by = {r["method"]: r for r in rows}
     for name in ("adamw", "adamw8bit", "adamw4bit", "frugal", "badam", "signsgd"):
         assert by[name]["per_step"] == by[name]["per_refresh"] == 0
-    # right projections send nothing between refreshes; GaLore's left ones (down_proj) all-reduce r x n a step
-    assert by["galore, proj_side=right"]["per_step"] == 0
-    assert by["galore"]["per_step"] == 24 * 4 * 512 * 5461
+    # a right projection all-gathers its basis (n x r, kept in chunks of ceil(n / 8) rows) a step: n = 2048 for the
+    # attention and up / gate projections, 5461 (683 rows a rank) for down_proj under proj_side="right"
+    assert by["galore, proj_side=right"]["per_step"] == 24 * 4 * 512 * (6 * 2048 + 8 * 683)
+    # GaLore's left ones (down_proj under "std") reduce-scatter r x n a step into each rank's r / W rows (the
+    # payload: its 64 rows) and all-gather the direction's rows (all 512); its six m >= n matrices gather their bases
+    assert by["galore"]["per_step"] == 24 * 4 * ((64 + 512) * 5461 + 6 * 2048 * 512)
     assert by["taco, taco_k=0"]["per_step"] == 8 * 24 * (4 * 2048 + 2 * 2048 + 5461)  # one key per column
 
 

@@ -31,7 +31,9 @@ import slimopt  # noqa: E402
 from slimopt.bench.fsdp_comm import CollectiveCounter, expected_bytes  # noqa: E402
 from slimopt.optim.algorithm import muon  # noqa: E402
 from slimopt.optim.distributed import owners  # noqa: E402
+from slimopt.optim.algorithm import projectors as P  # noqa: E402
 from slimopt.optim.distributed import sharded as S  # noqa: E402
+from slimopt.optim.distributed.sharded_bases import rows_of_basis  # noqa: E402
 
 STEPS = 3
 
@@ -108,10 +110,10 @@ def bases_diff(ref_opt, opt) -> float:
         if "proj" not in opt.state[p]:
             continue
         compared += 1
-        rows = S.rows_of(p)
-        want, got = ref_opt.state[ref_p]["proj"], opt.state[p]["proj"]
-        if got.shape[0] != want.shape[0]:  # a left basis: this rank's rows
-            want = want[rows.start: rows.stop]
+        side = P.side_for(p.shape, whole_group(opt)["proj_side"])
+        # this rank's part: a left basis's rows of the parameter, a right one's chunk of its n rows
+        want = rows_of_basis(ref_opt.state[ref_p]["proj"], side, S.rows_of(p))
+        got = opt.state[p]["proj"]
         diff = max(diff, (got - want).abs().max().item() if got.numel() else 0.0)
     return diff if compared or whole_group(opt)["projector"] not in ("svd", "randomized_svd") else float("nan")
 

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from slimopt.optim.algorithm import projectors as P
 from slimopt.optim.algorithm import taco
+from slimopt.optim.algorithm.rules import ELEMENTWISE_RULES
 
 __all__ = ["CollectiveCounter", "expected_bytes", "muon_owner_bytes", "param_bytes", "volume_table"]
 
@@ -92,8 +93,8 @@ class CollectiveCounter(TorchDispatchMode):
 # the prediction
 
 
-def _split_space(opt, p, group) -> tuple[tuple[int, int] | None, int, str | None, int]:
-    """(shape of the row-split 2-D tensor the rule runs on or None, replicated left-projection bytes a step, side,
+def _split_space(opt, p, group, world: int) -> tuple[tuple[int, int] | None, int, str | None, int]:
+    """(shape of the row-split 2-D tensor the rule runs on or None, a left projection's bytes a step, side,
     subspace size r)."""
     layout = opt._layout(p, group)
     if layout in ("none", "block"):
@@ -106,10 +107,23 @@ def _split_space(opt, p, group) -> tuple[tuple[int, int] | None, int, str | None
     if layout in ("svd", "randomized_svd"):
         r = min(r, m, n)  # an SVD-based basis has at most min(m, n) columns
     if side == "left":
-        return None, 4 * r * n, side, r
+        if group["rule"] not in ELEMENTWISE_RULES:  # Muon, TACO: the whole (r, n) sum on every rank
+            return None, 4 * r * n, side, r
+        # the moments split by the subspace's rows: this rank's rows of the sum (a reduce-scatter into chunk rows),
+        # or all of it where FRUGAL's residual needs it (an all-reduce), then the direction's rows all-gathered
+        chunk = -(-r // world)
+        residual = group["free_rule"] != "none" and r < m
+        return (r, n), (4 * r * n if residual else 4 * chunk * n) + 4 * chunk * world * n, side, r
     if layout == "rows":
         return (r, n), 0, side, r
+    if layout in P.ORTHO_PROJECTORS:  # a right basis kept in chunks of its n rows, all-gathered for each step
+        return (m, r), _basis_size(p) * -(-n // world) * world * r, side, r
     return (m, r), 0, side, r
+
+
+def _basis_size(p) -> int:
+    """Bytes of a basis value: a basis is stored like a bf16 or fp16 weight, else in fp32 (fp64 for fp64)."""
+    return 2 if p.dtype in (torch.bfloat16, torch.float16) else 8 if p.dtype == torch.float64 else 4
 
 
 def param_bytes(opt, p, group: dict[str, Any], world: int, step: int) -> tuple[int, int]:
@@ -120,7 +134,7 @@ def param_bytes(opt, p, group: dict[str, Any], world: int, step: int) -> tuple[i
     layout = opt._layout(p, group)
     if layout == "block" and not opt._block_active(p, group, step):
         return 0, 0  # an inactive block takes signSGD on its shard: nothing to send
-    space, per_step, side, r = _split_space(opt, p, group)
+    space, per_step, side, r = _split_space(opt, p, group, world)
     if space is not None:
         rows, cols = space
         if taco.owns(group, space):
@@ -155,8 +169,12 @@ def param_bytes(opt, p, group: dict[str, Any], world: int, step: int) -> tuple[i
         refresh = 4 * world * chunk * n + 8 + 4 * (m if side == "left" else n) * r
     stateful = moments and not taco.owns(group, (r, n)) and any(k in state for k, _ in _codecs(opt, group, (r, n),
                                                                                                p.dtype))
+    if side == "right" and layout in P.ORTHO_PROJECTORS and group["on_refresh"] == "project" and stateful:
+        refresh += 2 * _basis_size(p) * -(-n // world) * world * r  # the old and new bases gathered to rotate
     if side == "left" and group["on_refresh"] == "project" and stateful:
         refresh += 4 * r * r  # Q_new^T Q_old
+        if group["rule"] in ELEMENTWISE_RULES:  # each moment's rows all-gathered (fp32) for the rotation
+            refresh += 4 * -(-r // world) * world * n * len(_codecs(opt, group, (r, n), p.dtype))
     if layout == "rows" and group["on_refresh"] == "keep" and stateful:
         counts = _chosen_counts(state["proj_index"], m, world)
         per_moment = 4 * world * max(1, max(counts)) * n

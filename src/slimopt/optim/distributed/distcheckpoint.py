@@ -117,14 +117,16 @@ def saved_state_template(optimizer: torch.optim.Optimizer, fqns: list[str], meta
 
 
 def _empty_like_saved(optimizer, p, group, key: str, meta) -> torch.Tensor:
-    """An uninitialised tensor for one saved entry: sharded like p for a row-layout key, else whole."""
+    """An uninitialised tensor for one saved entry: sharded like p for a row-layout key (p's rows, or rows split over
+    its ranks alike: a right basis's, a left projection's subspace's), else whole."""
     dtype = meta.properties.dtype
     size = tuple(meta.size)
     device = p.to_local().device if S.is_sharded(p) else p.device
     if key == "step" or key == "moment_step":
         device = torch.device("cpu")
-    if S.is_sharded(p) and portable.layout_of(optimizer, p, group, key) == "rows":
-        rows = S.rows_of(p)
+    layout = portable.layout_of(optimizer, p, group, key) if S.is_sharded(p) else "replicated"
+    if layout in ("rows", "chunks"):  # the parameter's rows, or rows split alike (a right basis, a left subspace)
+        rows = S.rows_of(p) if layout == "rows" else S.subspace_rows(S.rows_of(p), size[0])
         local = torch.empty((rows.local,) + size[1:], dtype=dtype, device=device)
         return portable._param_rows_tensor(local, p, rows)
     return torch.empty(size, dtype=dtype, device=device)

@@ -7,8 +7,12 @@ in which every tensor is either
 
 - **row-sharded like its parameter**: a tensor whose dim 0 is the parameter's rows, saved as a DTensor with the
   parameter's mesh and placements (a plain tensor in one process), so DCP reshards it to any world size; or
-- **replicated**: the same on every rank (steps, ``proj`` of a right projection, ``proj_index``, TACO's history,
-  factored column means, the moments of a left projection), saved once.
+- **chunked over the parameter's ranks**: a tensor whose dim 0 is not the parameter's rows but is split over its
+  ranks as torch.chunk splits it (``shardcomm.subspace_rows``): a left projection's moments (the rows of its (r, n)
+  subspace) and a right projection's basis (its n rows); saved as a DTensor on the parameter's mesh and placements
+  too; or
+- **replicated**: the same on every rank (steps, ``proj_index``, TACO's history, factored column means, the
+  subspace momentum of Muon under a left projection), saved once.
 
 Details: docs/modules.md, ``slimopt.optim.distributed.portable``.
 """
@@ -28,7 +32,7 @@ from slimopt.optim.algorithm import projectors as P
 from slimopt.optim.algorithm import quant as Q
 from slimopt.optim.algorithm import taco
 from slimopt.optim.algorithm.codecs import BlockCodec, TernaryCodec
-from slimopt.optim.algorithm.rules import COMP_KEY
+from slimopt.optim.algorithm.rules import COMP_KEY, ELEMENTWISE_RULES
 from slimopt.optim.distributed import sharded as S
 
 __all__ = ["LAYOUT", "COUNTERS", "portable_state", "wanted", "is_portable", "to_portable", "saved_state",
@@ -70,7 +74,9 @@ def _side(p, group) -> str | None:
 
 
 def layout_of(opt, p: Tensor, group: dict[str, Any], key: str) -> str:
-    """``"rows"`` (dim 0 is the parameter's rows: saved sharded like it) or ``"replicated"`` for a portable key."""
+    """``"rows"`` (dim 0 is the parameter's rows: saved sharded like it), ``"chunks"`` (dim 0 is split over the
+    parameter's ranks as torch.chunk splits it: a left projection's subspace rows, a right basis's rows; saved
+    sharded like it too, ``chunk_total`` says how many there are) or ``"replicated"`` for a portable key."""
     if key in _REPLICATED_KEYS or key.startswith("taco_") or key.endswith("_col"):
         return "replicated"
     if key == COMP_KEY:  # the weight's Kahan compensation: the weight's shape
@@ -80,8 +86,15 @@ def layout_of(opt, p: Tensor, group: dict[str, Any], key: str) -> str:
         return "rows"
     left = _side(p, group) == "left"
     if key == "proj":
-        return "rows" if left else "replicated"
-    return "replicated" if left else "rows"
+        return "rows" if left else "chunks"
+    if not left:
+        return "rows"
+    return "chunks" if group["rule"] in ELEMENTWISE_RULES else "replicated"  # Muon's iteration: the whole matrix
+
+
+def chunk_total(p: Tensor, key: str, space: S.Space | None) -> int:
+    """How many rows a ``"chunks"`` key has in all: a right basis's n, a left projection's moments' r."""
+    return p.shape[1] if key == "proj" else space.shape[0]
 
 
 def _space(opt, p, group, state_or_index: dict[str, Tensor], rows: S.Rows) -> tuple[S.Space | None, Tensor | None]:
@@ -98,8 +111,8 @@ def _space(opt, p, group, state_or_index: dict[str, Tensor], rows: S.Rows) -> tu
         if "proj_index" not in state_or_index:
             return None, None
         sel, _ = S.local_selection(state_or_index["proj_index"], rows)
-        return S.space_of(layout, side, p.shape, r, rows, state_or_index), sel
-    return S.space_of(layout, side, p.shape, r, rows, state_or_index), None
+        return S.space_of(group, layout, side, p.shape, r, rows, state_or_index), sel
+    return S.space_of(group, layout, side, p.shape, r, rows, state_or_index), None
 
 
 def _param_rows_tensor(local: Tensor, p: Tensor, rows: S.Rows) -> Tensor:
@@ -294,11 +307,16 @@ def export_param(opt, p: Tensor, group: dict[str, Any], state: dict[str, Tensor]
     rows = S.rows_of(p)
     out: dict[str, Tensor] = {}
     done = set()
+    space, sel, codecs = _moment_plan(opt, p, group, state, rows)
 
     def put(key: str, t: Tensor, sel: Tensor | None = None) -> None:
         done.add(key)
-        if layout_of(opt, p, group, key) == "replicated":
+        layout = layout_of(opt, p, group, key)
+        if layout == "replicated":
             out[key] = t
+            return
+        if layout == "chunks":
+            out[key] = _param_rows_tensor(t, p, S.subspace_rows(rows, chunk_total(p, key, space)))
             return
         if sel is not None:  # a rows projector's moment: write its rows into a tensor of the parameter's rows
             full = t.new_zeros((rows.local,) + tuple(t.shape[1:]))
@@ -312,7 +330,6 @@ def export_param(opt, p: Tensor, group: dict[str, Any], state: dict[str, Tensor]
     for key in taco.KEYS:
         if key in state:
             put(key, state[key])
-    space, sel, codecs = _moment_plan(opt, p, group, state, rows)
     if codecs is not None and codecs[0][0] in state:
         for key, codec in codecs:
             for k, t in _export_moment(codec, key, state, space).items():
@@ -335,8 +352,11 @@ def import_param(opt, p: Tensor, group: dict[str, Any], saved: dict[str, Tensor]
     for key in ("proj", "proj_index", COMP_KEY) + taco.KEYS:
         if key not in saved:
             continue
-        if layout_of(opt, p, group, key) == "rows":
+        layout = layout_of(opt, p, group, key)
+        if layout == "rows":
             state[key] = _local_rows(saved[key], p, rows).detach().to(device).clone()
+        elif layout == "chunks":  # a right basis
+            state[key] = _local_rows(saved[key], p, S.subspace_rows(rows, p.shape[1])).detach().to(device).clone()
         else:
             state[key] = _replicated(saved[key]).detach().to(device).clone()
     space, sel, codecs = _moment_plan(opt, p, group, state, rows)
@@ -346,8 +366,11 @@ def import_param(opt, p: Tensor, group: dict[str, Any], saved: dict[str, Tensor]
             names = _names(key, saved)
             parts = {}
             for k in names:
-                if layout_of(opt, p, group, k) == "replicated":
+                layout = layout_of(opt, p, group, k)
+                if layout == "replicated":
                     parts[k] = _replicated(saved[k]).detach().to(device)
+                elif layout == "chunks":
+                    parts[k] = _local_rows(saved[k], p, S.subspace_rows(rows, space.shape[0])).detach().to(device)
                 else:
                     t = _local_rows(saved[k], p, rows).detach().to(device)
                     parts[k] = t[sel] if sel is not None else t

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from slimopt.optim.algorithm import projectors as P
 from slimopt.optim.algorithm.codecs import FactoredCodec, FactoredRows, factored_means, resolve_codecs
-from slimopt.optim.algorithm.rules import MOMENTS, PARAM_STREAM
+from slimopt.optim.algorithm.rules import ELEMENTWISE_RULES, MOMENTS, PARAM_STREAM
 from slimopt.optim.distributed.shardcomm import (  # noqa: F401
     Rows,
     all_reduce,
@@ -33,10 +33,11 @@ from slimopt.optim.distributed.shardcomm import (  # noqa: F401
     gather_var_rows,
     is_sharded,
     rows_of,
+    subspace_rows,
 )
 
 __all__ = ["Rows", "Space", "Target", "Streams", "is_sharded", "rows_of", "target_of", "check_agreement", "moment_codecs",
-           "RowShardedFactored", "local_selection", "space_of", "local_shape", "effective_rank"]
+           "RowShardedFactored", "local_selection", "space_of", "subspace_rows", "local_shape", "effective_rank"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -303,15 +304,20 @@ def effective_rank(projector: str, r: int, shape, state) -> int:
     return min(r, *shape) if projector in ("svd", "randomized_svd") else r
 
 
-def space_of(projector: str, side: str | None, shape: torch.Size, r: int, rows: Rows, state) -> Space:
+def space_of(group: dict[str, Any], projector: str, side: str | None, shape: torch.Size, r: int, rows: Rows,
+             state) -> Space:
     """Where a projected step's subspace tensor (its gradient, direction and moments) lives: a left projection's
-    (r, n) on every rank, a right one's (m, r) and ``columns``' (m, r) in the parameter's rows, the ``rows``
+    (r, n) split by its rows over the ranks (``subspace_rows``), or on every rank where the group's rule needs the
+    whole matrix (Muon, TACO); a right one's (m, r) and ``columns``' (m, r) in the parameter's rows, the ``rows``
     projector's (r, n) in the chosen rows each rank holds."""
     m, n = shape
     r = effective_rank(projector, r, shape, state)
     split = rows if rows.distributed else None
     if projector in P.ORTHO_PROJECTORS:
-        return Space(torch.Size((r, n)), None) if side == "left" else Space(torch.Size((m, r)), split)
+        if side != "left":
+            return Space(torch.Size((m, r)), split)
+        whole = split is None or group["rule"] not in ELEMENTWISE_RULES
+        return Space(torch.Size((r, n)), None if whole else subspace_rows(rows, r))
     if projector == "columns":
         return Space(torch.Size((m, r)), split)
     if split is None:

@@ -8,7 +8,9 @@ Both gather G on the group's first rank, decompose it there and broadcast the ba
 one process, bit for bit. The eager reference's scheme; the fast routes decompose each matrix on an owner rank
 (``routes/refresh_batch.py``).
 
-A right basis (n x r) is kept whole by every rank; a left one (m x r) by rows, like the parameter.
+Each rank keeps a share of a basis: of a left one (m x r) its rows, like the parameter; of a right one (n x r) its
+chunk of the n rows, split as torch.chunk splits them (``basis_rows``), all-gathered when a step uses it
+(``whole_of_basis``).
 """
 
 from __future__ import annotations
@@ -17,15 +19,32 @@ import torch
 from torch import Tensor
 
 from slimopt.optim.algorithm import projectors as P
-from slimopt.optim.distributed.shardcomm import Rows, broadcast, gather_rows_to_root
+from slimopt.optim.distributed.shardcomm import Rows, broadcast, gather_rows, gather_rows_to_root, subspace_rows
 
-__all__ = ["svd_basis", "randomized_basis", "rows_of_basis", "decompose_checked"]
+__all__ = ["svd_basis", "randomized_basis", "basis_rows", "rows_of_basis", "whole_of_basis", "decompose_checked"]
+
+
+def basis_rows(side: str | None, shape, rows: Rows) -> Rows:
+    """The rows of a basis this rank keeps, for a parameter of `shape` split as `rows`: a left basis's are the
+    parameter's; a right basis's (n x r) are a torch.chunk split of n over the same ranks."""
+    return rows if side == "left" else subspace_rows(rows, shape[1])
 
 
 def rows_of_basis(q: Tensor, side: str | None, rows: Rows) -> Tensor:
-    """A full basis -> what this rank keeps: all of it for a right projection, its rows for a left one. Always
-    row-major: a basis loaded from a checkpoint is, and matmuls round differently on other memory layouts."""
-    return (q[rows.start: rows.stop] if side == "left" else q).contiguous()
+    """A full basis -> what this rank keeps (``basis_rows``): its rows of a left one, its chunk of a right one.
+    Always row-major: a basis loaded from a checkpoint is, and matmuls round differently on other memory
+    layouts."""
+    if side != "left":
+        rows = subspace_rows(rows, q.shape[0])
+    return q[rows.start: rows.stop].contiguous()
+
+
+def whole_of_basis(q: Tensor, side: str | None, shape, rows: Rows) -> Tensor:
+    """What a step projects with, from what this rank keeps: a left basis's rows as they are (the step's product
+    is over the parameter's rows), a right basis all-gathered from its chunks (the product is over all n)."""
+    if side == "left" or not rows.distributed:
+        return q
+    return gather_rows(q, basis_rows(side, shape, rows))
 
 
 def svd_basis(g: Tensor, r: int, side: str, rows: Rows) -> tuple[Tensor | None, str]:

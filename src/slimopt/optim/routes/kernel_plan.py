@@ -26,6 +26,7 @@ from slimopt.optim.algorithm import projectors as P
 from slimopt.optim.algorithm.codecs import FactoredRows
 from slimopt.optim.algorithm.noise import CounterStream
 from slimopt.optim.algorithm.rules import PARAM_STREAM, Counter, apply_update, comp_of, rounding_of
+from slimopt.optim.distributed.sharded_bases import whole_of_basis
 from slimopt.optim.routes import abi, choice, taco_routes, windowed
 from slimopt.optim.routes.cpu import native
 from slimopt.optim.routes.triton import triton_step, triton_taco
@@ -147,17 +148,20 @@ class ProjectedPlan(Plan):
     replays = True
 
     def __init__(self, group, p, grad, refs, key: str, projector: str, side: str, mm, low_shape, rule, write,
-                 windows: list, reduce=None, phase: int = 0) -> None:
+                 windows: list, reduce=None, phase: int = 0, rows=None, shape=None) -> None:
         super().__init__(group, p, grad, refs)
         self.key, self.projector, self.side, self.mm, self.low_shape = key, projector, side, mm, low_shape
         self.rule, self.write, self.windows, self.reduce = rule, write, windows, reduce
         self.update_gap, self.phase = group["update_gap"], phase  # phase: subspace.refresh_phase
+        self.rows, self.shape = rows, shape  # the parameter's rows and whole shape: a right basis is gathered
 
     def holds(self, p, state, step) -> bool:
         return super().holds(p, state, step) and not P.refresh_due(step, self.update_gap, self.phase)
 
     def run(self, p, grad, state, group, age, batch, stream=None) -> None:
         q = state[self.key]
+        if self.rows is not None:
+            q = whole_of_basis(q, self.side, self.shape, self.rows)
         q = q if q.dtype == self.mm else q.to(self.mm)
         low = torch.empty(self.low_shape, dtype=torch.float32, device=p.device)
         windowed.down_into(low, grad, self.projector, self.side, q, self.mm)
@@ -194,8 +198,9 @@ class ProjectedLaunchPlan(ProjectedPlan):
     general path's fallback for that step (and the settings' failure sends later steps to the general path)."""
 
     def __init__(self, group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, codecs: list,
-                 comp: Tensor | None, held: int, reduce=None, phase: int = 0) -> None:
-        super().__init__(group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, [], reduce, phase)
+                 comp: Tensor | None, held: int, reduce=None, phase: int = 0, rows=None, shape=None) -> None:
+        super().__init__(group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, [], reduce, phase,
+                         rows, shape)
         self.codecs, self.comp, self.held = codecs, comp, held
 
     def holds(self, p, state, step) -> bool:
@@ -242,13 +247,15 @@ def build_taco(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[st
 
 def build_projected(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], projector: str,
                     side: str | None, key: str, residual: bool, codecs: list[tuple[str, Any]],
-                    reduce=None, phase: int = 0) -> Plan:
+                    reduce=None, phase: int = 0, rows=None, shape=None, basis: Tensor | None = None) -> Plan:
     """The plan of p's projected step with these subspace moment codecs, which the general path has just taken
     (``paramstep``'s projected route); a plain ``Plan`` where it is not one that is planned: an orthonormal
     projection without a residual, in one window, whose rule and write one kernel each runs (the C kernel on a
     CPU, Triton on CUDA), moments read in place and not drawn at random, and a nearest or Kahan write. reduce:
     what sums a row shard's left projection over the ranks (``windowed.projected``'s); phase: the parameter's
-    refresh phase (``subspace.refresh_phase``), the plan replaying until its refresh."""
+    refresh phase (``subspace.refresh_phase``), the plan replaying until its refresh; rows, shape: the parameter's
+    rows and whole shape (a row shard's right basis is kept in chunks and gathered for each step); basis: the one
+    the step that plans used (a right basis gathered whole), the state's by default."""
     unplanned = Plan(group, p, grad, [])
     rounding = rounding_of(group, p)
     if (projector not in P.ORTHO_PROJECTORS or residual or group["rule"] not in abi.ELEMENTWISE_KERNEL_RULES
@@ -256,7 +263,8 @@ def build_projected(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: di
         return unplanned
     if any(codec.needs_generator or not native.in_kernel(codec) for _, codec in codecs):
         return unplanned
-    axis, work, mm, q, low_shape, held, spans = windowed.projected_geometry(p, grad, state[key], projector, side,
+    basis = state[key] if basis is None else basis
+    axis, work, mm, q, low_shape, held, spans = windowed.projected_geometry(p, grad, basis, projector, side,
                                                                            False, group)
     low = torch.empty(low_shape, dtype=torch.float32, device=p.device)
     full = torch.empty(p.shape, dtype=mm, device=p.device)
@@ -271,7 +279,7 @@ def build_projected(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: di
         rule = triton_step.prepare(low, low, state, group, codecs, 1, direction=True)
         write = triton_step.prepare(p, full, {}, write_group, [], 0, comp=comp)
         return ProjectedLaunchPlan(group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, codecs,
-                                   comp, held, reduce, phase)
+                                   comp, held, reduce, phase, rows, shape)
     if (rule_kernel != "c_kernel" or write_kernel != "c_kernel"
             or len(windowed.direction_spans(low_shape, codecs, group, p.dtype, held)) != 1):
         return unplanned
@@ -282,7 +290,7 @@ def build_projected(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: di
     write, _, _ = native.prepare(p.view(-1), full.view(-1), {}, [], 0, _no_stream, write_group,
                                  comp=comp.view(-1) if comp is not None else None)
     return ProjectedPlan(group, p, grad, refs, key, projector, side, mm, low_shape, rule, write, windows, reduce,
-                         phase)
+                         phase, rows, shape)
 
 
 def build_launch(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],

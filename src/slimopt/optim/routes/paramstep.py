@@ -31,6 +31,7 @@ from slimopt.optim.distributed.sharded import (
     space_of,
     target_of,
 )
+from slimopt.optim.distributed.sharded_bases import whole_of_basis
 from slimopt.optim.routes import choice, kernel_plan, refresh_batch, taco_routes, windowed
 from slimopt.optim.routes.reference import reference
 from slimopt.optim.routes.subspace import count_moment_step, init_moments, refresh_if_due, refresh_phase
@@ -245,13 +246,15 @@ def _projected(opt, route, t, group, state, step, work, decomposed=None) -> None
             opt, route, t, group, state, step, work, d))
         return
     basis = refresh_if_due(opt, t, group, state, step, projector, side, r, decomposed)
-    local = local_selection(basis, t.rows)[0] if projector == "rows" else basis
+    # what the products use: a rows projector's local rows; a right basis whole (each rank keeps a chunk)
+    local = local_selection(basis, t.rows)[0] if projector == "rows" else \
+        whole_of_basis(basis, side, shape, t.rows) if ortho else basis
     # a subspace that spans the whole side leaves an exactly zero residual: computing it would leave rounding
     # noise, which sign() would blow up to a full step
     whole = effective_rank(projector, r, shape, state) == (shape[0] if side == "left" or projector == "rows"
                                                            else shape[1])
     residual = group["free_rule"] != "none" and not whole
-    space = space_of(projector, side, shape, r, t.rows, state)
+    space = space_of(group, projector, side, shape, r, t.rows, state)
     stream = t.streams(group, step, moment_offset=space.offset)
     codecs, age, whole_rule = [], 0, None
     if group["rule"] in ELEMENTWISE_RULES:
@@ -260,18 +263,26 @@ def _projected(opt, route, t, group, state, step, work, decomposed=None) -> None
     else:  # Muon's iteration and TACO's column search need the whole subspace matrix (small)
         def whole_rule(low: Tensor) -> tuple[Tensor, float]:
             return reference.stateful(opt, t, group, state, low, step, space)
-    reduce = None
+    reduce, split = None, None
     if side == "left" and t.split:
-        # Q^T G sums over rows: this rank's partial product all-reduced while the step goes on with the other
-        # parameters, the rest of this one's step once the sum is there (at the end of the step)
+        # Q^T G sums over rows: this rank's partial product summed while the step goes on with the other
+        # parameters, the rest of this one's step once the sum is there (at the end of the step). Where the
+        # moments are split by the subspace's rows, the rule needs only this rank's rows of the sum (a
+        # reduce-scatter), unless FRUGAL's residual needs all of it (an all-reduce)
+        split = space.rows if space.split else None
+
         def reduce(low: Tensor, rest: Callable[[], None]) -> None:
-            opt._batch.reduce_async(t.rows, low, rest)
+            if split is not None and not residual:
+                opt._batch.sum_rows_async(split, low, rest)
+            else:
+                opt._batch.reduce_async(t.rows, low, rest)
     windowed.projected(t.p, t.grad, local, projector, side, residual, state, group, codecs, age, stream,
-                       float(group["scale"]), whole_rule, reduce)
-    if whole_rule is None and route.plan is None:  # the steps to the next refresh replay the kernels' arguments
+                       float(group["scale"]), whole_rule, reduce, split)
+    if whole_rule is None and route.plan is None and split is None:
+        # the steps to the next refresh replay the kernels' arguments (a split subspace takes the general path)
         route.plan = kernel_plan.build_projected(t.p, t.grad, state, group, projector, side,
                                                  "proj" if ortho else "proj_index", residual, codecs, reduce,
-                                                 refresh_phase(opt, t.param, group))
+                                                 refresh_phase(opt, t.param, group), t.rows, shape, local)
 
 
 _RUNS: dict[str, Callable[..., None]] = {

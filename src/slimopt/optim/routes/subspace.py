@@ -23,9 +23,9 @@ from slimopt.optim.algorithm import projectors as P
 from slimopt.optim.algorithm import taco
 from slimopt.optim.algorithm.rules import MOMENTS
 from slimopt.optim.distributed.owners import Job, plan_owners, randomized_svd_cost, svd_cost
-from slimopt.optim.distributed.shardcomm import Rows, all_reduce, chosen_per_rank, gather_var_rows
+from slimopt.optim.distributed.shardcomm import Rows, all_reduce, chosen_per_rank, gather_rows, gather_var_rows
 from slimopt.optim.distributed.sharded import Target, local_selection, local_shape, moment_codecs, space_of
-from slimopt.optim.distributed.sharded_bases import randomized_basis, rows_of_basis, svd_basis
+from slimopt.optim.distributed.sharded_bases import randomized_basis, rows_of_basis, svd_basis, whole_of_basis
 
 __all__ = ["basis_key", "refresh_if_due", "init_moments", "count_moment_step", "refresh_phase", "refresh_cost"]
 
@@ -107,6 +107,8 @@ def _refresh(opt, t: Target, group: dict[str, Any], state: dict[str, Tensor], g:
     if projector in ("svd", "randomized_svd"):
         if decomposed is not None:
             new, status = decomposed
+            if new is not None and side != "left":  # an owner sends a right basis whole: this rank keeps its chunk
+                new = rows_of_basis(new, side, rows)
         elif projector == "svd":
             new, status = svd_basis(g, r, side, rows)
         else:
@@ -142,8 +144,8 @@ def _carry_moments(opt, t: Target, group: dict[str, Any], state: dict[str, Tenso
     rows: Rows = t.rows
     shape, dtype, device = t.shape, t.p.dtype, t.p.device
     key = basis_key(projector)
-    old_space = space_of(projector, side, shape, r, rows, {key: old})
-    new_space = space_of(projector, side, shape, r, rows, {key: new})
+    old_space = space_of(group, projector, side, shape, r, rows, {key: old})
+    new_space = space_of(group, projector, side, shape, r, rows, {key: new})
     if taco.owns(group, old_space.shape):
         if group["on_refresh"] != "keep":
             taco.reset(state)  # sparse (row, value) pairs cannot be rotated into a new subspace
@@ -166,6 +168,9 @@ def _carry_moments(opt, t: Target, group: dict[str, Any], state: dict[str, Tenso
     moved = split_rows and (old_space.rows.start, old_space.rows.stop) != (new_space.rows.start,
                                                                          new_space.rows.stop)
     moments = {}
+    old_whole, new_whole = old, new
+    if mode == "project" and projector in P.ORTHO_PROJECTORS and side != "left":  # rotated by both bases whole
+        old_whole, new_whole = whole_of_basis(old, side, shape, rows), whole_of_basis(new, side, shape, rows)
     for key_m, codec in old_codecs:
         # the codec's best estimate (an error-feedback residual included)
         x = codec.estimate(key_m, state, local_shape(old_space))
@@ -174,14 +179,18 @@ def _carry_moments(opt, t: Target, group: dict[str, Any], state: dict[str, Tenso
             # the rank that holds the newly chosen row: gather the (r, n) moment, keep the new local part.
             x = gather_var_rows(x, rows, chosen_per_rank(old, rows))[new_space.rows.start: new_space.rows.stop]
         elif rot is not None:
-            x = (rot * rot if _role(group, key_m) == "v" else rot) @ x
+            rotation = rot * rot if _role(group, key_m) == "v" else rot
+            if old_space.split:  # moments split by the subspace's rows: this rank's rows of R times all of them
+                x = rotation[new_space.rows.start: new_space.rows.stop] @ gather_rows(x, old_space.rows)
+            else:
+                x = rotation @ x
         elif split_rows:
             old_sel, _ = local_selection(old, rows)
             new_sel, _ = local_selection(new, rows)
             x = P.rotate("rows", None, old_sel, new_sel, x, squared=False) if old_sel.numel() else \
                 x.new_zeros((new_sel.numel(), x.shape[1]))
         else:
-            x = P.rotate(projector, side, old, new, x, squared=_role(group, key_m) == "v")
+            x = P.rotate(projector, side, old_whole, new_whole, x, squared=_role(group, key_m) == "v")
         moments[key_m] = x.contiguous()
     if mode == "keep" and not moved:
         return  # this rank's part did not move: its stored moments stand as they are

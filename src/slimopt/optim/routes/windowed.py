@@ -39,6 +39,7 @@ from slimopt.optim.algorithm.budget import (  # noqa: F401
 )
 from slimopt.optim.algorithm.noise import CounterStream
 from slimopt.optim.algorithm.rules import PARAM_STREAM, apply_update, comp_of, direction, rounding_of
+from slimopt.optim.distributed.shardcomm import Rows, gather_rows
 from slimopt.optim.routes import choice
 from slimopt.optim.routes.cpu import native
 from slimopt.optim.routes.triton import triton_step
@@ -140,7 +141,7 @@ def projected(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str 
               state: dict[str, Tensor], group: dict[str, Any], codecs: list[tuple[str, Any]], age: int,
               stream: Any, coef_scale: float,
               whole_rule: Callable[[Tensor], tuple[Tensor, float]] | None = None,
-              reduce: Callable[[Tensor, Callable[[], None]], Any] | None = None) -> None:
+              reduce: Callable[[Tensor, Callable[[], None]], Any] | None = None, split: Rows | None = None) -> None:
     """One step of a subspace projector on the 2-D weight p between refreshes, in windows of slices along the axis
     the projector does not mix (``projectors.window_axis``: rows for a right projection and ``columns``, columns
     for a left one and ``rows``), with ``projectors.down`` / ``up`` / ``residual`` applied to each slice as they
@@ -156,7 +157,10 @@ def projected(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str 
     p may be a row shard of an FSDP2 weight (basis: the rows of a left basis it holds, or the local numbers of the
     chosen rows it holds): `reduce(low, rest)` then sums ``low`` over the ranks after step 1 (a left projection)
     and runs steps 2 and 3 (``rest``) once the sum is there, now or later in the step, and stream
-    (``sharded.Streams``) reads the weight's and the moments' streams from the shard's elements.
+    (``sharded.Streams``) reads the weight's and the moments' streams from the shard's elements. `split`: the rows
+    of ``low`` this rank steps, where a left projection's moments are split by rows over the ranks
+    (``sharded.subspace_rows``): the rule runs on them (it needs only their sum) and their direction is gathered
+    from every rank for step 3.
 
     What it holds across windows is ``low`` and the direction (a subspace's size) and an fp32 copy of a bf16 basis;
     the windows get what WINDOW_BYTES leaves (``projected_scratch``). Every element sees the whole-tensor step's
@@ -173,7 +177,12 @@ def projected(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str 
         down_into(low.narrow(axis, a, k), grad.narrow(axis, a, k), projector, side, q, mm)
 
     def rest() -> None:  # the rule on the subspace gradient, then the lifted write, window by window
-        if whole_rule is None:
+        if whole_rule is None and split is not None:
+            mine = slice(split.start, split.stop)
+            d = torch.empty_like(low) if residual else low
+            c = directions(low[mine], d[mine], state, group, codecs, age, stream, p.dtype, held)
+            d = gather_rows(d[mine], split)
+        elif whole_rule is None:
             d = torch.empty_like(low) if residual else low
             c = directions(low, d, state, group, codecs, age, stream, p.dtype, held)
         else:

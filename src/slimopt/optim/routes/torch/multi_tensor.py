@@ -186,6 +186,19 @@ class Batch:
         work = dist.all_reduce(tensor, group=rows.group, async_op=True) if rows.distributed else None
         self._started.append((work, then))
 
+    def sum_rows_async(self, rows: Any, tensor: Tensor, then: Callable[[], None]) -> None:
+        """Start the sum over the ranks of `rows`' group of only this rank's rows of `tensor` (``rows``: a chunked
+        split of its dim 0, ``sharded.subspace_rows``), written into them, and run `then()` once it is done, at the
+        end of the step: a reduce-scatter, half an all-reduce's traffic, where the rest of the step needs no other
+        rows (a left projection whose moments are split by rows)."""
+        from slimopt.optim.distributed.shardcomm import reduce_scatter_rows
+        work, mine = reduce_scatter_rows(tensor, rows)
+
+        def write_then() -> None:
+            tensor[rows.start: rows.stop].copy_(mine[: rows.local])
+            then()
+        self._started.append((work, write_then))
+
     def _finish_started(self) -> None:
         for work, then in self._started:
             if work is not None:
