@@ -145,8 +145,11 @@ def param_bytes(opt, p, group: dict[str, Any], world: int, step: int) -> tuple[i
             else:
                 per_step += 8 * cols if k == 0 else 4 * k * cols + 8 * min(k, rows) * cols
         else:
-            # a factored v's column sums, all-reduced in fp64 (codecs.factored_means)
-            per_step += 8 * cols * sum(c.name == "factored" for _, c in _codecs(opt, group, space, p.dtype))
+            # a factored v's column means, kept in chunks of ceil(cols / W): all-gathered (fp32) to decode, and its
+            # column sums reduce-scattered in fp64 (codecs.factored_means) into each rank's chunk
+            chunk = -(-cols // world)
+            per_step += (4 * chunk * world + 8 * chunk) * sum(c.name == "factored"
+                                                              for _, c in _codecs(opt, group, space, p.dtype))
         if group["rule"] == "muon" and (not group["fused"] or layout not in ("none", "block")):
             # the eager step's scheme: the rows to orthogonalize all-gathered in the iteration's dtype (the queued
             # one sends rows to owner ranks: expected_bytes counts it over the step's matrices)

@@ -496,11 +496,12 @@ class FactoredRows(Window):
         self.rows, self.cols = shape
         row = state[key]
         self.denom = row.mean().clamp_min(torch.finfo(torch.float32).tiny)
-        self.col_sum = torch.zeros_like(state[key + "_col"], dtype=torch.float64)
+        self.col = state[key + "_col"]  # the column means the pass decodes with (whole)
+        self.col_sum = torch.zeros(self.cols, dtype=torch.float64, device=row.device)
 
     def decode(self, start, stop):
         r0, r1 = start // self.cols, stop // self.cols
-        return (torch.outer(self.state[self.key][r0:r1], self.state[self.key + "_col"]) / self.denom).view(-1)
+        return (torch.outer(self.state[self.key][r0:r1], self.col) / self.denom).view(-1)
 
     def encode(self, start, stop, x, generator=None):
         r0, r1 = start // self.cols, stop // self.cols

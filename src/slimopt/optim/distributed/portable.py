@@ -9,10 +9,10 @@ in which every tensor is either
   parameter's mesh and placements (a plain tensor in one process), so DCP reshards it to any world size; or
 - **chunked over the parameter's ranks**: a tensor whose dim 0 is not the parameter's rows but is split over its
   ranks as torch.chunk splits it (``shardcomm.subspace_rows``): a left projection's moments (the rows of its (r, n)
-  subspace) and a right projection's basis (its n rows); saved as a DTensor on the parameter's mesh and placements
-  too; or
-- **replicated**: the same on every rank (steps, ``proj_index``, TACO's history, factored column means, the
-  subspace momentum of Muon under a left projection), saved once.
+  subspace), a right projection's basis (its n rows) and a factored moment's column means; saved as a DTensor on
+  the parameter's mesh and placements too; or
+- **replicated**: the same on every rank (steps, ``proj_index``, TACO's history, the subspace momentum of Muon
+  under a left projection), saved once.
 
 Details: docs/modules.md, ``slimopt.optim.distributed.portable``.
 """
@@ -77,8 +77,10 @@ def layout_of(opt, p: Tensor, group: dict[str, Any], key: str) -> str:
     """``"rows"`` (dim 0 is the parameter's rows: saved sharded like it), ``"chunks"`` (dim 0 is split over the
     parameter's ranks as torch.chunk splits it: a left projection's subspace rows, a right basis's rows; saved
     sharded like it too, ``chunk_total`` says how many there are) or ``"replicated"`` for a portable key."""
-    if key in _REPLICATED_KEYS or key.startswith("taco_") or key.endswith("_col"):
+    if key in _REPLICATED_KEYS or key.startswith("taco_"):
         return "replicated"
+    if key.endswith("_col"):  # a factored moment's column means: in chunks of the columns (sharded.RowShardedFactored)
+        return "chunks"
     if key == COMP_KEY:  # the weight's Kahan compensation: the weight's shape
         return "rows"
     layout = opt._layout(p, group)
@@ -93,8 +95,11 @@ def layout_of(opt, p: Tensor, group: dict[str, Any], key: str) -> str:
 
 
 def chunk_total(p: Tensor, key: str, space: S.Space | None) -> int:
-    """How many rows a ``"chunks"`` key has in all: a right basis's n, a left projection's moments' r."""
-    return p.shape[1] if key == "proj" else space.shape[0]
+    """How many rows a ``"chunks"`` key has in all: a right basis's n, a factored moment's columns, a left
+    projection's moments' r."""
+    if key == "proj":
+        return p.shape[1]
+    return space.shape[1] if key.endswith("_col") else space.shape[0]
 
 
 def _space(opt, p, group, state_or_index: dict[str, Tensor], rows: S.Rows) -> tuple[S.Space | None, Tensor | None]:
@@ -370,7 +375,8 @@ def import_param(opt, p: Tensor, group: dict[str, Any], saved: dict[str, Tensor]
                 if layout == "replicated":
                     parts[k] = _replicated(saved[k]).detach().to(device)
                 elif layout == "chunks":
-                    parts[k] = _local_rows(saved[k], p, S.subspace_rows(rows, space.shape[0])).detach().to(device)
+                    chunks = S.subspace_rows(rows, chunk_total(p, k, space))
+                    parts[k] = _local_rows(saved[k], p, chunks).detach().to(device)
                 else:
                     t = _local_rows(saved[k], p, rows).detach().to(device)
                     parts[k] = t[sel] if sel is not None else t

@@ -30,8 +30,10 @@ from slimopt.optim.distributed.shardcomm import (  # noqa: F401
     all_reduce,
     chosen_per_rank,
     chunk_bounds,
+    gather_rows,
     gather_var_rows,
     is_sharded,
+    reduce_scatter_rows,
     rows_of,
     subspace_rows,
 )
@@ -177,59 +179,84 @@ def check_agreement(opt, rows: Rows) -> None:
 
 
 class RowShardedFactored(FactoredCodec):
-    """Adafactor-style second moment (``FactoredCodec``) of a 2-D moment whose rows are spread over ranks: the
-    row means are local, the column means span every row, so encode all-reduces the column sums (n values).
-    decode divides by mean(col), which equals the mean of v (and of the row means) without communication. Its
-    window (``open``) serves the C kernel and the eager windows alike: each writes its rows' means and adds its
-    column sums, and ``close`` all-reduces them."""
+    """Adafactor-style second moment (``FactoredCodec``) of a 2-D moment whose rows are spread over ranks: each rank
+    keeps the means of its rows and of its chunk of the columns (split as torch.chunk splits them,
+    ``shardcomm.subspace_rows``), so that nothing of it is on every rank. Decoding needs every column mean: they are
+    all-gathered (n values); the new column sums span every row: they are reduce-scattered, each rank receiving its
+    chunk's sums. mean(col) equals the mean of v (and of the row means). Its window (``open``) serves the C kernel
+    and the eager windows alike: each writes its rows' means and adds its column sums, and ``close`` sums them."""
 
     def __init__(self, rows: Rows):
         self.rows = rows
 
+    def columns(self, n: int) -> Rows:
+        """This rank's chunk of n columns."""
+        return subspace_rows(self.rows, n)
+
+    def whole_columns(self, key, state, n: int) -> Tensor:
+        """Every column mean, gathered from the ranks' chunks."""
+        return gather_rows(state[key + "_col"], self.columns(n))
+
+    def init(self, key, shape, device):
+        if len(shape) != 2:
+            return super().init(key, shape, device)
+        return {key: torch.zeros(shape[0], dtype=torch.float32, device=device),
+                key + "_col": torch.zeros(self.columns(shape[1]).local, dtype=torch.float32, device=device)}
+
+    def nbytes(self, shape):
+        if len(shape) != 2:
+            return super().nbytes(shape)
+        return 4 * (shape[0] + self.columns(shape[1]).local)
+
     def decode(self, key, state, shape):
         if len(shape) != 2:
             return super().decode(key, state, shape)
-        row, col = state[key], state[key + "_col"]
+        row, col = state[key], self.whole_columns(key, state, shape[1])
         denom = col.mean().clamp_min(torch.finfo(torch.float32).tiny)
         return torch.outer(row, col) / denom
 
     def encode(self, key, x, state, generator=None, noise=None):
         if x.dim() != 2 or key + "_col" not in state:
             return super().encode(key, x, state, generator)
-        col = all_reduce(x.sum(dim=0, dtype=torch.float64), self.rows) / max(1, self.rows.total)
+        columns = self.columns(x.shape[1])
+        work, mine = reduce_scatter_rows(x.sum(dim=0, dtype=torch.float64), columns)
         state[key].copy_(factored_means(x, 1, x.shape[1]))
-        state[key + "_col"].copy_(col.float())
+        work.wait()
+        state[key + "_col"].copy_((mine[: columns.local] / max(1, self.rows.total)).float())
 
     def open(self, key, state, shape):
         if len(shape) != 2 or key + "_col" not in state:
             return super().open(key, state, shape)
-        return ShardFactoredRows(key, state, shape, self.rows)
+        return ShardFactoredRows(key, state, shape, self)
 
 
 class ShardFactoredRows(FactoredRows):
-    """``codecs.FactoredRows`` of a row shard: the mean of v is the mean of the (replicated) column means, and the
-    column sums of every rank's rows are all-reduced before they are divided by all the rows."""
+    """``codecs.FactoredRows`` of a row shard: it decodes with every column mean (gathered when it opens), and the
+    column sums of every rank's rows are reduce-scattered before each rank divides its chunk by all the rows."""
 
-    def __init__(self, key: str, state, shape: torch.Size, rows: Rows) -> None:
+    def __init__(self, key: str, state, shape: torch.Size, codec: RowShardedFactored) -> None:
         super().__init__(key, state, shape)
-        self.group_rows = rows
-        self.rows = rows.total  # the column means divide by every rank's rows
-        self.denom = state[key + "_col"].mean().clamp_min(torch.finfo(torch.float32).tiny)
+        self.group_rows = codec.rows
+        self.columns = codec.columns(shape[1])
+        self.rows = codec.rows.total  # the column means divide by every rank's rows
+        self.col = codec.whole_columns(key, state, shape[1])
+        self.denom = self.col.mean().clamp_min(torch.finfo(torch.float32).tiny)
         self.batch = None
 
     def defer_to(self, batch) -> None:
         self.batch = batch
 
     def close(self):
-        if self.batch is not None:  # summed with the step's other column sums in one all-reduce, started at the end
-            # of the step and finished by the next (only the next step reads the column means)
-            self.batch.reduce(self.group_rows, self.col_sum, "sum", self._write, after_step=True)
+        if self.batch is not None:  # summed with the step's other column sums in one reduce-scatter, started at
+            # the end of the step and finished by the next (only the next step reads the column means)
+            self.batch.scatter(self.columns, self.col_sum, self._write, after_step=True)
             return
-        self._write(all_reduce(self.col_sum, self.group_rows))
+        work, mine = reduce_scatter_rows(self.col_sum, self.columns)
+        work.wait()
+        self._write(mine)
 
-    def _write(self, col_sum: Tensor) -> None:
-        self.col_sum = col_sum
-        super().close()
+    def _write(self, mine: Tensor) -> None:
+        self.state[self.key + "_col"].copy_((mine[: self.columns.local] / self.rows).float())
 
 
 @dataclass(frozen=True)

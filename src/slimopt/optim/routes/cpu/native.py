@@ -318,7 +318,7 @@ def fill_factored(c: _Codec, window: Any, start: int) -> None:
     first row, the column means, the pass's fp64 column sums."""
     c.kind, c.block = _C_FACTORED, 1
     c.row = window.state[window.key][start // window.cols:].data_ptr()
-    c.col = window.state[window.key + "_col"].data_ptr()
+    c.col = window.col.data_ptr()
     c.col_sum, c.cols, c.denom = window.col_sum.data_ptr(), window.cols, float(window.denom)
 
 

@@ -8,10 +8,13 @@ Details: docs/modules.md, ``slimopt.optim.routes.torch.multi_tensor``.
 
 from __future__ import annotations
 
+import math
+
 from collections import defaultdict
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from slimopt.optim.algorithm.codecs import Bf16Codec, Fp32Codec
@@ -178,6 +181,13 @@ class Batch:
         (``SlimOptimizer.settle``)."""
         self._reduces.append((rows, tensor, op, finish, after_step))
 
+    def scatter(self, rows: Any, tensor: Tensor, finish: Callable[[Tensor], None], after_step: bool = False) -> None:
+        """Queue a reduce-scatter of `tensor` (rows.total values, split over the ranks of `rows` in torch.chunk's
+        chunks: ``shardcomm.subspace_rows``), and `finish(result)` after it, the result this rank's chunk of the sum
+        (rows.chunk values, its own rows.local first): the step's reduce-scatters of one group, dtype and device go
+        as one (a row shard's factored column sums). after_step: as ``reduce``'s."""
+        self._reduces.append((rows, tensor, "scatter", finish, after_step))
+
     def reduce_async(self, rows: Any, tensor: Tensor, then: Callable[[], None]) -> None:
         """Start the sum of `tensor` over the ranks of `rows` now, in place and in the background, and run `then()`
         once it is done, at the end of the step: the rest of the step goes on meanwhile (a left projection's
@@ -217,23 +227,34 @@ class Batch:
         self._reduces = []
         started, later = [], []
         for (_, op, _, _, after_step), items in buckets.items():
-            flat = torch.cat([t.reshape(-1) for _, t, _, _, _ in items])
-            work = None
-            if items[0][0].distributed:
-                work = dist.all_reduce(flat, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
-                                       group=items[0][0].group, async_op=True)
-            (later if after_step else started).append((work, flat, items))
+            rows = items[0][0]
+            if op == "scatter":  # rank r's chunk of every tensor side by side, then rank r + 1's
+                chunks = [it[0].chunk for it in items]
+                flat = torch.cat([F.pad(t, (0, c * rows.world - t.numel())).view(rows.world, c)
+                                  for (_, t, _, _, _), c in zip(items, chunks)], dim=1).reshape(-1)
+                out = flat.new_empty(sum(chunks))
+                work = dist.reduce_scatter_tensor(out, flat, group=rows.group, async_op=True)
+                entry = (work, out, [(torch.Size((c,)), finish) for (_, _, _, finish, _), c in zip(items, chunks)])
+            else:
+                flat = torch.cat([t.reshape(-1) for _, t, _, _, _ in items])
+                work = None
+                if rows.distributed:
+                    work = dist.all_reduce(flat, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
+                                           group=rows.group, async_op=True)
+                entry = (work, flat, [(t.shape, finish) for _, t, _, finish, _ in items])
+            (later if after_step else started).append(entry)
         self.later += later
         return started
 
     @staticmethod
     def finish_reduces(started: list) -> None:
-        """Wait for started all-reduces ([(work, flat result, items)]) and run each item's finish, in order."""
+        """Wait for started all-reduces and reduce-scatters ([(work, flat result, [(shape, finish)])]) and run each
+        item's finish on its part of the result, in order."""
         for work, flat, items in started:
             if work is not None:
                 work.wait()
-            for (_, t, _, finish, _), part in zip(items, flat.split([item[1].numel() for item in items])):
-                finish(part.view(t.shape))
+            for (shape, finish), part in zip(items, flat.split([math.prod(shape) for shape, _ in items])):
+                finish(part.view(shape))
 
     def run(self) -> None:
         """Step everything queued, then forget it: the reduces the parameters' steps queued start first, and run

@@ -164,6 +164,8 @@ def declines(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[
         return f"rule {rule!r} with moments {[c.name for _, c in codecs]}"
     elif rule in ("adamw", "taco") and group["eps_placement"] not in ("torch", "galore"):
         return f"eps_placement {group['eps_placement']!r}"
+    elif any(c.name == "factored" and getattr(c, "rows", None) is not None for _, c in codecs):
+        return "a row shard's factored moment (its column means in chunks over the ranks)"
     if not available():
         return "triton is not installed" if _triton() is None else "SLIMOPT_TRITON=0"
     if _failed and _settings(group, p, grad, codecs) in _failed:

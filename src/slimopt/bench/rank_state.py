@@ -1,0 +1,110 @@
+"""What one rank holds of the optimizer state under FSDP2, planned for any model and world size.
+
+Under FSDP2 slimopt splits every state tensor over the ranks by its dim 0, as torch.chunk splits it
+(docs/distributed.md, section 3): moments by the parameter's rows, a left projection's by the rows of its (r x n)
+subspace, bases by their rows (a left basis: the parameter's m, a right one: its n), a factored moment's column
+means by columns. What stays whole on every rank: the 0-D step counters, the coordinates of a ``rows`` or
+``columns`` projector, TACO's per-column record, and the (r x n) momentum of a rule that iterates the whole matrix
+(Muon) under a left projection. The first rank holds the largest chunk of every tensor, so it is the busiest.
+
+    busiest, one = rank_state(model, "galore8bit", world=8)
+
+``slimopt.state_nbytes(opt)`` measures the same on a running rank; benchmarks/fsdp_state.py and
+tests/test_fsdp_state.py compare the two.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+__all__ = ["rank_state", "rank_table", "DOC_METHODS"]
+
+# The methods of the per-rank table in docs/distributed.md
+DOC_METHODS = ("adamw", "adamw8bit", "frugal", "galore", "galore8bit", "muon8bit", "taco", "ternary_adamw")
+
+
+def _share(d: int, world: int) -> float:
+    """The first rank's part of a tensor of d rows split as torch.chunk splits them over `world` ranks."""
+    return min(d, -(-d // world)) / d if d else 1.0
+
+
+def rank_state(model: nn.Module, method: str, world: int, step: int | None = None,
+               **hparams: Any) -> tuple[int, int]:
+    """(bytes of `method`'s optimizer state on the busiest of `world` FSDP2 ranks, bytes in one process) for
+    `model` (a meta model is enough), from the planner's per-parameter state (``planner.state_plan``; step: the
+    state after that step, None: the block schedule's maximum for a block method) and the split above."""
+    from slimopt.bench.planner import _COUNTER, state_plan
+    from slimopt.factory import make_optimizer
+    from slimopt.optim.algorithm import projectors as P
+    from slimopt.optim.algorithm import taco
+    from slimopt.optim.algorithm.rules import ELEMENTWISE_RULES
+
+    if world < 1:
+        raise ValueError(f"world must be >= 1; got {world}")
+    opt = make_optimizer(model, method, **hparams)
+    where = {name: (p, group) for name, p in model.named_parameters()
+             for group in opt.param_groups if any(p is q for q in group["params"])}
+    busiest = one = 0.0
+    for ps in state_plan(model, method, step=step, **hparams):
+        p, group = where[ps.name]
+        one += ps.total
+        layout = opt._layout(p, group)
+        moments, proj = ps.moments - _COUNTER, ps.projections
+        rows = p.shape[0] if p.dim() else 1
+        if layout in ("none", "block"):
+            kept = moments if taco.owns(group, p.shape) else moments * _share(rows, world)
+            busiest += _COUNTER + kept + proj
+            continue
+        m, n = p.shape
+        side = P.side_for(p.shape, group["proj_side"]) if layout in P.ORTHO_PROJECTORS else None
+        r = P.subspace_rank(p.shape, layout, side, group["rank"], group["density"])
+        if layout in ("svd", "randomized_svd"):
+            r = min(r, m, n)
+        whole_rule = group["rule"] not in ELEMENTWISE_RULES
+        if taco.owns(group, (r, n) if side == "left" or layout == "rows" else (m, r)) or (side == "left"
+                                                                                          and whole_rule):
+            kept = moments  # TACO's record, Muon's (r x n) momentum: on every rank
+        elif side == "left" or layout == "rows":
+            kept = moments * _share(r, world)
+        else:
+            kept = moments * _share(m, world)
+        if layout in P.ORTHO_PROJECTORS:
+            kept_proj = proj * _share(m if side == "left" else n, world)
+        else:
+            kept_proj = proj  # coordinates: on every rank
+        busiest += _COUNTER + kept + kept_proj
+    return round(busiest), round(one)
+
+
+def rank_table(sizes: tuple[str, ...] = ("1b", "7b"), worlds: tuple[int, ...] = (8, 64),
+               methods: tuple[str, ...] = DOC_METHODS, dtype: str = "bf16") -> list[dict[str, Any]]:
+    """Per LLaMA size and method: one process's state and the busiest rank's at each world size (GB), from meta
+    models with `dtype` weights and the training command's defaults."""
+    from slimopt.bench.planner import load_config, meta_model
+
+    out = []
+    for size in sizes:
+        _, config = load_config(size)
+        model = meta_model(config, dtype)
+        for method in methods:
+            row: dict[str, Any] = {"model": f"llama-{size}", "method": method}
+            for world in worlds:
+                busiest, one = rank_state(model, method, world)
+                row["one_process_GB"] = one / 1e9
+                row[f"W={world} GB"] = busiest / 1e9
+                row[f"W={world} ratio"] = busiest / (one / world) if one else 1.0
+            out.append(row)
+    return out
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """``rank_table``'s rows as the table of docs/distributed.md."""
+    worlds = [k.split()[0] for k in rows[0] if k.endswith(" GB") and k.startswith("W=")]
+    head = "| model | method | one process (GB) | " + " | ".join(f"{w}: a rank (GB), x one / W" for w in worlds) + " |"
+    lines = [head, "|---|---|---:|" + "---:|" * len(worlds)]
+    for r in rows:
+        cells = [f"{r[f'{w} GB']:.3f}, {r[f'{w} ratio']:.2f}" for w in worlds]
+        lines.append(f"| {r['model']} | {r['method']} | {r['one_process_GB']:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
