@@ -57,8 +57,9 @@ def _backward(model) -> None:
 
 
 def _state_bytes(model_name: str, methods: list[str], sharded: bool) -> dict[str, int]:
-    import slimopt
     from torch.distributed.fsdp import fully_shard
+
+    import slimopt
     out = {}
     for method in methods:
         model = _model(model_name)

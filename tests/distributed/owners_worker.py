@@ -30,8 +30,8 @@ import common as C  # noqa: E402
 import slimopt  # noqa: E402
 from slimopt.bench.fsdp_comm import CollectiveCounter, expected_bytes  # noqa: E402
 from slimopt.optim.algorithm import muon  # noqa: E402
-from slimopt.optim.distributed import owners  # noqa: E402
 from slimopt.optim.algorithm import projectors as P  # noqa: E402
+from slimopt.optim.distributed import owners  # noqa: E402
 from slimopt.optim.distributed import sharded as S  # noqa: E402
 from slimopt.optim.distributed.sharded_bases import rows_of_basis  # noqa: E402
 

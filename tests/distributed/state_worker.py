@@ -25,8 +25,8 @@ METHODS = ("galore", "galore8bit", "frugal", "adamw8bit", "muon8bit", "taco", "t
 
 
 def make_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
     import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=96, intermediate_size=256, num_attention_heads=4,
                       num_hidden_layers=2, tie_word_embeddings=False)

@@ -213,7 +213,6 @@ class ProjectedLaunchPlan(ProjectedPlan):
         c = triton_step.run([launch])
         if c is None:  # the kernel failed (one warning): this step's rule as the general path runs it then
             return windowed.directions(low, low, state, group, self.codecs, age, _no_stream, dtype, self.held)
-        triton_step.finish([launch])
         return c
 
     def lifted_write(self, p, full, group, coef) -> None:

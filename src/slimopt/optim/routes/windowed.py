@@ -283,7 +283,6 @@ def directions(low: Tensor, out: Tensor, state: dict[str, Tensor], group: dict[s
                                      streams=moment_streams(codecs, stream))
         c = triton_step.run([launch])
         if c is not None:
-            triton_step.finish([launch])
             return c
     windows = [(i, key, codec, codec.open(key, state, low.shape)) for i, (key, codec) in enumerate(codecs)]
     src, dst = low.view(-1), out.view(-1)

@@ -9,7 +9,6 @@ Details: docs/modules.md, ``slimopt.optim.routes.torch.multi_tensor``.
 from __future__ import annotations
 
 import math
-
 from collections import defaultdict
 from typing import Any, Callable
 
@@ -141,7 +140,6 @@ class Batch:
         self._groups: dict[int, dict[str, Any]] = {}
         # triton_step.Launch.key -> [(launch, the tensor's eager step, for a kernel that fails)]
         self._launches: dict[tuple, list[tuple[Any, Callable[[], None]]]] = defaultdict(list)
-        self._order: list[Any] = []  # every launch in the order queued: the parameters' order, on every rank
         # all-reduces over a row shard's ranks: (rows, tensor, op, what to do with the result, whether it may finish
         # after the step), in the order queued
         self._reduces: list[tuple[Any, Tensor, str, Callable[[Tensor], None], bool]] = []
@@ -169,7 +167,6 @@ class Batch:
         """Queue a tensor's Triton step (``triton_step.prepare``, or ``triton_taco.prepare``), to run in one launch
         with the others of its key; eager: its step without the kernel, run instead where the launch fails."""
         self._launches[launch.key].append((launch, eager))
-        self._order.append(launch)
 
     def reduce(self, rows: Any, tensor: Tensor, op: str, finish: Callable[[Tensor], None],
                after_step: bool = False) -> None:
@@ -269,9 +266,6 @@ class Batch:
                 if kernels.run([launch for launch, _ in part]) is None:  # a kernel failed: eagerly
                     for _, eager in part:
                         eager()
-        for x in self._order:  # a row shard's factored column sums: summed over the ranks after the step
-            if isinstance(x, triton_step.Launch) and x.pending is not None:
-                self.reduce(x.factored[2], x.pending, "sum", triton_step.column_means(x), after_step=True)
         for (gid, _), (params, grads, exp_avgs, exp_avg_sqs, steps) in self._adamw.items():
             r = abi.scalars(self._groups[gid], 0, "free")  # torch's kernel counts the steps (bias corrections)
             torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=r.lr,
@@ -297,5 +291,4 @@ class Batch:
         self._adamw.clear()
         self._resid.clear()
         self._launches.clear()
-        self._order.clear()
         self._groups.clear()

@@ -23,7 +23,7 @@ from slimopt.optim.algorithm.noise import CounterStream
 from slimopt.optim.routes import abi
 from slimopt.optim.routes.cpu import native
 
-__all__ = ["available", "declines", "applies", "prepare", "run", "finish", "column_means", "failed", "fallbacks"]
+__all__ = ["available", "declines", "applies", "prepare", "run", "failed", "fallbacks"]
 
 _K = abi.K_CODECS  # a moment's storage: K_* of the kernels
 _K_FP32, _K_BF16, _K_INT8, _K_INT4, _K_BF16_SR = _K["fp32"], _K["bf16"], _K["int8"], _K["int4"], _K["bf16_sr"]
@@ -250,14 +250,12 @@ class Launch:
     the launch it can share (``key``: the group, the kernel's settings, the size, the moments' age), and a
     factored v's (row means, column means), which ``run`` writes after the kernel."""
 
-    __slots__ = ("group", "codecs", "age", "direction", "n", "blocks", "row", "key", "device", "factored",
-                 "pending")
+    __slots__ = ("group", "codecs", "age", "direction", "n", "blocks", "row", "key", "device", "factored")
 
     def __init__(self, group, codecs, age, direction, n, blocks, row, key, device, factored=None):
         self.group, self.codecs, self.age, self.direction = group, codecs, age, direction
         self.n, self.blocks, self.row, self.key, self.device = n, blocks, row, key, device
         self.factored = factored
-        self.pending = None  # a row shard's column sums, which ``finish`` adds up over the ranks
 
 
 def prepare(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
@@ -292,9 +290,8 @@ def prepare(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, 
                        gen, streams)
     factored = None
     if len(kinds) > 1 and kinds[1] == _K_FACTORED:
-        vkey = codecs[1][0]
-        # a row shard's factored moment (sharded.RowShardedFactored): its rows, to add the column sums up over
-        factored = (state[vkey], state[vkey + "_col"], getattr(codecs[1][1], "rows", None))
+        vkey = codecs[1][0]  # a whole moment's: a row shard's is declined (its column means are in chunks)
+        factored = (state[vkey], state[vkey + "_col"])
     maps = tuple(_codec_key(c) for _, c in codecs)
     shape = tuple(p.shape) if factored is not None else p.numel()  # the rows layout: rows and columns
     settings = _settings(group, p, grad, codecs)
@@ -469,9 +466,8 @@ def _main_pass(table: Tensor, launches: list[Launch], mo: _Moments, r: abi.StepS
     if mo.layout == _L_ROWS:
         rows, cols = shape
         iters, col_tiles, row_tiles = _rows_geometry(shape)
-        # the mean of v: of the row means, or of a row shard's column means (its row means are its rows')
-        means = [x.factored[1] if x.factored[2] is not None else x.factored[0] for x in launches]
-        denoms = torch.stack([m.mean() for m in means]).clamp_min_(torch.finfo(torch.float32).tiny)
+        # the mean of v: of the row means
+        denoms = torch.stack([x.factored[0].mean() for x in launches]).clamp_min_(torch.finfo(torch.float32).tiny)
         row_sums = torch.empty((k, col_tiles, rows), dtype=torch.float64, device=device)
         col_sums = torch.empty((k, row_tiles, cols), dtype=torch.float64, device=device)
         grid = (row_tiles * col_tiles, k)
@@ -493,35 +489,7 @@ def _write_means(launches: list[Launch], row_sums: Tensor, col_sums: Tensor) -> 
     """codecs.FactoredCodec's means from the rows layout's fp64 sums over the tiles, divided, rounded to fp32."""
     rows, cols = launches[0].key[3]
     torch._foreach_copy_([x.factored[0] for x in launches], list((row_sums.sum(1) / cols).float().unbind(0)))
-    sums = col_sums.sum(1)
-    if any(x.factored[2] is not None for x in launches):
-        # a row shard's column sums add up every rank's rows: ``finish`` sums them over the ranks, in the
-        # order the tensors were queued (the same on every rank, whatever launches they shared)
-        for i, x in enumerate(launches):
-            if x.factored[2] is not None:
-                x.pending = sums[i]
-            else:
-                x.factored[1].copy_((sums[i] / rows).float())
-    else:
-        torch._foreach_copy_([x.factored[1] for x in launches], list((sums / rows).float().unbind(0)))
-
-
-def finish(launches: list[Launch]) -> None:
-    """The column means of every row shard's factored moment that ``run`` left (``Launch.pending``): its column
-    sums all-reduced over its ranks, divided by all the rows, in the order of `launches` (which every rank must
-    give alike: the order the tensors were queued in)."""
-    from slimopt.optim.distributed.shardcomm import all_reduce
-    for x in launches:
-        if x.pending is not None:
-            column_means(x)(all_reduce(x.pending, x.factored[2]))
-
-
-def column_means(launch: Launch):
-    """What writes a row shard's factored column means from its column sums summed over the ranks."""
-    def write(sums: Tensor) -> None:
-        launch.factored[1].copy_((sums / launch.factored[2].total).float())
-        launch.pending = None
-    return write
+    torch._foreach_copy_([x.factored[1] for x in launches], list((col_sums.sum(1) / rows).float().unbind(0)))
 
 
 def _cdiv(a: int, b: int) -> int:
