@@ -418,6 +418,8 @@ CASES = [
          "--checkpointing --batch 1 --seq 2048", check=check_memory),
     Case("memory-int8-device", "slimopt memory --model 7b --method galore8bit --weights int8 --layerwise "
          "--checkpointing --batch 1 --seq 2048", check=check_memory),
+    Case("memory-fsdp-ranks", "slimopt memory --model 1b --method adamw8bit,galore,taco --fsdp-ranks 64",
+         check=check_memory),
     Case("memory-undocumented-options", "slimopt memory --model tiny --method frugal,badam --dtype fp32 "
          "--checkpointing --step 1 --vocab-size 1000 --batch 2 --seq 64", check=check_memory),
     # --- methods

@@ -395,7 +395,25 @@ def test_memory_cli_without_batch_or_seq(budget, capsys):
     assert ("| yes |" in out and "'fits' is a lower bound" in out) if budget else "fits" not in out
 
 
+def test_memory_cli_per_rank_state_under_fsdp(capsys):
+    from slimopt.bench.planner import load_config, meta_model
+    from slimopt.bench.rank_state import rank_state
+    from slimopt.bench.units import fmt_gib
+
+    assert main(["memory", "--model", "1b", "--method", "galore8bit,taco,bnb-adamw8bit", "--fsdp-ranks", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "Optimizer state under FSDP2 on 64 ranks" in out and "| bnb-adamw8bit | - | - | not sharded" in out
+    _, config = load_config("1b")
+    for method in ("galore8bit", "taco"):
+        busiest, one = rank_state(meta_model(config, "bf16"), method, 64)
+        ratio = busiest / (one / 64)
+        assert f"| {method} | {fmt_gib(one)} | {fmt_gib(busiest, 3)} | {ratio:.2f} |" in out
+        # everything but TACO's per-column record is split: galore8bit holds its share, TACO more
+        assert (ratio < 1.01) if method == "galore8bit" else (ratio > 1.1)
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["--model", "tiny", "--fsdp-ranks", "-2"], "--fsdp-ranks must be an integer >= 0"),
     (["--model", "tiny", "--gpu-memory", "lots"], "--gpu-memory='lots' is not a memory size"),
     (["--model", "nope"], "unknown model 'nope'"),
     (["--model", "tiny", "--method", "adamw,sgd9"], "unknown method(s) sgd9"),

@@ -7,7 +7,8 @@ method fits and the largest batch that does. Writes memory.png (stacked bars wit
 and memory.md into --out when given. With --weights int8 (attention and MLP weights in int8 on the device) and
 --offload host (master copy and optimizer state in pinned host memory, gradients leaving as the backward pass makes
 them), also the device, host and PCIe bytes of a step, and whether this machine's free memory holds the host part.
-`slimopt.bench.planner` documents every formula.
+With --fsdp-ranks W, also the optimizer state the busiest of W FSDP2 ranks holds. `slimopt.bench.planner` documents
+every formula.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ EXAMPLES = """examples:
   slimopt memory --model ./my-model --method galore,frugal --set galore.rank=256 --gpu-memory 80GB --seq 2048
   slimopt memory --model 7b --method galore8bit,frugal_head --weights int8 --offload host --master bf16+int8 \
       --checkpointing --batch 1 --seq 2048 --gpu-memory 8GiB
+  slimopt memory --model 1b --method adamw8bit,galore,taco --fsdp-ranks 64
 """
 
 
@@ -68,6 +70,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--vocab-slice", type=int, default=0, metavar="N",
                    help="the loss takes the vocabulary N rows at a time, never holding the whole logits (slimopt "
                         "train --vocab-slice; default 0: the whole logits)")
+    p.add_argument("--fsdp-ranks", type=int, default=0, metavar="W",
+                   help="also the optimizer state the busiest of W FSDP2 ranks holds, per slimopt method "
+                        "(slimopt.bench.rank_state; default 0: not shown)")
     p.add_argument("--out", default=None, help="folder for memory.md, memory.json and memory.png")
     return p
 
@@ -113,6 +118,8 @@ def run(args) -> int:
     stray = sorted(set(opts) - set(methods))
     if stray:
         raise ValueError(f"--set names method(s) {', '.join(stray)} that are not in --method")
+    if args.fsdp_ranks < 0:
+        raise ValueError(f"--fsdp-ranks must be an integer >= 0 (0: not shown); got {args.fsdp_ranks}")
     seq = args.seq or 0
     batch = (args.batch or 1) if seq else 0
     place = _placement(args)
@@ -145,6 +152,10 @@ def run(args) -> int:
                      "the update's temporaries only" + (" and 'fits' is a lower bound" if budget else "")
                      + ". Give --seq (and --batch, default 1) to include them"
                      + (" and the largest batch that fits." if budget else "."))
+    per_rank = None
+    if args.fsdp_ranks:
+        per_rank = _rank_states(methods, config, args, opts)
+        lines += ["", *_rank_lines(per_rank, args.fsdp_ranks)]
     host_note = None
     if p0.weight_format != "dtype" or offload:
         lines += ["", *_placement_lines(plans, offload)]
@@ -159,11 +170,48 @@ def run(args) -> int:
         write_atomic(out / "memory.md", text)
         payload = {"model": label, "settings": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                    "budget_bytes": budget, "max_batch": max_batches, "host_memory": host_note,
+                   "fsdp_rank_state": per_rank,
                    "plans": [p.to_dict() for p in plans]}
         write_atomic(out / "memory.json", json.dumps(payload, indent=1, default=str) + "\n")
         memory_chart(plans, out / "memory.png", budget, title=f"{label}: {mode}")
         print(f"\nwrote {out / 'memory.md'}, {out / 'memory.json'}, {out / 'memory.png'}")
     return 0
+
+
+def _rank_states(methods: list[str], config, args, opts) -> dict[str, dict[str, int] | None]:
+    """method -> {"busiest": bytes, "one_process": bytes} of its optimizer state under FSDP2 at --fsdp-ranks, or
+    None for a peer (slimopt does not shard a peer's state)."""
+    import slimopt
+    from slimopt.bench import planner
+    from slimopt.bench.rank_state import rank_state
+
+    out: dict[str, dict[str, int] | None] = {}
+    for m in methods:
+        if m not in slimopt.methods():
+            out[m] = None
+            continue
+        busiest, one = rank_state(planner.meta_model(config, args.dtype), m, args.fsdp_ranks, step=args.step,
+                                  **opts.get(m, {}))
+        out[m] = {"busiest": busiest, "one_process": one}
+    return out
+
+
+def _rank_lines(per_rank: dict[str, dict[str, int] | None], world: int) -> list[str]:
+    """The per-rank state table (GiB)."""
+    from slimopt.bench.tables import markdown
+    from slimopt.bench.units import fmt_gib
+
+    rows = []
+    for m, r in per_rank.items():
+        if r is None:
+            rows.append([m, "-", "-", "not sharded by slimopt"])
+            continue
+        ratio = r["busiest"] / (r["one_process"] / world) if r["one_process"] else 1.0
+        rows.append([m, fmt_gib(r["one_process"]), fmt_gib(r["busiest"], 3), f"{ratio:.2f}"])
+    return [f"Optimizer state under FSDP2 on {world} ranks (GiB): one process's, the busiest rank's (every state "
+            f"tensor split over the ranks by its first dimension; step counters, coordinates and TACO's per-column "
+            f"record on every rank), and its ratio to one process's / {world}:", "",
+            markdown(["method", "one process", "busiest rank", f"x one / {world}"], rows)]
 
 
 def _placement(args) -> dict:
