@@ -21,13 +21,11 @@ import argparse
 import json
 import os
 import platform
-import socket
 from datetime import datetime, timezone
-from queue import Empty
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import spawn_ranks
 
 METHODS = ("galore", "galore8bit", "frugal", "adamw8bit", "muon8bit", "taco", "ternary_adamw")
 MODELS = ("tiny96", "small")
@@ -86,28 +84,7 @@ def _rank(rank: int, world: int, port: int, models: list[str], methods: list[str
 
 def per_rank(world: int, models: list[str], methods: list[str]) -> dict[int, dict]:
     """rank -> model -> method -> state bytes on that rank, from `world` spawned gloo ranks."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, models, methods, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict] = {}
-    while len(results) < world:  # a rank that dies stops the run, not hangs it
-        try:
-            rank, mine = queue.get(timeout=5)
-            results[rank] = mine
-        except Empty:
-            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if failed:
-                for p in procs:
-                    p.terminate()
-                raise SystemExit(f"a rank failed (exit code {failed[0]}): its error is above")
-    for p in procs:
-        p.join()
-    return results
+    return spawn_ranks(_rank, world, models, methods)
 
 
 def main() -> None:

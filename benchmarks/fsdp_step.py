@@ -29,14 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
-from queue import Empty
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import spawn_ranks
 
 METHODS = ("adamw", "adamw8bit", "frugal", "galore", "taco", "ternary_adamw")
 
@@ -137,30 +135,7 @@ def _rank(rank: int, world: int, port: int, methods: list[str], steps: int, devi
 
 
 def measure(methods: list[str], steps: int, world: int, device: str, model: str = "small") -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, methods, steps, device, model, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict] = {}
-    while len(results) < world:  # a rank that dies (an import error, a failed collective) stops the run, not hangs it
-        try:
-            rank, mine = queue.get(timeout=5)
-            results[rank] = mine
-        except Empty:
-            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if failed:
-                for p in procs:
-                    p.terminate()
-                raise SystemExit(f"a rank failed (exit code {failed[0]}): its error is above")
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise SystemExit(f"a rank failed (exit code {p.exitcode})")
+    results = spawn_ranks(_rank, world, methods, steps, device, model)
     out = {}
     for m in methods:
         whole = results[0][m]["whole_s"]
