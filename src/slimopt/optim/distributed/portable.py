@@ -1,22 +1,18 @@
 """A world-size-free form of SlimOptimizer's state, for ``torch.distributed.checkpoint`` (DCP) and resharding.
 
-Inside the optimizer a sharded parameter's state is what one rank needs: the local rows of each moment, with
-quantization blocks cut per local shard (codes flat and padded, one scale per block), replicated bases, indices
-and step counters (``sharded.py``). Those layouts depend on the world size, so a checkpoint stores another form,
-in which every tensor is either
+Inside the optimizer a sharded parameter's state is what one rank needs (its rows of each moment, quantized per
+local shard; its chunks of the rest: ``sharded.py``). Those layouts depend on the world size, so a checkpoint
+stores another form, in which every tensor is either
 
-- **row-sharded like its parameter**: a tensor whose dim 0 is the parameter's rows, saved as a DTensor with the
-  parameter's mesh and placements (a plain tensor in one process), so DCP reshards it to any world size; or
-- **chunked over the parameter's ranks**: a tensor whose dim 0 is not the parameter's rows but is split over its
-  ranks as torch.chunk splits it (``shardcomm.subspace_rows``): a left projection's moments (the rows of its (r, n)
-  subspace), a right projection's basis (its n rows) and a factored moment's column means; saved as a DTensor on
-  the parameter's mesh and placements too; or
-- **replicated**: the same on every rank (steps, ``proj_index``, TACO's history, the subspace momentum of Muon
-  under a left projection), saved once.
+- **row-sharded like its parameter**: dim 0 is the parameter's rows; saved as a DTensor with the parameter's mesh
+  and placements (a plain tensor in one process), so DCP reshards it to any world size;
+- **chunked**: dim 0 split over the same ranks as torch.chunk splits it (``shardcomm.subspace_rows``: a left
+  projection's subspace rows, a right basis's n rows, a factored moment's column means); saved the same way; or
+- **replicated**: the same on every rank (steps, ``proj_index``, TACO's history, Muon's subspace momentum under a
+  left projection), saved once.
 
 Details: docs/modules.md, ``slimopt.optim.distributed.portable``.
 """
-
 from __future__ import annotations
 
 import contextlib
