@@ -665,6 +665,11 @@ def _train(c: TrainConfig, d: _Dist, callback, t_start: float, cpu_start: float)
     start_eval = _evaluate(run, 0) if run.step == 0 and c.model.lower() not in LLAMA_SIZES else None
     try:
         loss_val = _loop(run, callback, bar)
+        # a collective the last step left running (a sharded factored moment's column sums) ends here, not at the
+        # interpreter's exit, where a pending gloo work aborts the process
+        settle = getattr(run.optimizer, "settle", None)
+        if callable(settle):
+            settle()
         if bar is not None:
             bar.close()
             bar = None
