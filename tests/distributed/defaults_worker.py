@@ -66,7 +66,7 @@ def main() -> None:
             ref_cols = {n: ref_opt.state[p] for n, p in ref.named_parameters()}
 
             def mine(whole, p):  # this rank's chunk of a factored moment's column means
-                chunk = S.subspace_rows(S.rows_of(p), whole.numel())
+                chunk = S.chunks_of(S.rows_of(p), whole.numel())
                 return whole[chunk.start: chunk.stop]
             col_diff = max([(st[k] - mine(ref_cols[n][k], p)).abs().max().item() if st[k].numel() else 0.0
                             for n, p in model.named_parameters() for st in [opt.state[p]] for k in st

@@ -22,7 +22,7 @@ from slimopt.optim.algorithm import projectors as P
 from slimopt.optim.algorithm import taco
 from slimopt.optim.algorithm.rules import ELEMENTWISE_RULES
 
-__all__ = ["CollectiveCounter", "expected_bytes", "muon_owner_bytes", "param_bytes", "volume_table"]
+__all__ = ["CollectiveCounter", "expected_bytes", "muon_owner_bytes", "param_bytes", "split_space", "volume_table"]
 
 
 def _nbytes(x: Any) -> int:
@@ -93,9 +93,10 @@ class CollectiveCounter(TorchDispatchMode):
 # the prediction
 
 
-def _split_space(opt, p, group, world: int) -> tuple[tuple[int, int] | None, int, str | None, int]:
-    """(shape of the row-split 2-D tensor the rule runs on or None, a left projection's bytes a step, side,
-    subspace size r)."""
+def split_space(opt, p, group, world: int) -> tuple[tuple[int, int] | None, int, str | None, int]:
+    """(shape of the 2-D tensor the rule runs on, split by its rows over the ranks, or None where it is whole on
+    every rank or there is none; the bytes a projection sends a step; side; subspace size r): also what
+    ``rank_state`` splits the moments by."""
     layout = opt._layout(p, group)
     if layout in ("none", "block"):
         return (tuple(p.shape) if p.dim() == 2 else None), 0, None, 0
@@ -134,7 +135,7 @@ def param_bytes(opt, p, group: dict[str, Any], world: int, step: int) -> tuple[i
     layout = opt._layout(p, group)
     if layout == "block" and not opt._block_active(p, group, step):
         return 0, 0  # an inactive block takes signSGD on its shard: nothing to send
-    space, per_step, side, r = _split_space(opt, p, group, world)
+    space, per_step, side, r = split_space(opt, p, group, world)
     if space is not None:
         rows, cols = space
         if taco.owns(group, space):

@@ -35,46 +35,33 @@ def rank_state(model: nn.Module, method: str, world: int, step: int | None = Non
     """(bytes of `method`'s optimizer state on the busiest of `world` FSDP2 ranks, bytes in one process) for
     `model` (a meta model is enough), from the planner's per-parameter state (``planner.state_plan``; step: the
     state after that step, None: the block schedule's maximum for a block method) and the split above."""
+    from slimopt.bench.fsdp_comm import split_space
     from slimopt.bench.planner import _COUNTER, state_plan
     from slimopt.factory import make_optimizer
     from slimopt.optim.algorithm import projectors as P
     from slimopt.optim.algorithm import taco
-    from slimopt.optim.algorithm.rules import ELEMENTWISE_RULES
 
     if world < 1:
         raise ValueError(f"world must be >= 1; got {world}")
     opt = make_optimizer(model, method, **hparams)
-    where = {name: (p, group) for name, p in model.named_parameters()
-             for group in opt.param_groups if any(p is q for q in group["params"])}
+    where = {id(p): (p, group) for group in opt.param_groups for p in group["params"]}
+    params = {name: where[id(p)] for name, p in model.named_parameters() if id(p) in where}
     busiest = one = 0.0
     for ps in state_plan(model, method, step=step, **hparams):
-        p, group = where[ps.name]
+        p, group = params[ps.name]
         one += ps.total
         layout = opt._layout(p, group)
         moments, proj = ps.moments - _COUNTER, ps.projections
-        rows = p.shape[0] if p.dim() else 1
         if layout in ("none", "block"):
-            kept = moments if taco.owns(group, p.shape) else moments * _share(rows, world)
+            kept = moments if taco.owns(group, p.shape) else moments * _share(p.shape[0] if p.dim() else 1, world)
             busiest += _COUNTER + kept + proj
             continue
-        m, n = p.shape
-        side = P.side_for(p.shape, group["proj_side"]) if layout in P.ORTHO_PROJECTORS else None
-        r = P.subspace_rank(p.shape, layout, side, group["rank"], group["density"])
-        if layout in ("svd", "randomized_svd"):
-            r = min(r, m, n)
-        whole_rule = group["rule"] not in ELEMENTWISE_RULES
-        if taco.owns(group, (r, n) if side == "left" or layout == "rows" else (m, r)) or (side == "left"
-                                                                                          and whole_rule):
-            kept = moments  # TACO's record, Muon's (r x n) momentum: on every rank
-        elif side == "left" or layout == "rows":
-            kept = moments * _share(r, world)
-        else:
-            kept = moments * _share(m, world)
+        # the tensor the rule runs on, split by its rows (None: whole on every rank, as Muon's left momentum)
+        space, _, side, _ = split_space(opt, p, group, world)
+        kept = moments if space is None or taco.owns(group, space) else moments * _share(space[0], world)
         if layout in P.ORTHO_PROJECTORS:
-            kept_proj = proj * _share(m if side == "left" else n, world)
-        else:
-            kept_proj = proj  # coordinates: on every rank
-        busiest += _COUNTER + kept + kept_proj
+            proj *= _share(p.shape[0] if side == "left" else p.shape[1], world)  # a basis: by its rows
+        busiest += _COUNTER + kept + proj  # a rows / columns projector's coordinates: on every rank
     return round(busiest), round(one)
 
 

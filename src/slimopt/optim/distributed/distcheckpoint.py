@@ -126,7 +126,7 @@ def _empty_like_saved(optimizer, p, group, key: str, meta) -> torch.Tensor:
         device = torch.device("cpu")
     layout = portable.layout_of(optimizer, p, group, key) if S.is_sharded(p) else "replicated"
     if layout in ("rows", "chunks"):  # the parameter's rows, or rows split alike (a right basis, a left subspace)
-        rows = S.rows_of(p) if layout == "rows" else S.subspace_rows(S.rows_of(p), size[0])
+        rows = S.rows_of(p) if layout == "rows" else S.chunks_of(S.rows_of(p), size[0])
         local = torch.empty((rows.local,) + size[1:], dtype=dtype, device=device)
         return portable._param_rows_tensor(local, p, rows)
     return torch.empty(size, dtype=dtype, device=device)

@@ -6,13 +6,14 @@ stores another form, in which every tensor is either
 
 - **row-sharded like its parameter**: dim 0 is the parameter's rows; saved as a DTensor with the parameter's mesh
   and placements (a plain tensor in one process), so DCP reshards it to any world size;
-- **chunked**: dim 0 split over the same ranks as torch.chunk splits it (``shardcomm.subspace_rows``: a left
+- **chunked**: dim 0 split over the same ranks as torch.chunk splits it (``shardcomm.chunks_of``: a left
   projection's subspace rows, a right basis's n rows, a factored moment's column means); saved the same way; or
 - **replicated**: the same on every rank (steps, ``proj_index``, TACO's history, Muon's subspace momentum under a
   left projection), saved once.
 
 Details: docs/modules.md, ``slimopt.optim.distributed.portable``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -72,7 +73,7 @@ def _side(p, group) -> str | None:
 def layout_of(opt, p: Tensor, group: dict[str, Any], key: str) -> str:
     """``"rows"`` (dim 0 is the parameter's rows: saved sharded like it), ``"chunks"`` (dim 0 is split over the
     parameter's ranks as torch.chunk splits it: a left projection's subspace rows, a right basis's rows; saved
-    sharded like it too, ``chunk_total`` says how many there are) or ``"replicated"`` for a portable key."""
+    sharded like it too, ``chunks_for``) or ``"replicated"`` for a portable key."""
     if key in _REPLICATED_KEYS or key.startswith("taco_"):
         return "replicated"
     if key.endswith("_col"):  # a factored moment's column means: in chunks of the columns (sharded.RowShardedFactored)
@@ -90,12 +91,11 @@ def layout_of(opt, p: Tensor, group: dict[str, Any], key: str) -> str:
     return "chunks" if group["rule"] in ELEMENTWISE_RULES else "replicated"  # Muon's iteration: the whole matrix
 
 
-def chunk_total(p: Tensor, key: str, space: S.Space | None) -> int:
-    """How many rows a ``"chunks"`` key has in all: a right basis's n, a factored moment's columns, a left
-    projection's moments' r."""
-    if key == "proj":
-        return p.shape[1]
-    return space.shape[1] if key.endswith("_col") else space.shape[0]
+def chunks_for(p: Tensor, rows: S.Rows, key: str, space: S.Space | None) -> S.Rows:
+    """This rank's share of a ``"chunks"`` key (p's rows split as `rows`), whose dim 0 holds in all a right
+    basis's n, a factored moment's column count or a left projection's r."""
+    total = p.shape[1] if key == "proj" else space.shape[1] if key.endswith("_col") else space.shape[0]
+    return S.chunks_of(rows, total)
 
 
 def _space(opt, p, group, state_or_index: dict[str, Tensor], rows: S.Rows) -> tuple[S.Space | None, Tensor | None]:
@@ -317,7 +317,7 @@ def export_param(opt, p: Tensor, group: dict[str, Any], state: dict[str, Tensor]
             out[key] = t
             return
         if layout == "chunks":
-            out[key] = _param_rows_tensor(t, p, S.subspace_rows(rows, chunk_total(p, key, space)))
+            out[key] = _param_rows_tensor(t, p, chunks_for(p, rows, key, space))
             return
         if sel is not None:  # a rows projector's moment: write its rows into a tensor of the parameter's rows
             full = t.new_zeros((rows.local,) + tuple(t.shape[1:]))
@@ -357,7 +357,7 @@ def import_param(opt, p: Tensor, group: dict[str, Any], saved: dict[str, Tensor]
         if layout == "rows":
             state[key] = _local_rows(saved[key], p, rows).detach().to(device).clone()
         elif layout == "chunks":  # a right basis
-            state[key] = _local_rows(saved[key], p, S.subspace_rows(rows, p.shape[1])).detach().to(device).clone()
+            state[key] = _local_rows(saved[key], p, chunks_for(p, rows, key, None)).detach().to(device).clone()
         else:
             state[key] = _replicated(saved[key]).detach().to(device).clone()
     space, sel, codecs = _moment_plan(opt, p, group, state, rows)
@@ -371,8 +371,7 @@ def import_param(opt, p: Tensor, group: dict[str, Any], saved: dict[str, Tensor]
                 if layout == "replicated":
                     parts[k] = _replicated(saved[k]).detach().to(device)
                 elif layout == "chunks":
-                    chunks = S.subspace_rows(rows, chunk_total(p, k, space))
-                    parts[k] = _local_rows(saved[k], p, chunks).detach().to(device)
+                    parts[k] = _local_rows(saved[k], p, chunks_for(p, rows, k, space)).detach().to(device)
                 else:
                     t = _local_rows(saved[k], p, rows).detach().to(device)
                     parts[k] = t[sel] if sel is not None else t

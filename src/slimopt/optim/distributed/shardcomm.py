@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["Rows", "is_sharded", "chunk_bounds", "rows_of", "all_reduce", "reduce_scatter_rows", "gather_rows",
-           "gather_rows_to_root", "broadcast", "chosen_per_rank", "gather_var_rows", "chunk_rows", "subspace_rows"]
+           "gather_rows_to_root", "broadcast", "chosen_per_rank", "gather_var_rows", "chunk_rows", "chunks_of",
+           "padded_to_chunks"]
 
 
 def is_sharded(t: Any) -> bool:
@@ -76,10 +77,10 @@ def chunk_bounds(total: int, world: int, rank: int) -> tuple[int, int]:
     return start, min(start + c, total)
 
 
-def subspace_rows(rows: Rows, total: int) -> Rows:
-    """`total` rows (a left projection's r subspace rows, a right basis's n rows) split over the ranks of `rows` as
-    torch.chunk splits them, so that a checkpoint saves them as a DTensor laid out like the parameter: this
-    rank's share."""
+def chunks_of(rows: Rows, total: int) -> Rows:
+    """`total` rows of a tensor that is not the parameter (a left projection's r subspace rows, a right basis's n
+    rows, a factored moment's n column means) split over the ranks of `rows` as torch.chunk splits them, so that a
+    checkpoint saves them as a DTensor laid out like the parameter: this rank's share."""
     start, stop = chunk_bounds(total, rows.world, rows.rank)
     return Rows(total, start, stop, rows.group, rows.world, rows.rank, rows.mesh, rows.placements)
 
@@ -134,12 +135,16 @@ def reduce_scatter_rows(t: Tensor, rows: Rows) -> tuple[Any, Tensor]:
     """Start the sum over the group of t (rows.total, ...), each rank receiving its chunk's rows (rows.local of a
     (rows.chunk, ...) tensor, zero-padded rows after them): (the collective's work to wait on, that tensor). One
     ``reduce_scatter_tensor`` of t padded to rows.chunk rows a rank."""
-    c = rows.chunk
-    padded = t if t.shape[0] == c * rows.world else torch.cat(
-        [t, t.new_zeros((c * rows.world - t.shape[0],) + tuple(t.shape[1:]))])
-    out = t.new_empty((c,) + tuple(t.shape[1:]))
-    work = dist.reduce_scatter_tensor(out, padded.contiguous(), group=rows.group, async_op=True)
+    out = t.new_empty((rows.chunk,) + tuple(t.shape[1:]))
+    work = dist.reduce_scatter_tensor(out, padded_to_chunks(t, rows), group=rows.group, async_op=True)
     return work, out
+
+
+def padded_to_chunks(t: Tensor, rows: Rows) -> Tensor:
+    """t (rows.total, ...) with zero rows after it up to rows.chunk rows a rank (contiguous): what a reduce-scatter
+    into equal chunks takes."""
+    missing = rows.chunk * rows.world - t.shape[0]
+    return (torch.cat([t, t.new_zeros((missing,) + tuple(t.shape[1:]))]) if missing else t).contiguous()
 
 
 def gather_rows(local: Tensor, rows: Rows) -> Tensor:

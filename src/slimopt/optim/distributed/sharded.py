@@ -35,11 +35,11 @@ from slimopt.optim.distributed.shardcomm import (  # noqa: F401
     is_sharded,
     reduce_scatter_rows,
     rows_of,
-    subspace_rows,
+    chunks_of,
 )
 
 __all__ = ["Rows", "Space", "Target", "Streams", "is_sharded", "rows_of", "target_of", "check_agreement", "moment_codecs",
-           "RowShardedFactored", "local_selection", "space_of", "subspace_rows", "local_shape", "effective_rank"]
+           "RowShardedFactored", "local_selection", "space_of", "chunks_of", "local_shape", "effective_rank"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -181,7 +181,7 @@ def check_agreement(opt, rows: Rows) -> None:
 class RowShardedFactored(FactoredCodec):
     """Adafactor-style second moment (``FactoredCodec``) of a 2-D moment whose rows are spread over ranks: each rank
     keeps the means of its rows and of its chunk of the columns (split as torch.chunk splits them,
-    ``shardcomm.subspace_rows``), so that nothing of it is on every rank. Decoding needs every column mean: they are
+    ``shardcomm.chunks_of``), so that nothing of it is on every rank. Decoding needs every column mean: they are
     all-gathered (n values); the new column sums span every row: they are reduce-scattered, each rank receiving its
     chunk's sums. mean(col) equals the mean of v (and of the row means). Its window (``open``) serves the C kernel
     and the eager windows alike: each writes its rows' means and adds its column sums, and ``close`` sums them."""
@@ -191,7 +191,7 @@ class RowShardedFactored(FactoredCodec):
 
     def columns(self, n: int) -> Rows:
         """This rank's chunk of n columns."""
-        return subspace_rows(self.rows, n)
+        return chunks_of(self.rows, n)
 
     def whole_columns(self, key, state, n: int) -> Tensor:
         """Every column mean, gathered from the ranks' chunks."""
@@ -334,7 +334,7 @@ def effective_rank(projector: str, r: int, shape, state) -> int:
 def space_of(group: dict[str, Any], projector: str, side: str | None, shape: torch.Size, r: int, rows: Rows,
              state) -> Space:
     """Where a projected step's subspace tensor (its gradient, direction and moments) lives: a left projection's
-    (r, n) split by its rows over the ranks (``subspace_rows``), or on every rank where the group's rule needs the
+    (r, n) split by its rows over the ranks (``chunks_of``), or on every rank where the group's rule needs the
     whole matrix (Muon, TACO); a right one's (m, r) and ``columns``' (m, r) in the parameter's rows, the ``rows``
     projector's (r, n) in the chosen rows each rank holds."""
     m, n = shape
@@ -344,7 +344,7 @@ def space_of(group: dict[str, Any], projector: str, side: str | None, shape: tor
         if side != "left":
             return Space(torch.Size((m, r)), split)
         whole = split is None or group["rule"] not in ELEMENTWISE_RULES
-        return Space(torch.Size((r, n)), None if whole else subspace_rows(rows, r))
+        return Space(torch.Size((r, n)), None if whole else chunks_of(rows, r))
     if projector == "columns":
         return Space(torch.Size((m, r)), split)
     if split is None:

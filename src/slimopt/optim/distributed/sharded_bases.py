@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from slimopt.optim.algorithm import projectors as P
-from slimopt.optim.distributed.shardcomm import Rows, broadcast, gather_rows, gather_rows_to_root, subspace_rows
+from slimopt.optim.distributed.shardcomm import Rows, broadcast, gather_rows, gather_rows_to_root, chunks_of
 
 __all__ = ["svd_basis", "randomized_basis", "basis_rows", "rows_of_basis", "whole_of_basis", "decompose_checked"]
 
@@ -27,7 +27,7 @@ __all__ = ["svd_basis", "randomized_basis", "basis_rows", "rows_of_basis", "whol
 def basis_rows(side: str | None, shape, rows: Rows) -> Rows:
     """The rows of a basis this rank keeps, for a parameter of `shape` split as `rows`: a left basis's are the
     parameter's; a right basis's (n x r) are a torch.chunk split of n over the same ranks."""
-    return rows if side == "left" else subspace_rows(rows, shape[1])
+    return rows if side == "left" else chunks_of(rows, shape[1])
 
 
 def rows_of_basis(q: Tensor, side: str | None, rows: Rows) -> Tensor:
@@ -35,7 +35,7 @@ def rows_of_basis(q: Tensor, side: str | None, rows: Rows) -> Tensor:
     Always row-major: a basis loaded from a checkpoint is, and matmuls round differently on other memory
     layouts."""
     if side != "left":
-        rows = subspace_rows(rows, q.shape[0])
+        rows = chunks_of(rows, q.shape[0])
     return q[rows.start: rows.stop].contiguous()
 
 

@@ -159,7 +159,7 @@ def projected(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str 
     and runs steps 2 and 3 (``rest``) once the sum is there, now or later in the step, and stream
     (``sharded.Streams``) reads the weight's and the moments' streams from the shard's elements. `split`: the rows
     of ``low`` this rank steps, where a left projection's moments are split by rows over the ranks
-    (``sharded.subspace_rows``): the rule runs on them (it needs only their sum) and their direction is gathered
+    (``sharded.chunks_of``): the rule runs on them (it needs only their sum) and their direction is gathered
     from every rank for step 3.
 
     What it holds across windows is ``low`` and the direction (a subspace's size) and an fp32 copy of a bf16 basis;

@@ -13,10 +13,10 @@ from collections import defaultdict
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from slimopt.optim.algorithm.codecs import Bf16Codec, Fp32Codec
+from slimopt.optim.distributed.shardcomm import padded_to_chunks, reduce_scatter_rows
 from slimopt.optim.routes import abi
 from slimopt.optim.routes.cpu import native
 from slimopt.optim.routes.triton import triton_step, triton_taco
@@ -180,7 +180,7 @@ class Batch:
 
     def scatter(self, rows: Any, tensor: Tensor, finish: Callable[[Tensor], None], after_step: bool = False) -> None:
         """Queue a reduce-scatter of `tensor` (rows.total values, split over the ranks of `rows` in torch.chunk's
-        chunks: ``shardcomm.subspace_rows``), and `finish(result)` after it, the result this rank's chunk of the sum
+        chunks: ``shardcomm.chunks_of``), and `finish(result)` after it, the result this rank's chunk of the sum
         (rows.chunk values, its own rows.local first): the step's reduce-scatters of one group, dtype and device go
         as one (a row shard's factored column sums). after_step: as ``reduce``'s."""
         self._reduces.append((rows, tensor, "scatter", finish, after_step))
@@ -195,10 +195,9 @@ class Batch:
 
     def sum_rows_async(self, rows: Any, tensor: Tensor, then: Callable[[], None]) -> None:
         """Start the sum over the ranks of `rows`' group of only this rank's rows of `tensor` (``rows``: a chunked
-        split of its dim 0, ``sharded.subspace_rows``), written into them, and run `then()` once it is done, at the
+        split of its dim 0, ``sharded.chunks_of``), written into them, and run `then()` once it is done, at the
         end of the step: a reduce-scatter, half an all-reduce's traffic, where the rest of the step needs no other
         rows (a left projection whose moments are split by rows)."""
-        from slimopt.optim.distributed.shardcomm import reduce_scatter_rows
         work, mine = reduce_scatter_rows(tensor, rows)
 
         def write_then() -> None:
@@ -227,8 +226,8 @@ class Batch:
             rows = items[0][0]
             if op == "scatter":  # rank r's chunk of every tensor side by side, then rank r + 1's
                 chunks = [it[0].chunk for it in items]
-                flat = torch.cat([F.pad(t, (0, c * rows.world - t.numel())).view(rows.world, c)
-                                  for (_, t, _, _, _), c in zip(items, chunks)], dim=1).reshape(-1)
+                flat = torch.cat([padded_to_chunks(t, it_rows).view(rows.world, c)
+                                  for (it_rows, t, _, _, _), c in zip(items, chunks)], dim=1).reshape(-1)
                 out = flat.new_empty(sum(chunks))
                 work = dist.reduce_scatter_tensor(out, flat, group=rows.group, async_op=True)
                 entry = (work, out, [(torch.Size((c,)), finish) for (_, _, _, finish, _), c in zip(items, chunks)])
