@@ -85,7 +85,7 @@ static inline __m512 adamw_denom(__m512 v, __m512 b2s, __m512 y, __m512 eps, int
 /* Element e + j of a base-3 packed array, for e = 5 q + phase: digit d = (phase + j) % 5 of byte q + (phase + j) / 5,
  * which is floor(byte / 3^d) mod 3: floor(byte / 3^d) = (byte * TRIT_MAGIC) >> 16, TRIT_MAGIC = ceil(2^16 / 3^d)
  * (exact for every byte: the product's excess stays below 3^-d), and the mod by the same rule for d = 1.
- * Arithmetic, not a table: a gather costs some twenty cycles on AMD's Zen 4. */
+ * Arithmetic, not a table: a gather is slow on AMD's Zen 4 (docs/benchmarks.md, "On AMD Zen 4"). */
 static int32_t TRIT_BYTE[5][16], TRIT_MAGIC[5][16];
 
 static void init_trit_lanes(void) {
@@ -104,8 +104,8 @@ static inline __m512 trits16(__m512i b, __m512i magic) {
 
 #ifdef __AVX512VBMI__
 /* A 256-value map as four byte planes in sixteen registers: byte j of map[64 q + i] is byte i of plane[j][q]. A code's
- * value is then two two-register byte permutes per plane, 64 codes at a time: some eight times a gather's speed on
- * Zen 4, and no slower on Intel. */
+ * value is then two two-register byte permutes per plane, 64 codes at a time, in place of a gather (measured in
+ * docs/benchmarks.md). */
 typedef struct {
     __m512i plane[4][4];
 } map256_t;
