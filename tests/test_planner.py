@@ -408,8 +408,8 @@ def test_memory_cli_per_rank_state_under_fsdp(capsys):
         busiest, one = rank_state(meta_model(config, "bf16"), method, 64)
         ratio = busiest / (one / 64)
         assert f"| {method} | {fmt_gib(one)} | {fmt_gib(busiest, 3)} | {ratio:.2f} |" in out
-        # everything but TACO's per-column record is split: galore8bit holds its share, TACO more
-        assert (ratio < 1.01) if method == "galore8bit" else (ratio > 1.1)
+        # every state tensor is split, TACO's per-column record by its columns: each holds its share
+        assert ratio < 1.01
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -65,8 +65,10 @@ MIXED_A = {  # projectors, sides, on_refresh modes and codecs on AdamW
     r"layers\.1\.down_proj\.weight": dict(codec="ternary_sr_rms64"),
     r"layers\.1\.odd_out": dict(m_codec="ternary_ef_mean64"),
 }
-MIXED_B = {  # TACO: the bare direction, on a right and a left projection; Lion with int4 state
+MIXED_B = {  # TACO: the bare direction, a history of 3 (int8, fp32 scales), on a right and a left projection; Lion
+    # with int4 state
     r"layers\.0\.q_proj": dict(taco_k=0),
+    r"layers\.1\.q_proj": dict(taco_k=3, taco_format="int8", taco_scale_dtype="fp32"),
     r"layers\.0\.odd\.weight": dict(projector="svd", rank=8, proj_side="right", **GAP),
     r"layers\.1\.down_proj\.weight": dict(projector="randomized_svd", rank=8, proj_side="left",
                                          on_refresh="project", **GAP),

@@ -43,6 +43,7 @@ import common as C  # noqa: E402
 
 import slimopt  # noqa: E402
 from slimopt.bench.fsdp_comm import CollectiveCounter, expected_bytes  # noqa: E402
+from slimopt.optim.algorithm import taco  # noqa: E402
 from slimopt.optim.distributed import distcheckpoint  # noqa: E402
 from slimopt.optim.distributed import sharded as S  # noqa: E402
 
@@ -67,7 +68,7 @@ def fresh_sharded(mesh, perturb: bool = False):
 full_params = C.full_params
 
 
-REPLICATED = ("step", "moment_step", "proj_index", "taco_rows", "taco_values", "taco_absmax")
+REPLICATED = ("step", "moment_step", "proj_index")  # and "proj" or TACO's history where layout_of says so
 
 
 def _as_bytes(t: torch.Tensor):
@@ -84,8 +85,7 @@ def check_agreement(model, opt, world: int, what: str) -> int:
         group = owner[id(p)]
         keys = list(REPLICATED)
         from slimopt.optim.distributed import portable
-        if "proj" in st and portable.layout_of(opt, p, group, "proj") == "replicated":
-            keys.append("proj")
+        keys += [k for k in ("proj",) + taco.KEYS if k in st and portable.layout_of(opt, p, group, k) == "replicated"]
         mine[name] = {"keys": sorted(st), **{k: _as_bytes(st[k]) for k in keys if k in st}}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)

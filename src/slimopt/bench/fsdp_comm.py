@@ -145,6 +145,10 @@ def param_bytes(opt, p, group: dict[str, Any], world: int, step: int) -> tuple[i
                 per_step += 16 * cols  # the fast route's keys (float64): candidates and stored entries
             else:
                 per_step += 8 * cols if k == 0 else 4 * k * cols + 8 * min(k, rows) * cols
+            if k:  # every column's record all-gathered from the ranks' column chunks, packed in bytes
+                per_column = taco.state_nbytes((rows, cols), k, group["taco_format"], group["taco_scale_dtype"],
+                                               step=False) // cols
+                per_step += per_column * -(-cols // world) * world
         else:
             # a factored v's column means, kept in chunks of ceil(cols / W): all-gathered (fp32) to decode, and its
             # column sums reduce-scattered in fp64 (codecs.factored_means) into each rank's chunk

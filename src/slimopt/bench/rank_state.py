@@ -3,9 +3,10 @@
 Under FSDP2 slimopt splits every state tensor over the ranks by its dim 0, as torch.chunk splits it
 (docs/distributed.md, section 3): moments by the parameter's rows, a left projection's by the rows of its (r x n)
 subspace, bases by their rows (a left basis: the parameter's m, a right one: its n), a factored moment's column
-means by columns. What stays whole on every rank: the 0-D step counters, the coordinates of a ``rows`` or
-``columns`` projector, TACO's per-column record, and the (r x n) momentum of a rule that iterates the whole matrix
-(Muon) under a left projection. The first rank holds the largest chunk of every tensor, so it is the busiest.
+means and TACO's per-column record by columns. What stays whole on every rank: the 0-D step counters, the
+coordinates of a ``rows`` or ``columns`` projector, and the (r x n) state of a rule that needs the whole matrix
+(Muon's momentum, TACO's record) under a left projection. The first rank holds the largest chunk of every tensor,
+so it is the busiest.
 
     busiest, one = rank_state(model, "galore8bit", world=8)
 
@@ -52,13 +53,16 @@ def rank_state(model: nn.Module, method: str, world: int, step: int | None = Non
         one += ps.total
         layout = opt._layout(p, group)
         moments, proj = ps.moments - _COUNTER, ps.projections
+        # the tensor the rule runs on, split by its rows (None: whole on every rank, as Muon's left momentum);
+        # TACO's record by its columns
+        space, _, side, _ = split_space(opt, p, group, world)
+        if space is None:
+            space = (p.shape[0] if p.dim() else 1,) if layout in ("none", "block") else None
+        kept = moments if space is None else moments * _share(space[1] if taco.owns(group, space) else space[0],
+                                                              world)
         if layout in ("none", "block"):
-            kept = moments if taco.owns(group, p.shape) else moments * _share(p.shape[0] if p.dim() else 1, world)
             busiest += _COUNTER + kept + proj
             continue
-        # the tensor the rule runs on, split by its rows (None: whole on every rank, as Muon's left momentum)
-        space, _, side, _ = split_space(opt, p, group, world)
-        kept = moments if space is None or taco.owns(group, space) else moments * _share(space[0], world)
         if layout in P.ORTHO_PROJECTORS:
             proj *= _share(p.shape[0] if side == "left" else p.shape[1], world)  # a basis: by its rows
         busiest += _COUNTER + kept + proj  # a rows / columns projector's coordinates: on every rank

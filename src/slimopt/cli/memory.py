@@ -209,8 +209,8 @@ def _rank_lines(per_rank: dict[str, dict[str, int] | None], world: int) -> list[
         ratio = r["busiest"] / (r["one_process"] / world) if r["one_process"] else 1.0
         rows.append([m, fmt_gib(r["one_process"]), fmt_gib(r["busiest"], 3), f"{ratio:.2f}"])
     return [f"Optimizer state under FSDP2 on {world} ranks (GiB): one process's, the busiest rank's (every state "
-            f"tensor split over the ranks by its first dimension; step counters, coordinates and TACO's per-column "
-            f"record on every rank), and its ratio to one process's / {world}:", "",
+            f"tensor split over the ranks, by its rows or, for column statistics, its columns; step counters and "
+            f"coordinates on every rank), and its ratio to one process's / {world}:", "",
             markdown(["method", "one process", "busiest rank", f"x one / {world}"], rows)]
 
 

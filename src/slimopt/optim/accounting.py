@@ -28,8 +28,8 @@ def state_nbytes(opt: torch.optim.Optimizer, total: bool = False, group: Any = N
     """Exact bytes of every tensor in ``opt.state`` (codes, scales, padding, bases, step counters).
 
     Works for any torch optimizer whose state holds plain tensors or DTensors. Under FSDP2 (a process group is
-    initialised) it counts what this rank holds: its shards, and its copy of replicated state (bases, indices,
-    TACO's history, steps). ``total=True`` sums that over the ranks of ``group`` (default: all ranks) with one
+    initialised) it counts what this rank holds: its shards and chunks, and its copy of replicated state
+    (indices, steps). ``total=True`` sums that over the ranks of ``group`` (default: all ranks) with one
     all-reduce, so every rank must call it; replicated state then counts once per rank that holds it, which is
     the memory the whole job spends on it.
     """

@@ -125,10 +125,12 @@ def _empty_like_saved(optimizer, p, group, key: str, meta) -> torch.Tensor:
     if key == "step" or key == "moment_step":
         device = torch.device("cpu")
     layout = portable.layout_of(optimizer, p, group, key) if S.is_sharded(p) else "replicated"
-    if layout in ("rows", "chunks"):  # the parameter's rows, or rows split alike (a right basis, a left subspace)
-        rows = S.rows_of(p) if layout == "rows" else S.chunks_of(S.rows_of(p), size[0])
-        local = torch.empty((rows.local,) + size[1:], dtype=dtype, device=device)
-        return portable._param_rows_tensor(local, p, rows)
+    if layout in ("rows", "chunks", "columns"):  # the parameter's rows, or rows or columns split alike (a right
+        # basis, a left subspace, TACO's history)
+        dim = int(layout == "columns")
+        rows = S.rows_of(p) if layout == "rows" else S.chunks_of(S.rows_of(p), size[dim])
+        local = torch.empty(size[:dim] + (rows.local,) + size[dim + 1:], dtype=dtype, device=device)
+        return portable._param_rows_tensor(local, p, rows, dim)
     return torch.empty(size, dtype=dtype, device=device)
 
 

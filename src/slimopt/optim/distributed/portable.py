@@ -7,9 +7,11 @@ stores another form, in which every tensor is either
 - **row-sharded like its parameter**: dim 0 is the parameter's rows; saved as a DTensor with the parameter's mesh
   and placements (a plain tensor in one process), so DCP reshards it to any world size;
 - **chunked**: dim 0 split over the same ranks as torch.chunk splits it (``shardcomm.chunks_of``: a left
-  projection's subspace rows, a right basis's n rows, a factored moment's column means); saved the same way; or
-- **replicated**: the same on every rank (steps, ``proj_index``, TACO's history, Muon's subspace momentum under a
-  left projection), saved once.
+  projection's subspace rows, a right basis's n rows, a factored moment's column means, TACO's column scales);
+  saved the same way;
+- **column-chunked**: dim 1 split alike (TACO's (k, n) history: each rank keeps its columns); or
+- **replicated**: the same on every rank (steps, ``proj_index``, TACO's history of a left projection's subspace,
+  Muon's subspace momentum under a left projection), saved once.
 
 Details: docs/modules.md, ``slimopt.optim.distributed.portable``.
 """
@@ -73,9 +75,13 @@ def _side(p, group) -> str | None:
 def layout_of(opt, p: Tensor, group: dict[str, Any], key: str) -> str:
     """``"rows"`` (dim 0 is the parameter's rows: saved sharded like it), ``"chunks"`` (dim 0 is split over the
     parameter's ranks as torch.chunk splits it: a left projection's subspace rows, a right basis's rows; saved
-    sharded like it too, ``chunks_for``) or ``"replicated"`` for a portable key."""
-    if key in _REPLICATED_KEYS or key.startswith("taco_"):
+    sharded like it too, ``chunks_for``), ``"columns"`` (dim 1 split so) or ``"replicated"`` for a portable key."""
+    if key in _REPLICATED_KEYS:
         return "replicated"
+    if key.startswith("taco_"):  # each rank keeps its columns, but of a left projection's subspace, which is whole
+        if _side(p, group) == "left":
+            return "replicated"
+        return "chunks" if key == "taco_absmax" else "columns"
     if key.endswith("_col"):  # a factored moment's column means: in chunks of the columns (sharded.RowShardedFactored)
         return "chunks"
     if key == COMP_KEY:  # the weight's Kahan compensation: the weight's shape
@@ -93,8 +99,9 @@ def layout_of(opt, p: Tensor, group: dict[str, Any], key: str) -> str:
 
 def chunks_for(p: Tensor, rows: S.Rows, key: str, space: S.Space | None) -> S.Rows:
     """This rank's share of a ``"chunks"`` key (p's rows split as `rows`), whose dim 0 holds in all a right
-    basis's n, a factored moment's column count or a left projection's r."""
-    total = p.shape[1] if key == "proj" else space.shape[1] if key.endswith("_col") else space.shape[0]
+    basis's n, a factored moment's or TACO's column count or a left projection's r."""
+    columns = key.endswith("_col") or key.startswith("taco_")
+    total = p.shape[1] if key == "proj" else space.shape[1] if columns else space.shape[0]
     return S.chunks_of(rows, total)
 
 
@@ -116,27 +123,38 @@ def _space(opt, p, group, state_or_index: dict[str, Tensor], rows: S.Rows) -> tu
     return S.space_of(group, layout, side, p.shape, r, rows, state_or_index), None
 
 
-def _param_rows_tensor(local: Tensor, p: Tensor, rows: S.Rows) -> Tensor:
-    """A tensor whose dim 0 is p's local rows -> a DTensor laid out like p (or itself in one process)."""
+def _placements(rows: S.Rows, dim: int) -> tuple:
+    """p's placements with its row split moved to `dim`."""
+    if dim == 0:
+        return rows.placements
+    from torch.distributed.tensor import Shard
+    return tuple(Shard(dim) if isinstance(pl, Shard) else pl for pl in rows.placements)
+
+
+def _param_rows_tensor(local: Tensor, p: Tensor, rows: S.Rows, dim: int = 0) -> Tensor:
+    """A tensor whose dim `dim` is this rank's share (`rows`) of a split laid out like p's rows -> a DTensor with
+    p's mesh, split on `dim` (or itself in one process)."""
     if not S.is_sharded(p):
         return local
     from torch.distributed.tensor import DTensor
-    shape = (rows.total,) + tuple(local.shape[1:])
+    shape = tuple(local.shape[:dim]) + (rows.total,) + tuple(local.shape[dim + 1:])
     stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    return DTensor.from_local(local.contiguous(), rows.mesh, rows.placements, run_check=False, shape=shape,
+    return DTensor.from_local(local.contiguous(), rows.mesh, _placements(rows, dim), run_check=False, shape=shape,
                               stride=stride)
 
 
-def _local_rows(value: Tensor, p: Tensor, rows: S.Rows) -> Tensor:
-    """This rank's rows of a saved row-layout tensor (a DTensor laid out like p, any DTensor, or a full tensor)."""
+def _local_rows(value: Tensor, p: Tensor, rows: S.Rows, dim: int = 0) -> Tensor:
+    """This rank's share (`rows`) of dim `dim` of a saved tensor split like p's rows (a DTensor laid out so, any
+    DTensor, or a full tensor)."""
     if S.is_sharded(value):
-        if S.is_sharded(p) and value.device_mesh == p.device_mesh and tuple(value.placements) == rows.placements:
+        if (S.is_sharded(p) and value.device_mesh == p.device_mesh
+                and tuple(value.placements) == _placements(rows, dim)):
             return value.to_local()
         value = value.full_tensor()
-    if value.shape[0] != rows.total:
-        raise ValueError(f"a saved row-layout state tensor has {value.shape[0]} rows; the parameter has "
-                         f"{rows.total}")
-    return value[rows.start: rows.stop]
+    if value.dim() <= dim or value.shape[dim] != rows.total:
+        raise ValueError(f"a saved state tensor of shape {tuple(value.shape)} needs {rows.total} entries on dim "
+                         f"{dim} (the parameter's split there)")
+    return value.narrow(dim, rows.start, rows.local)
 
 
 def _replicated(value: Tensor) -> Tensor:
@@ -316,8 +334,8 @@ def export_param(opt, p: Tensor, group: dict[str, Any], state: dict[str, Tensor]
         if layout == "replicated":
             out[key] = t
             return
-        if layout == "chunks":
-            out[key] = _param_rows_tensor(t, p, chunks_for(p, rows, key, space))
+        if layout in ("chunks", "columns"):
+            out[key] = _param_rows_tensor(t, p, chunks_for(p, rows, key, space), int(layout == "columns"))
             return
         if sel is not None:  # a rows projector's moment: write its rows into a tensor of the parameter's rows
             full = t.new_zeros((rows.local,) + tuple(t.shape[1:]))
@@ -356,8 +374,11 @@ def import_param(opt, p: Tensor, group: dict[str, Any], saved: dict[str, Tensor]
         layout = layout_of(opt, p, group, key)
         if layout == "rows":
             state[key] = _local_rows(saved[key], p, rows).detach().to(device).clone()
-        elif layout == "chunks":  # a right basis
-            state[key] = _local_rows(saved[key], p, chunks_for(p, rows, key, None)).detach().to(device).clone()
+        elif layout in ("chunks", "columns"):  # a right basis; TACO's history, in chunks of its columns
+            dim = int(layout == "columns")
+            cols = S.chunks_of(rows, saved[key].shape[dim]) if key.startswith("taco_") else \
+                chunks_for(p, rows, key, None)
+            state[key] = _local_rows(saved[key], p, cols, dim).detach().to(device).clone()
         else:
             state[key] = _replicated(saved[key]).detach().to(device).clone()
     space, sel, codecs = _moment_plan(opt, p, group, state, rows)

@@ -5,11 +5,13 @@ TACO picks, per column, the entry of largest magnitude over all rows, and rows l
 - the bare direction (``taco_k=0``) is one max-loc all-reduce: every rank packs its best entry of each column
   into an int64 key whose order is (|value|, then the smaller row) and whose low bit keeps the sign, and a MAX
   all-reduce of the n keys is torch.argmax's choice over all rows (the first row on ties);
-- with a history of k components per column (``taco.update``), the history (k x n row indices and values, a few
-  bytes per column) is replicated; the stored entries' gradients are all-reduced (k x n, each has one owner and
-  the others add zeros, so the sum is exact) and the k best candidates of all ranks are merged by k max-loc
-  all-reduces (8 k n bytes, independent of the world size). Steps 4-6 of ``taco.update`` then run on identical
-  data on every rank, and each rank applies the direction to the rows it holds.
+- with a history of k components per column (``taco.update``), each rank keeps the history of its chunk of the
+  columns (split as torch.chunk splits them, ``shardcomm.chunks_of``) and the step gathers every column's
+  (``record``: one all-gather of k (row + value) + scale bytes a column, 5 at the defaults); the stored entries'
+  gradients are all-reduced (k x n, each has one owner and the others add zeros, so the sum is exact) and the k
+  best candidates of all ranks are merged by k max-loc all-reduces (8 k n bytes, independent of the world size).
+  Steps 4-6 of ``taco.update`` then run on identical data on every rank, each rank applies the direction to the
+  rows it holds and keeps its columns' new history (``keep_columns``).
 """
 
 from __future__ import annotations
@@ -21,12 +23,52 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slimopt.optim.algorithm import taco
-from slimopt.optim.distributed.shardcomm import Rows, all_reduce
+from slimopt.optim.distributed.shardcomm import Rows, all_reduce, chunks_of, gather_rows
 
-__all__ = ["pack_keys", "unpack_keys", "taco_direction", "merge_top_keys", "taco_update"]
+__all__ = ["pack_keys", "unpack_keys", "taco_direction", "merge_top_keys", "taco_update", "record", "keep_columns"]
 
 
 _ROW_BITS = 31  # rows < 2**31 (taco.row_dtype covers int32 rows)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the history: each rank keeps its chunk of the columns, the step sees them all
+
+
+def record(state, group, m: int, n: int, k: int, rows: Rows, device) -> dict[str, Tensor]:
+    """The stored components of every column of a (m, n) weight whose rows are split as `rows` (``taco.KEYS``,
+    (k, n), (k, n) and (n,)): the state itself where this rank keeps every column, else gathered from the ranks'
+    column chunks in one all-gather of their packed bytes. This rank's chunk is created where missing; the step
+    changes the gathered copy, and ``keep_columns`` writes this rank's columns of it back."""
+    cols = chunks_of(rows, n)
+    if "taco_rows" not in state or tuple(state["taco_rows"].shape) != (k, cols.local):
+        state.update(taco.init_state((m, cols.local), k, group["taco_format"], group["taco_scale_dtype"], device))
+    if not cols.distributed:
+        return state
+    mine = [state["taco_rows"], state["taco_values"], state["taco_absmax"].reshape(1, -1)]  # (k, c), (k, c), (1, c)
+    widths = [t.shape[0] * t.element_size() for t in mine]  # bytes a column of each
+    packed = torch.cat([t.T.contiguous().reshape(-1).view(torch.uint8).reshape(cols.local, w)
+                        for t, w in zip(mine, widths)], dim=1)  # (c, bytes a column)
+    every = gather_rows(packed, cols)  # (n, bytes a column)
+    whole, at = {}, 0
+    for key, t, w in zip(taco.KEYS, mine, widths):
+        part = every[:, at: at + w].contiguous().reshape(-1).view(t.dtype).reshape(n, t.shape[0]).T.contiguous()
+        whole[key] = part if key != "taco_absmax" else part.reshape(n)
+        at += w
+    return whole
+
+
+def keep_columns(state, whole: dict[str, Tensor], rows: Rows) -> None:
+    """Write this rank's chunk of the columns of a step's history (``record``) back into its state."""
+    if whole is state:
+        return
+    cols = chunks_of(rows, whole["taco_absmax"].shape[0])
+    for key in taco.KEYS:
+        state[key].copy_(whole[key][..., cols.start: cols.stop])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the columns' max-loc over ranks
 
 
 def pack_keys(absval: Tensor, rows_global: Tensor, negative: Tensor) -> Tensor:
@@ -97,7 +139,8 @@ def merge_top_keys(keys: Tensor, kc: int, rows: Rows) -> Tensor:
 
 
 def taco_update(state, g: Tensor, group, shape, rows: Rows) -> tuple[Tensor, float]:
-    """``taco.update`` for a row-sharded 2-D g (local rows of a (rows.total, n) tensor), with a replicated history.
+    """``taco.update`` for a row-sharded 2-D g (local rows of a (rows.total, n) tensor), each rank keeping the
+    history of its chunk of the columns (``record``).
 
     Steps 2-6 of taco.py, with the rows of other ranks brought in exactly: stored entries' gradients by an
     all-reduce of (k, n) values (each entry is owned by one rank, the others add zeros), candidates by merging
@@ -111,10 +154,9 @@ def taco_update(state, g: Tensor, group, shape, rows: Rows) -> tuple[Tensor, flo
     if k == 0:
         return taco_direction(g, rows), c
     m, n = rows.total, g.shape[1]
-    if "taco_rows" not in state or state["taco_rows"].shape != (k, n):
-        state.update(taco.init_state((m, n), k, group["taco_format"], group["taco_scale_dtype"], g.device))
+    whole = record(state, group, m, n, k, rows, g.device)
     beta = float(group["taco_decay"])
-    stored_rows, values = taco.decode(state)  # (k, n) global rows, fp32 values: replicated
+    stored_rows, values = taco.decode(whole)  # (k, n) global rows, fp32 values: the same on every rank
     live = values != 0
     mine = (stored_rows >= rows.start) & (stored_rows < rows.stop)
     rel = (stored_rows - rows.start).clamp(0, max(0, rows.local - 1))
@@ -147,8 +189,9 @@ def taco_update(state, g: Tensor, group, shape, rows: Rows) -> tuple[Tensor, flo
     # 5. the direction at the largest kept component, on the rank that holds its row
     d = _one_per_column(g, kept_rows[0], kept_values[0].sign(), torch.ones_like(kept_rows[0], dtype=torch.bool),
                         rows)
-    # 6. store (replicated)
-    taco._encode(state, kept_rows, kept_values)
+    # 6. store: every rank its columns
+    taco._encode(whole, kept_rows, kept_values)
+    keep_columns(state, whole, rows)
     return d, c
 
 
@@ -176,17 +219,15 @@ def _float_values(keys: Tensor) -> Tensor:
     return bits.to(torch.int32).view(torch.float32)
 
 
-def local_keys(state, g: Tensor, group, rows: Rows, search=None) -> Tensor:
+def local_keys(whole, g: Tensor, rows: Rows, search=None) -> Tensor:
     """What this rank sends for ``taco.sparse_update`` at taco_k 1 of its rows g (fp32 or bf16) of a
-    (rows.total, n) gradient, the history replicated: (2, n) keys as float64 (above) whose MAX over ranks
-    (``finish_k1``) is each column's best candidate (``pack_keys``; this rank searches its rows, the stored row of
-    each column hidden where it holds it: search is a kernel's one-candidate search, ``taco_routes.search_for``,
-    else row windows as tensor operations) and its stored entry's gradient (from the rank that holds it). 16 n
-    bytes a weight."""
-    m, n = rows.total, g.shape[1]
-    if "taco_rows" not in state or state["taco_rows"].shape != (1, n):
-        state.update(taco.init_state((m, n), 1, group["taco_format"], group["taco_scale_dtype"], g.device))
-    stored_rows, values = taco.decode(state)  # (1, n) global rows, fp32 values: replicated
+    (rows.total, n) gradient, from every column's history (``record``): (2, n) keys as float64 (above) whose MAX
+    over ranks (``finish_k1``) is each column's best candidate (``pack_keys``; this rank searches its rows, the
+    stored row of each column hidden where it holds it: search is a kernel's one-candidate search,
+    ``taco_routes.search_for``, else row windows as tensor operations) and its stored entry's gradient (from the
+    rank that holds it). 16 n bytes a weight."""
+    n = g.shape[1]
+    stored_rows, values = taco.decode(whole)  # (1, n) global rows, fp32 values: the same on every rank
     mine = (values != 0) & (stored_rows >= rows.start) & (stored_rows < rows.stop)
     keys = torch.zeros((2, n), dtype=torch.int64, device=g.device)
     if rows.local:
@@ -203,12 +244,13 @@ def local_keys(state, g: Tensor, group, rows: Rows, search=None) -> Tensor:
     return keys.view(torch.float64)
 
 
-def finish_k1(state, keys: Tensor, group, shape) -> tuple[Tensor, Tensor, float]:
+def finish_k1(whole, keys: Tensor, group, shape) -> tuple[Tensor, Tensor, float]:
     """Steps 2, 4-6 of ``taco.sparse_update`` at taco_k 1 from the keys MAX-reduced over ranks (``local_keys``),
-    on identical data on every rank: (kept rows (1, n), global row numbers; their signs (1, n); c)."""
+    on identical data on every rank, the new history stored into `whole` (``record``; ``keep_columns`` keeps this
+    rank's columns of it): (kept rows (1, n), global row numbers; their signs (1, n); c)."""
     c = float(group["taco_alpha"]) * taco.dimension_factor(shape, group["taco_norm"])
     beta = float(group["taco_decay"])
-    stored_rows, values = taco.decode(state)
+    stored_rows, values = taco.decode(whole)
     live = values != 0
     keys = keys.view(torch.int64)
     cand_value, cand_rows, valid = unpack_keys(torch.where(keys[:1] > 0, keys[:1], -1))
@@ -216,9 +258,9 @@ def finish_k1(state, keys: Tensor, group, shape) -> tuple[Tensor, Tensor, float]
     # 2. the stored component follows the EMA of its own entry (taco.sparse_update's arithmetic)
     values = torch.where(live, values.mul_(beta).add_(at_stored, alpha=1.0 - beta), 0.0)
     cand_values = cand_value.mul_(1.0 - beta).masked_fill_(~valid, 0.0)
-    # 4. keep the larger; 5. the direction; 6. store (replicated)
+    # 4. keep the larger; 5. the direction; 6. store
     kept_rows, kept_values = taco._keep_larger(stored_rows, values, cand_rows, cand_values)
-    taco._encode(state, kept_rows, kept_values)
+    taco._encode(whole, kept_rows, kept_values)
     return kept_rows, kept_values.sign(), c
 
 

@@ -213,7 +213,7 @@ def _taco_triton(opt, route, t, group, state, step, work) -> None:
 
 
 def _taco_sharded(opt, route, t, group, state, step, work) -> None:
-    route.plan = taco_routes.sharded_step(t.p, t.grad, state, group, t.shape, t.rows, opt._batch, route.plan)
+    taco_routes.sharded_step(t.p, t.grad, state, group, t.shape, t.rows, opt._batch)
 
 
 def _taco_sparse(opt, route, t, group, state, step, work) -> None:

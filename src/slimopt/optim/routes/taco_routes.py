@@ -120,35 +120,35 @@ def sparse_step(p: Tensor, grad: Tensor, state: MutableMapping[str, Tensor], gro
 
 
 def sharded_step(p: Tensor, grad: Tensor, state: MutableMapping[str, Tensor], group: Mapping[str, Any], shape,
-                 rows: Rows, batch: Any, kept: Any = None) -> Any:
+                 rows: Rows, batch: Any) -> None:
     """The sparse step at taco_k 1, nearest rounding, of this rank's rows p of a (rows.total, n) weight
-    (``sharded_taco``): the local search and the keys in one C call where the kernel takes the shard (else tensor
-    operations, the search in a kernel where one takes it); the keys queued in `batch` for one MAX all-reduce with
-    every other such weight's at the end of ``step()``, after which the kept component is stored and one entry a
-    column written where this rank holds its row. kept: what the last step returned, its kernel arguments,
-    reused while they hold; returns what the next step may reuse."""
+    (``sharded_taco``): every column's history gathered from the ranks' column chunks, the local search and the
+    keys in one C call where the kernel takes the shard (else tensor operations, the search in a kernel where one
+    takes it); the keys queued in `batch` for one MAX all-reduce with every other such weight's at the end of
+    ``step()``, after which the kept component is stored (this rank's columns of it kept) and one entry a column
+    written where this rank holds its row."""
     beta, lr, wd = float(group["taco_decay"]), float(group["lr"]), float(group["weight_decay"])
     c = _coef(group, shape)
-    shard = kept if isinstance(kept, native.TacoShard) and kept.valid(p, grad, state) else None
-    if shard is None and native.taco_declines(group, p, grad) is None and _one_component(p, state, group, shape):
-        shard = native.TacoShard(p, grad, state, rows.start)
-    if shard is not None:
+    whole = sharded_taco.record(state, group, shape[0], shape[1], 1, rows, p.device)
+    if native.taco_declines(group, p, grad) is None and all(whole[key].is_contiguous() for key in taco.KEYS):
+        shard = native.TacoShard(p, grad, whole, rows.start)
         keys = shard.keys(grad)
 
         def finish(reduced: Tensor) -> None:
             nan = shard.step(reduced, beta, lr, wd, c)
             if nan is not None:  # a NaN kept value: stored and applied as the tensor operations do
                 kept_rows, values = nan
-                taco._encode(state, kept_rows, values)
+                taco._encode(whole, kept_rows, values)
                 sharded_taco.apply_local(p, kept_rows, values.sign(), c, group, rows)
+            sharded_taco.keep_columns(state, whole, rows)
 
         batch.reduce(rows, keys, "max", finish)
-        return shard
-    keys = sharded_taco.local_keys(state, grad, group, rows, search_for(group, grad))
+        return
+    keys = sharded_taco.local_keys(whole, grad, rows, search_for(group, grad))
 
     def finish_ops(reduced: Tensor) -> None:
-        kept_rows, signs, coef = sharded_taco.finish_k1(state, reduced, group, shape)
+        kept_rows, signs, coef = sharded_taco.finish_k1(whole, reduced, group, shape)
         sharded_taco.apply_local(p, kept_rows, signs, coef, group, rows)
+        sharded_taco.keep_columns(state, whole, rows)
 
     batch.reduce(rows, keys, "max", finish_ops)
-    return None

@@ -645,24 +645,15 @@ def taco_one(p: Tensor, grad: Tensor, state: dict[str, Tensor], beta: float, lr:
 
 class TacoShard:
     """A row shard's TACO step at taco_k 1 in the kernel (``sharded_taco.local_keys``, then ``finish_k1`` and
-    ``apply_local`` from the keys MAX-reduced over the ranks), its arguments prepared once: p and its gradient hold
-    rows [row0, row0 + m) of the weight (m may be 0), the stored component's rows are global. ``valid`` says
-    whether the arguments still point at p's and its component's tensors."""
+    ``apply_local`` from the keys MAX-reduced over the ranks), its arguments prepared for one step: p and its
+    gradient hold rows [row0, row0 + m) of the weight (m may be 0); `whole` is every column's stored component
+    (``sharded_taco.record``), its rows global."""
 
-    def __init__(self, p: Tensor, grad: Tensor, state: dict[str, Tensor], row0: int) -> None:
-        self.t, self.out, self.work = _taco(p, grad, state, 0.0, 0.0, 0.0, 0.0)
+    def __init__(self, p: Tensor, grad: Tensor, whole: dict[str, Tensor], row0: int) -> None:
+        self.t, self.out, self.work = _taco(p, grad, whole, 0.0, 0.0, 0.0, 0.0)
         self.keys_out = torch.empty((2, p.shape[1]), dtype=torch.int64)
         self.t.row0, self.t.shard_keys = row0, self.keys_out.data_ptr()
-        self.refs = [(p, p.data_ptr())] + [(state[k], state[k].data_ptr()) for k in ("taco_rows", "taco_values",
-                                                                                    "taco_absmax")]
-        self.grad_dtype = grad.dtype
         self.shape = p.shape
-
-    def valid(self, p: Tensor, grad: Tensor, state: dict[str, Tensor]) -> bool:
-        if grad.dtype != self.grad_dtype or grad.shape != self.shape or not grad.is_contiguous():
-            return False
-        tensors = [p] + [state.get(k) for k in ("taco_rows", "taco_values", "taco_absmax")]
-        return all(x is t and x.data_ptr() == ptr for x, (t, ptr) in zip(tensors, self.refs))
 
     def keys(self, grad: Tensor) -> Tensor:
         """The (2, n) keys this shard sends, as float64 (``sharded_taco.local_keys``'; a buffer the next call
