@@ -66,7 +66,9 @@ def run_torchrun(nproc: int | None, *args: str, timeout: int = 900) -> str:
     if nproc is not None:
         head += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
                  "--master_port", str(free_port())]
-    res = run_python(*head, *args, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # a rank that dies of a signal prints its Python stack (faulthandler), not only its exit code
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    res = run_python(*head, *args, timeout=timeout, env=env)
     text = res.stdout + res.stderr
     if res.returncode != 0:
         errors = [line for line in text.splitlines() if "Error" in line or "assert" in line.lower()]
