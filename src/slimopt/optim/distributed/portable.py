@@ -6,10 +6,8 @@ stores another form, in which every tensor is either
 
 - **row-sharded like its parameter**: dim 0 is the parameter's rows; saved as a DTensor with the parameter's mesh
   and placements (a plain tensor in one process), so DCP reshards it to any world size;
-- **chunked**: dim 0 split over the same ranks as torch.chunk splits it (``shardcomm.chunks_of``: a left
-  projection's subspace rows, a right basis's n rows, a factored moment's column means, TACO's column scales);
-  saved the same way;
-- **column-chunked**: dim 1 split alike (TACO's (k, n) history: each rank keeps its columns); or
+- **chunked**: dim 0 (or dim 1: TACO's (k, n) history) split over the same ranks as torch.chunk splits it
+  (``shardcomm.chunks_of``: a left projection's subspace rows, a right basis's n rows, column statistics); or
 - **replicated**: the same on every rank (steps, ``proj_index``, TACO's history of a left projection's subspace,
   Muon's subspace momentum under a left projection), saved once.
 
