@@ -10,6 +10,7 @@ from helpers import batches, tiny_llama
 
 from slimopt.optim.optimizer import SlimOptimizer
 from slimopt.optim.recipes import param_groups
+from slimopt.train.vocab_chunked_loss import causal_lm_loss
 from slimopt.weights.convert import to_int8
 from slimopt.weights.int8_linear import Int8Linear
 from slimopt.weights.masters import MasterWeights
@@ -24,7 +25,15 @@ METHODS = {
 }
 
 
-def _reference(method, settings, data, accumulation=1):
+def _hf_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _sliced_loss(model, ids):  # the output layer's gradient 24 of its 64 rows at a time
+    return causal_lm_loss(model, ids, slice_rows=24)
+
+
+def _reference(method, settings, data, accumulation=1, loss_fn=_hf_loss):
     """int8 weights and fp32 masters, one optimizer.step() after each window's backward passes, then requantize."""
     model = tiny_llama(seed=0)
     groups = param_groups(model, method, **settings)
@@ -44,7 +53,7 @@ def _reference(method, settings, data, accumulation=1):
     layers = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, Int8Linear)}
     losses = []
     for k, ids in enumerate(data):
-        loss = model(input_ids=ids, labels=ids).loss / accumulation
+        loss = loss_fn(model, ids) / accumulation
         loss.backward()
         losses.append(loss.item())
         for name, p in device.items():
@@ -61,13 +70,14 @@ def _reference(method, settings, data, accumulation=1):
     return model, masters, losses
 
 
-def _offloaded(method, settings, data, accumulation=1, overlap=False, record=False, master="fp32"):
+def _offloaded(method, settings, data, accumulation=1, overlap=False, record=False, master="fp32",
+               loss_fn=_hf_loss):
     model = tiny_llama(seed=0)
     host = MasterWeights(model, method, accumulation_steps=accumulation, overlap=overlap, record=record,
                          master=master, **settings)
     losses = []
     for ids in data:
-        loss = model(input_ids=ids, labels=ids).loss / accumulation
+        loss = loss_fn(model, ids) / accumulation
         loss.backward()
         losses.append(loss.item())
     host.synchronize()
@@ -122,6 +132,23 @@ def test_the_worker_thread_makes_the_inline_updates(int8):
         assert la == lb
         assert all(torch.equal(ma[n], mb[n]) for n in ma)
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("accumulation,overlap", [(1, False), (2, False), (1, True)])
+def test_the_output_layers_gradient_leaves_a_slice_at_a_time(accumulation, overlap):
+    """Under the vocabulary-sliced loss the output layer's gradient reaches its master a slice of rows at a time
+    (weights/row_grads.py) and is never whole on the device; the run equals the step after backward bit for bit,
+    with gradient accumulation and on the worker thread."""
+    data = batches(4, seed=10)
+    _, ref_masters, ref_losses = _reference("adamw8bit", {}, data, accumulation, loss_fn=_sliced_loss)
+    model, host, losses = _offloaded("adamw8bit", {}, data, accumulation, overlap=overlap, record=True,
+                                     loss_fn=_sliced_loss)
+    assert losses == ref_losses and host.steps == 4 // accumulation
+    assert all(torch.equal(m, ref_masters[n]) for n, m in host.masters.items())
+    head = [what for _, what, name in host.events if name == "lm_head.weight"]
+    assert head.count("grad rows") == 3 * 4 and "grad" not in head  # 64 rows: 24, 24, 16 in each of 4 passes
+    assert model.lm_head.weight.grad is None
+    host.close()
 
 
 def test_steps_start_while_the_backward_pass_runs():

@@ -7,6 +7,7 @@ from helpers import batches, tiny_llama
 
 from slimopt.train.evaluate import lm_loss
 from slimopt.train.vocab_chunked_loss import IGNORE, causal_lm_loss, linear_cross_entropy
+from slimopt.weights.row_grads import RowRoute, route_rows
 
 
 @pytest.mark.parametrize("slice_rows", [1, 7, 64, 1000])
@@ -41,6 +42,37 @@ def test_a_llama_scores_and_trains_as_with_lm_loss():
     ref.backward()
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_route_receives_the_whole_gradient_a_slice_at_a_time(dtype):
+    """With a row route (weights/row_grads.py) the weight's gradient is not returned: each slice's rows reach the
+    route, together bit for bit the gradient returned without one; ready() runs before the forward pass reads
+    the weight, done() once after the last slice."""
+    torch.manual_seed(1)
+    hidden = torch.randn(3, 5, 16, dtype=dtype, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=dtype, requires_grad=True)
+    target = torch.randint(0, 50, (3, 5))
+    linear_cross_entropy(hidden, weight, target, slice_rows=16).backward()
+    whole, whole_hidden = weight.grad.clone(), hidden.grad.clone()
+    weight.grad = hidden.grad = None
+    calls, got = [], torch.full_like(weight, float("nan"))
+
+    def rows(start, grad):
+        calls.append(("rows", start, grad.shape[0]))
+        got[start: start + grad.shape[0]] = grad
+
+    handle = route_rows(weight, RowRoute(ready=lambda: calls.append(("ready",)), rows=rows,
+                                         done=lambda: calls.append(("done",))))
+    loss = linear_cross_entropy(hidden, weight, target, slice_rows=16)
+    assert calls == [("ready",)]
+    loss.backward()
+    assert calls[1:] == [("rows", 0, 16), ("rows", 16, 16), ("rows", 32, 16), ("rows", 48, 2), ("done",)]
+    assert weight.grad is None and torch.equal(got, whole) and torch.equal(hidden.grad, whole_hidden)
+    handle.remove()
+    weight.grad = None
+    linear_cross_entropy(hidden, weight, target, slice_rows=16).backward()
+    assert torch.equal(weight.grad, whole) and len(calls) == 6  # the route is off: returned whole again
 
 
 def test_bad_input_is_named():

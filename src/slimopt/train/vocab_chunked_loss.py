@@ -6,6 +6,8 @@ layers need. Here the forward pass computes each slice's logits, folds them into
 them; the backward pass recomputes each slice, forms its softmax gradient from the saved log-sum-exp and takes the
 output weight's gradient for those rows in one product (as precise as the usual one) and its part of the hidden
 states' gradient, summed in fp32 (tokens x hidden: small). The peak holds one slice: tokens x slice x 8 bytes.
+Where the output weight's master lives elsewhere (``MasterWeights``: a row route, ``weights/row_grads.py``), each
+slice's rows of its gradient are handed over as they are made instead of filling a (V, h) gradient.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from slimopt.weights.row_grads import route_of
 
 __all__ = ["IGNORE", "linear_cross_entropy", "causal_lm_loss"]
 
@@ -25,6 +29,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, target: Tensor, slice_rows: int) -> Tensor:
         # hidden: (N, h) compute dtype; weight: (V, h); target: (N,) int64
+        route = route_of(weight)
+        if route is not None:
+            route.ready()  # an update of the weight still in flight lands first
         n, vocab = hidden.shape[0], weight.shape[0]
         running_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=hidden.device)
         running_sum = torch.zeros(n, dtype=torch.float32, device=hidden.device)
@@ -51,7 +58,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         valid = target != IGNORE
         per_token = (grad_loss.float() / count) * valid  # (N,) the loss's weight on each target
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        route = route_of(weight) if ctx.needs_input_grad[1] else None
+        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] and route is None else None
         for start in range(0, weight.shape[0], ctx.slice_rows):
             stop = min(start + ctx.slice_rows, weight.shape[0])
             logits = (hidden @ weight[start:stop].t()).float()
@@ -60,8 +68,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_logits.scatter_add_(1, column, -inside.to(torch.float32)[:, None])  # -1 at the target, -0.0 elsewhere
             grad_logits = (grad_logits * per_token[:, None]).to(hidden.dtype)
             grad_hidden += (grad_logits @ weight[start:stop]).float()
-            if grad_weight is not None:
+            if route is not None:  # this slice's rows leave now; the device never holds the whole gradient
+                route.rows(start, grad_logits.t() @ hidden)
+            elif grad_weight is not None:
                 grad_weight[start:stop] = grad_logits.t() @ hidden
+        if route is not None:
+            route.done()
         return grad_hidden.to(hidden.dtype), grad_weight, None, None
 
 

@@ -8,8 +8,9 @@ gradient leaves the device as soon as the backward pass has completed it (the In
 parameter's post-accumulate-grad hook), its host step runs at once (in the backward pass's thread, or with
 ``overlap`` on a worker thread while the backward pass goes on), and the new value is written back (requantized for
 an int8 layer, cast for the rest) before the next forward pass reaches that module, which waits only for its own
-updates. The plan of the bytes: ``slimopt memory --weights int8 --offload host``; how it works: docs/modules.md,
-slimopt.weights.
+updates. The output layer's gradient, where the vocabulary-sliced loss makes it, leaves a slice of rows at a time
+(``row_grads.py``). The plan of the bytes: ``slimopt memory --weights int8 --offload host``; how it works:
+docs/modules.md, slimopt.weights.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from slimopt.optim.optimizer import SlimOptimizer
 from slimopt.optim.recipes import param_groups
 from slimopt.weights.convert import int8_weights, to_int8
 from slimopt.weights.int8_linear import Int8Linear
+from slimopt.weights.row_grads import RowRoute, route_rows
 
 __all__ = ["CLIP_MODES", "MASTERS", "MasterWeights"]
 
@@ -100,6 +102,7 @@ class MasterWeights:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimopt-host-step") if self.overlap else None
         self._task = -1
         self._layers: dict[str, Int8Linear] = {}
+        self._filling: set[str] = set()  # masters whose .grad a row route is writing for the first time this window
         self._hooks = []
         self._attach(model)
 
@@ -155,6 +158,22 @@ class MasterWeights:
             if waits:
                 self._hooks.append(module.register_forward_pre_hook(lambda m, args, waits=tuple(waits):
                                                                     self._wait(waits)))
+        self._route_output_rows(model)
+
+    def _route_output_rows(self, model: nn.Module) -> None:
+        """The output layer's gradient to its host master a slice of rows at a time, where a loss computes it so
+        (the vocabulary-sliced loss): one slice on the device instead of (V, h). Not for a weight tied to the
+        input embedding, whose gradient has a second part."""
+        get_out, get_in = getattr(model, "get_output_embeddings", None), getattr(model, "get_input_embeddings", None)
+        head = get_out() if callable(get_out) else None
+        weight = getattr(head, "weight", None)
+        embedding = get_in() if callable(get_in) else None
+        name = self._name_of.get(id(weight))
+        if name is None or weight is getattr(embedding, "weight", None):
+            return
+        self._hooks.append(route_rows(weight, RowRoute(ready=lambda: self._wait((name,)),
+                                                       rows=lambda start, grad: self._arrive_rows(name, start, grad),
+                                                       done=lambda: self._rows_done(name))))
 
     def _log(self, what: str, name: str) -> None:
         if self.record:
@@ -173,6 +192,23 @@ class MasterWeights:
         else:
             master.grad.add_(host)
         self._log("grad", name)
+
+    def _arrive_rows(self, name: str, start: int, grad: Tensor) -> None:
+        """Rows [start, start + len(grad)) of a gradient leave the device (a row route): written into the master's
+        .grad (added from the window's second backward pass on)."""
+        self._wait((name,))
+        master = self.masters[name]
+        if master.grad is None:
+            master.grad = torch.empty_like(master)
+            self._filling.add(name)
+        rows = master.grad[start: start + grad.shape[0]]
+        host = grad.detach().to(device=master.device, dtype=master.dtype)
+        rows.copy_(host) if name in self._filling else rows.add_(host)
+        self._log("grad rows", name)
+
+    def _rows_done(self, name: str) -> None:
+        self._filling.discard(name)
+        self._complete(name)
 
     def _arrive_whole(self, name: str, p: Tensor) -> None:
         """A parameter's gradient for this backward pass, complete at once (its post-accumulate-grad hook)."""
