@@ -414,6 +414,9 @@ CASES = [
          "--checkpointing --batch 1 --seq 2048", check=check_memory),
     Case("memory-int8-host", "slimopt memory --model 7b --method galore8bit,frugal_head --weights int8 --offload host "
          "--master bf16+int8 --checkpointing --batch 1 --seq 2048 --gpu-memory 8GiB", check=check_memory),
+    Case("memory-int8-host-sliced", "slimopt memory --model 8b --method galore8bit,frugal_head --weights int8 "
+         "--offload host --master bf16+int8 --checkpointing --batch 1 --seq 2048 --vocab-slice 8192 "
+         "--gpu-memory 10GiB", check=check_memory),
     Case("memory-bf16-host", "slimopt memory --model 7b --method torch-adamw-fused --offload host --master bf16 "
          "--checkpointing --batch 1 --seq 2048", check=check_memory),
     Case("memory-int8-device", "slimopt memory --model 7b --method galore8bit --weights int8 --layerwise "

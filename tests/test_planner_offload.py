@@ -74,6 +74,21 @@ def test_llama3_8b_int8_host_master_misses_10_gib_at_2048_tokens(method):
     assert short.peak <= 10.0 * GIB
 
 
+@pytest.mark.parametrize("method", ["galore8bit", "frugal_head"])
+@pytest.mark.parametrize("master", ["fp32", "bf16+int8"])
+def test_llama3_8b_int8_host_master_fits_10_gib_with_the_sliced_loss(method, master):
+    """With the loss a vocabulary slice at a time, the output layer's gradient leaves a slice of rows at a time
+    (weights/row_grads.py) and the input embedding's comes last, when the layers' activations are gone: the peak is
+    a layer's backward pass with two MLP gradients in flight, under 10 GiB."""
+    p = planner.plan("8b", method, master=master, vocab_slice=8192, **TARGET)
+    h, i, v = 4096, 14336, 128256
+    assert p.peak <= 10.0 * GIB, p.peak_parts
+    assert p.peak_parts["gradients"] == 2 * i * h * 2  # an MLP weight's and the next, bf16
+    assert p.grads == v * h * 2 + h * h * 2  # the embedding's, after the first layer's q_proj (not at the peak)
+    whole = planner.plan("8b", method, master=master, **TARGET)
+    assert whole.peak > 11.9 * GIB  # the whole logits' loss
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # bytes against real tensors and formulas
 

@@ -232,6 +232,17 @@ def int8_nbytes(shape: tuple[int, ...], group: int = 0) -> tuple[int, int]:
     return rows * cols, rows * int8_weight.group_count(cols, group) * INT8_SCALE_BYTES
 
 
+def _embedding_weights(model: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the output layer's weight, the input embedding's weight), None where the model has none."""
+    out = []
+    for getter in ("get_output_embeddings", "get_input_embeddings"):
+        get = getattr(model, getter, None)
+        module = get() if callable(get) else None
+        weight = getattr(module, "weight", None)
+        out.append(weight if isinstance(weight, torch.Tensor) else None)
+    return out[0], out[1]
+
+
 def _has_lm_head(model: nn.Module) -> bool:
     get = getattr(model, "get_output_embeddings", None)
     return callable(get) and get() is not None
@@ -679,15 +690,29 @@ def _assemble(prep: Prepared, batch: int, seq: int, layerwise: bool, checkpointi
     host_parts: dict[str, int] = {}
     pcie_parts: dict[str, int] = {}
     if host:
-        # the backward pass writes gradients output side first; each leaves for the host as it is complete
+        # the backward pass writes gradients output side first; each leaves for the host as it is complete, the
+        # output layer's a vocabulary slice at a time where the loss takes it so (weights/row_grads.py)
         k = prep.grads_in_flight
-        order = grad_sizes[::-1]
+        head, embedding = _embedding_weights(net)
+        sliced = prep.vocab_slice and head is not None and head is not embedding and id(head) not in int8
+
+        def in_flight(p: torch.Tensor) -> int:
+            rows = min(prep.vocab_slice, p.shape[0]) if sliced and p is head else (p.shape[0] if p.dim() else 1)
+            return rows * (p.numel() // max(1, p.shape[0] if p.dim() else 1)) * p.element_size()
+
+        # the input embedding's gradient comes last, once the layers' activations are gone (a phase of its own)
+        last = embedding if embedding is not None and embedding is not head and embedding.requires_grad else None
+        order = [in_flight(p) for p in trainable if p is not last][::-1]
         grads = max((sum(order[i:i + k]) for i in range(max(1, len(order) - k + 1))), default=0)
         held = {"weights": weights, "optimizer state": 0, "projections": 0}
         phases = [
             {"gradients": 0, "activations": act.saved, "temporaries": act.loss_grad},  # start of the backward pass
             {"gradients": grads, "activations": a_after_loss + act.recompute, "temporaries": dequant},  # a layer's
         ]
+        if last is not None:  # the embedding's gradient with the k - 1 before it still leaving
+            end = in_flight(last) + sum(order[len(order) - (k - 1):]) if k > 1 else in_flight(last)
+            phases.append({"gradients": end, "activations": 0, "temporaries": 0})
+            grads = max(grads, end)
         trained_numel = sum(p.numel() for p in trainable)
         back = sum(on_device(p) for p in trainable)
         # the device's weights are written from a pinned copy in their format, unless the master is that copy
