@@ -13,7 +13,7 @@ from slimopt.optim.recipes import param_groups
 from slimopt.train.vocab_chunked_loss import causal_lm_loss
 from slimopt.weights.convert import to_int8
 from slimopt.weights.int8_linear import Int8Linear
-from slimopt.weights.masters import MasterWeights
+from slimopt.weights.masters import MasterWeights, joined_master, split_master
 
 METHODS = {
     "adamw": {},
@@ -33,8 +33,9 @@ def _sliced_loss(model, ids):  # the output layer's gradient 24 of its 64 rows a
     return causal_lm_loss(model, ids, slice_rows=24)
 
 
-def _reference(method, settings, data, accumulation=1, loss_fn=_hf_loss):
-    """int8 weights and fp32 masters, one optimizer.step() after each window's backward passes, then requantize."""
+def _reference(method, settings, data, accumulation=1, loss_fn=_hf_loss, through=None):
+    """int8 weights and fp32 masters, one optimizer.step() after each window's backward passes, then requantize.
+    through: what each master's value becomes at the start and after each step (a master form's rounding)."""
     model = tiny_llama(seed=0)
     groups = param_groups(model, method, **settings)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -51,6 +52,16 @@ def _reference(method, settings, data, accumulation=1, loss_fn=_hf_loss):
         group["params"] = ps
     opt = SlimOptimizer(groups)
     layers = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, Int8Linear)}
+
+    def store():
+        with torch.no_grad():
+            for name, master in masters.items():
+                if through is not None:
+                    master.copy_(through(master))
+                layers[name].load_weight(master) if name in layers else device[name].copy_(master)
+
+    if through is not None:
+        store()
     losses = []
     for k, ids in enumerate(data):
         loss = loss_fn(model, ids) / accumulation
@@ -64,9 +75,7 @@ def _reference(method, settings, data, accumulation=1, loss_fn=_hf_loss):
             continue
         opt.step()
         opt.zero_grad()
-        with torch.no_grad():
-            for name, master in masters.items():
-                layers[name].load_weight(master) if name in layers else device[name].copy_(master)
+        store()
     return model, masters, losses
 
 
@@ -151,6 +160,47 @@ def test_the_output_layers_gradient_leaves_a_slice_at_a_time(accumulation, overl
     host.close()
 
 
+def test_a_split_master_keeps_an_fp32_weight_to_one_residual_step():
+    """bf16+int8: the bf16 rounding of the weight and the residual in int8 steps of 2^-8 of its ulp; the joined
+    value is high + residual * step exactly, within one step of the weight, and splits again into the same parts."""
+    torch.manual_seed(0)
+    x = (torch.randn(200, 3000) * torch.logspace(-35, 30, 3000)).float()
+    x[0, :4] = torch.tensor([0.0, -0.0, 1e-42, 3.0e38])
+    high, residual = split_master(x)
+    joined = joined_master(high, residual)
+    assert high.dtype == torch.bfloat16 and residual.dtype == torch.int8 and joined.dtype == torch.float32
+    assert torch.equal(high, x.to(torch.bfloat16)) and int(residual.min()) >= -127
+    wide = high.double()
+    step = torch.where(wide != 0, 2.0 ** (torch.floor(torch.log2(wide.abs())) - 15), 2.0 ** -16)
+    exact = torch.where(step >= 2.0 ** -149, wide + residual.double() * step, wide)  # fp32 holds the step
+    assert torch.equal(joined.double(), exact)
+    normal = x.abs() >= 2.0 ** -111  # below, the step underflows fp32 and the value keeps bf16's precision
+    assert bool(((joined.double() - x.double()).abs() <= step)[normal].all())
+    assert bool(((joined.double() - x.double()).abs() <= (high.double() - x.double()).abs()).all())
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(split_master(joined), (high, residual)))
+    big = split_master(torch.full((3,), float("inf")))
+    assert torch.isinf(joined_master(*big)).all() and not big[1].any()
+
+
+@pytest.mark.parametrize("method", ["adamw8bit", "galore"])
+def test_a_bf16_int8_master_steps_as_fp32_and_keeps_three_bytes(method):
+    """master="bf16+int8" equals fp32 masters whose values go through the split after each step, bit for bit
+    (losses, masters, int8 codes and device weights); between steps a master holds its two parts only."""
+    data = batches(4, seed=11)
+    ref_model, ref_masters, ref_losses = _reference(method, METHODS[method], data,
+                                                    through=lambda m: joined_master(*split_master(m)))
+    model, host, losses = _offloaded(method, METHODS[method], data, master="bf16+int8")
+    assert losses == ref_losses and host.steps == 4
+    assert all(torch.equal(host.value(n), ref_masters[n]) for n in host.masters)
+    for (name, a), (_, b) in zip(model.state_dict().items(), ref_model.state_dict().items()):
+        assert torch.equal(a, b), name
+    held = sum(h.nbytes + r.nbytes for h, r in host._parts.values())
+    assert held == 3 * sum(m.numel() for m in host.masters.values())
+    assert all(m.untyped_storage().nbytes() == 4 for m in host.masters.values())  # a stand-in between steps
+    host.close()
+
+
 def test_steps_start_while_the_backward_pass_runs():
     """The last layer's weights step before the first layer's gradients exist (inline: deterministically)."""
     _, host, _ = _offloaded("adamw", {}, batches(2, seed=7), overlap=False, record=True)
@@ -217,10 +267,11 @@ def test_clipping_modes(mode):
     host.close()
 
 
-def test_resume_continues_identically(tmp_path):
+@pytest.mark.parametrize("master", ["fp32", "bf16+int8"])
+def test_resume_continues_identically(master, tmp_path):
     data = batches(4, seed=9)
     model = tiny_llama(seed=0)
-    host = MasterWeights(model, "adamw8bit", clip=1.0)
+    host = MasterWeights(model, "adamw8bit", clip=1.0, master=master)
     for ids in data[:2]:
         model(input_ids=ids, labels=ids).loss.backward()
     torch.save(host.state_dict(), tmp_path / "host.pt")
@@ -229,17 +280,20 @@ def test_resume_continues_identically(tmp_path):
     host.synchronize()
 
     fresh = tiny_llama(seed=1)  # other weights: the checkpoint's masters must overwrite them
-    resumed = MasterWeights(fresh, "adamw8bit", clip=1.0)
+    resumed = MasterWeights(fresh, "adamw8bit", clip=1.0, master=master)
     resumed.load_state_dict(torch.load(tmp_path / "host.pt", weights_only=True))
     for ids in data[2:]:
         fresh(input_ids=ids, labels=ids).loss.backward()
     resumed.synchronize()
     assert resumed.steps == host.steps == 4
-    assert all(torch.equal(m, host.masters[n]) for n, m in resumed.masters.items())
+    assert all(torch.equal(resumed.value(n), host.value(n)) for n in resumed.masters)
     for (name, a), (_, b) in zip(fresh.state_dict().items(), model.state_dict().items()):
         assert torch.equal(a, b), name
     with pytest.raises(ValueError, match="masters do not match"):
         MasterWeights(tiny_llama(seed=0, layers=1), "adamw8bit").load_state_dict(host.state_dict())
+    other = "fp32" if master == "bf16+int8" else "bf16+int8"
+    with pytest.raises(ValueError, match="resume with the --master it was saved with"):
+        MasterWeights(tiny_llama(seed=0), "adamw8bit", master=other).load_state_dict(host.state_dict())
     host.close()
     resumed.close()
 

@@ -29,6 +29,13 @@ def test_none_reaches_every_parser_as_a_name():
     assert parse_optim_args("projector=none,rank=8") == {"projector": "none", "rank": 8}
 
 
+def test_a_plus_inside_a_variants_value_stays_in_it():
+    assert split_variant("adamw+offload=host+master=bf16+int8") == ("adamw", {"offload": "host",
+                                                                              "master": "bf16+int8"})
+    assert split_variant("adamw+master=bf16+int8+weights=int8") == ("adamw", {"master": "bf16+int8",
+                                                                              "weights": "int8"})
+
+
 def test_mistakes_are_errors():
     with pytest.raises(ValueError, match="given twice"):
         parse_opt(["rank=4", "rank=8"])

@@ -26,11 +26,15 @@ def _same_checkpoints(a, b):
     assert all(torch.equal(v, sb[i][k]) for i in sa for k, v in sa[i].items() if isinstance(v, torch.Tensor))
 
 
-@pytest.mark.parametrize("offload,method", [("host", "adamw8bit"), ("host", "galore"), ("none", "adamw")])
-def test_interrupted_and_resumed_equals_uninterrupted(data, tmp_path, offload, method):
+@pytest.mark.parametrize("offload,method,more", [
+    ("host", "adamw8bit", {}), ("host", "galore", {}), ("none", "adamw", {}),
+    # a 3-byte master, and the loss a vocabulary slice at a time (the output layer's gradient by rows)
+    ("host", "adamw8bit", {"master": "bf16+int8", "vocab_slice": 100}),
+], ids=["host-adamw8bit", "host-galore", "device-adamw", "host-bf16+int8-sliced"])
+def test_interrupted_and_resumed_equals_uninterrupted(data, tmp_path, offload, method, more):
     corpus, cache = data
     cfg = fast_config(corpus, cache, method=method, opt={"update_gap": 3} if method == "galore" else {},
-                      max_steps=8, save_every=3, weights="int8", offload=offload, grad_accum=2)
+                      max_steps=8, save_every=3, weights="int8", offload=offload, grad_accum=2, **more)
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     ref = train(replace(cfg, out=str(whole)))
     with pytest.raises(Crash):

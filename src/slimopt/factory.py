@@ -83,8 +83,9 @@ def build(model: torch.nn.Module, method: str = "adamw", *, weights: str = "dtyp
     - weights: ``"dtype"`` (as the model holds them) or ``"int8"``: the attention and MLP weights become int8
       codes and scales on the device (``slimopt.weights``; ``int8_group`` elements of a row share a scale, 0: a
       row), converted in place.
-    - offload: ``"none"`` or ``"host"``: a ``master`` copy (``"fp32"`` or ``"bf16"``) of every trainable weight and
-      all optimizer state on the host, each weight stepped there as the backward pass completes its gradient.
+    - offload: ``"none"`` or ``"host"``: a ``master`` copy (``"fp32"``, ``"bf16+int8"`` or ``"bf16"``) of every
+      trainable weight and all optimizer state on the host, each weight stepped there as the backward pass
+      completes its gradient.
       int8 weights without offload are updated in place on the device with stochastic rounding.
 
     With either, the model is converted in place and a ``MasterWeights`` returned: it steps during the backward

@@ -89,8 +89,15 @@ def parse_method_opts(items: list[str] | None) -> dict[str, dict[str, Any]]:
 
 def split_variant(spec: str) -> tuple[str, dict[str, Any]]:
     """``"adamw8bit+compile=true+rank=64"`` -> ``("adamw8bit", {"compile": True, "rank": 64})``: a method with
-    settings of its own, run as a row of its own next to the plain method."""
-    base, *items = spec.split("+")
+    settings of its own, run as a row of its own next to the plain method. A part without ``=`` belongs to the
+    value before it (``adamw+offload=host+master=bf16+int8``: master ``bf16+int8``)."""
+    base, *parts = spec.split("+")
+    items: list[str] = []
+    for part in parts:
+        if "=" not in part and items:
+            items[-1] += "+" + part
+        else:
+            items.append(part)
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip() or not value.strip():

@@ -572,9 +572,10 @@ def _placement(weight_format: str, offload: str, master: str | None, int8_group:
 
 
 def _state_net(net: nn.Module, config, dtype: str, master: str | None) -> nn.Module:
-    """The model the optimizer state is sized on: `net`, or with a host master copy a meta twin in the master's
-    dtype (fp32, or bf16 for bf16 and bf16+int8), since the optimizer steps the master."""
-    want = None if master is None else ("fp32" if master == "fp32" else "bf16")
+    """The model the optimizer state is sized on: `net`, or with a host master copy a meta twin in the dtype the
+    optimizer steps (bf16 for a bf16 master, fp32 for fp32 and bf16+int8, which is stepped as the fp32 value it
+    holds: ``weights.masters.joined_master``)."""
+    want = None if master is None else ("bf16" if master == "bf16" else "fp32")
     if want is None or want == dtype:
         return net
     import copy
@@ -718,9 +719,11 @@ def _assemble(prep: Prepared, batch: int, seq: int, layerwise: bool, checkpointi
         # the device's weights are written from a pinned copy in their format, unless the master is that copy
         # (bf16 master, bf16 weights: torchao's CPUOffloadOptimizer)
         same = not int8 and prep.master == prep.dtype
+        # a bf16+int8 master is stepped as fp32, one weight at a time: that weight joined (weights/masters.py)
+        joined = 4 * max((p.numel() for p in trainable), default=0) if prep.master == "bf16+int8" else 0
         host_parts = {"master": MASTERS[prep.master] * trained_numel, "optimizer state": moments,
                       "projections": projections, "pinned gradients": sum(grad_sizes),
-                      "pinned weights": 0 if same else back, "step temporaries": scratch}
+                      "pinned weights": 0 if same else back, "step temporaries": scratch + joined}
         pcie_parts = {"gradients out": sum(grad_sizes), "weights back": back}
     else:
         held = {"weights": weights, "optimizer state": moments, "projections": projections}

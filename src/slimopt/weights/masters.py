@@ -1,6 +1,10 @@
-"""Where the trainable copy of each weight lives: on the host (master="fp32" or "bf16"), the device keeping int8
-(or its dtype's) weights, activations and the gradients in flight; or nowhere (master="none"), an int8 weight
-stepped in place on the device with stochastic rounding (Q-GaLore's way, arXiv 2407.08296).
+"""Where the trainable copy of each weight lives: on the host (master="fp32", "bf16+int8" or "bf16"), the device
+keeping int8 (or its dtype's) weights, activations and the gradients in flight; or nowhere (master="none"), an int8
+weight stepped in place on the device with stochastic rounding (Q-GaLore's way, arXiv 2407.08296).
+
+"bf16+int8" keeps 3 bytes a weight (the split of FlashOptim, arXiv 2602.23349): the value rounded to bf16 and
+the rounding's residual in int8 steps of 1/256 of the bf16 value's ulp (``split_master``); each step runs on the
+fp32 value they give back (``joined_master``), one weight at a time, and is split again.
 
 With a master, every trainable parameter gets a copy on the host that a ``SlimOptimizer`` steps with the
 partition and settings ``slimopt.build`` would give the model: the optimizer never sees a device tensor. A weight's
@@ -31,10 +35,55 @@ from slimopt.weights.convert import int8_weights, to_int8
 from slimopt.weights.int8_linear import Int8Linear
 from slimopt.weights.row_grads import RowRoute, route_rows
 
-__all__ = ["CLIP_MODES", "MASTERS", "MasterWeights"]
+__all__ = ["CLIP_MODES", "MASTERS", "SPLIT", "MasterWeights", "split_master", "joined_master"]
 
 CLIP_MODES = ("hold", "previous")
-MASTERS = {"fp32": torch.float32, "bf16": torch.bfloat16, "none": None}
+MASTERS = {"fp32": torch.float32, "bf16+int8": torch.float32, "bf16": torch.bfloat16, "none": None}  # the dtype
+# the optimizer steps: bf16+int8 is stepped as the fp32 value it holds (split_master, joined_master)
+SPLIT = "bf16+int8"
+_RESIDUAL_BITS = 8  # a residual step is 2^-8 of the bf16 value's ulp: 16 bits of significand in all
+_WINDOW = 1 << 20  # elements split or joined at a time (about 20 bytes each of temporaries)
+
+
+def _residual_step(high: Tensor) -> Tensor:
+    """The value of one residual step for each bf16 value (as fp32): 2^(E - 15) for |high| in [2^E, 2^(E + 1)),
+    ulp(high) / 256; a power of two, so a residual times it, and its sum with high, are exact in fp32."""
+    _, exponent = torch.frexp(high)  # high = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return torch.ldexp(torch.ones_like(high), exponent - 8 - _RESIDUAL_BITS)
+
+
+def split_master(x: Tensor) -> tuple[Tensor, Tensor]:
+    """An fp32 weight as (bf16 high part, int8 residual): high = x rounded to bf16 (nearest, ties to even), residual
+    = round((x - high) / step) clamped to [-127, 127], step = ``_residual_step(high)``: x is kept to within one step
+    (2^-8 of a bf16 ulp; 2^-15 relative at most, against bf16's 2^-9) from 2^-111 up; below, to bf16's precision.
+    Without -128, high + residual * step is never half an ulp from high, so splitting a joined master gives back
+    the same parts. Computed ``_WINDOW`` elements at a time: the temporaries stay small whatever the weight."""
+    high = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    residual = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    flat, high_flat, residual_flat = x.reshape(-1), high.view(-1), residual.view(-1)
+    for start in range(0, flat.numel(), _WINDOW):
+        part = flat[start: start + _WINDOW]
+        h = part.to(torch.bfloat16)
+        wide = h.float()
+        step = _residual_step(wide)  # 0 below 2^-134 (fp32's subnormals): those keep their bf16 value
+        r = torch.where(torch.isfinite(wide) & (step > 0), (part - wide) / step, 0.0).round_().clamp_(-127, 127)
+        high_flat[start: start + _WINDOW] = h
+        residual_flat[start: start + _WINDOW] = r.to(torch.int8)
+    return high, residual
+
+
+def joined_master(high: Tensor, residual: Tensor) -> Tensor:
+    """The fp32 value of a split master (``split_master``): high + residual * step, exact; a new tensor, filled
+    ``_WINDOW`` elements at a time."""
+    out = torch.empty(high.shape, dtype=torch.float32, device=high.device)
+    flat, high_flat, residual_flat = out.view(-1), high.reshape(-1), residual.reshape(-1)
+    for start in range(0, flat.numel(), _WINDOW):
+        wide = high_flat[start: start + _WINDOW].float()
+        residual_part = residual_flat[start: start + _WINDOW]
+        # a zero residual leaves the value as it is (-0.0 stays -0.0)
+        flat[start: start + _WINDOW] = torch.where(residual_part != 0, residual_part.float().mul_(
+            _residual_step(wide)).add_(wide), wide)
+    return out
 
 
 class MasterWeights:
@@ -47,9 +96,10 @@ class MasterWeights:
             ``slimopt.param_groups``; the Trainer path passes its own, with its no-decay groups).
         int8: hold the body's Linear weights in int8 on the device (else in their dtype).
         int8_group: 0 for one scale a row, else the elements of a row that share one.
-        master: "fp32" (the updates are what an fp32 run would make) or "bf16": host copies in that dtype; "none":
-            no copy, the optimizer and its state on the device, each int8 weight dequantized to fp32 for its step
-            and rounded back stochastically (needs ``int8=True``; the other parameters step in place).
+        master: "fp32" (the updates are what an fp32 run would make), "bf16+int8" (3 bytes a weight: bf16 and an
+            int8 residual, stepped as fp32) or "bf16": host copies in that form; "none": no copy, the optimizer
+            and its state on the device, each int8 weight dequantized to fp32 for its step and rounded back
+            stochastically (needs ``int8=True``; the other parameters step in place).
         accumulation_steps: backward passes per update; scale the loss by 1 / accumulation_steps as usual.
         overlap: step in a worker thread while the backward pass runs (the default False: in the backward pass's
             thread, each step finished before the next layer's gradient is computed). The same updates either way;
@@ -79,6 +129,8 @@ class MasterWeights:
         if master == "none" and not int8:
             raise ValueError("master='none' steps int8 weights in place; with int8=False use slimopt.build")
         self.in_place = master == "none"
+        self.split = master == SPLIT
+        self._parts: dict[str, tuple[Tensor, Tensor]] = {}  # bf16+int8: name -> (bf16 high part, int8 residual)
         groups = (groups or param_groups)(model, method, **build_settings)  # the partition of the model as it is
         self.masters: dict[str, nn.Parameter] = {}
         self._device_param: dict[str, Tensor] = {}  # name -> the device tensor a non-int8 master is written to
@@ -105,6 +157,9 @@ class MasterWeights:
         self._filling: set[str] = set()  # masters whose .grad a row route is writing for the first time this window
         self._hooks = []
         self._attach(model)
+        with torch.no_grad():
+            for name in self._parts:  # the device weights from the value the split master holds
+                self._write(name, joined_master(*self._parts[name]))
 
     # ------------------------------------------------------------------------------------------------------------
 
@@ -132,6 +187,9 @@ class MasterWeights:
                 else:
                     master = nn.Parameter(p.detach().to("cpu", dtype, copy=True))
                     self._device_param[name] = p
+                if self.split:  # the master holds nothing between its steps; its value lives in two parts
+                    self._parts[name] = split_master(master.detach())
+                    master.data = _stand_in(master, master.device)
                 self.masters[name] = master
                 masters.append(master)
             group["params"] = masters
@@ -199,7 +257,7 @@ class MasterWeights:
         self._wait((name,))
         master = self.masters[name]
         if master.grad is None:
-            master.grad = torch.empty_like(master)
+            master.grad = torch.empty(master.shape, dtype=master.dtype, device=master.device)
             self._filling.add(name)
         rows = master.grad[start: start + grad.shape[0]]
         host = grad.detach().to(device=master.device, dtype=master.dtype)
@@ -270,6 +328,13 @@ class MasterWeights:
             grad.mul_(coef)
         if self.in_place and name in self._layers:
             self._step_in_place(name, master, grad)
+        elif self.split:  # stepped as fp32, one weight at a time, then split again
+            master.data = joined_master(*self._parts[name])
+            self.optimizer.step_param(master, grad)
+            self._parts[name] = split_master(master.detach())
+            master.data = _stand_in(master, master.device)
+            # the device weight from the value the parts hold (what a resume writes too), not the step's fp32
+            self._write(name, joined_master(*self._parts[name]))
         else:
             self.optimizer.step_param(master, grad)
             self._write(name, master)
@@ -284,6 +349,11 @@ class MasterWeights:
         layer.load_weight(master.detach(), CounterStream(mix_seed(self.seed, self._index[name], self.steps,
                                                                   _WEIGHT_STREAM)))
         master.data = _stand_in(master, master.device)
+
+    def value(self, name: str) -> Tensor:
+        """The master of `name` as a tensor of its values (a bf16+int8 master joined to fp32: a new tensor)."""
+        self.synchronize()
+        return joined_master(*self._parts[name]) if self.split else self.masters[name].detach()
 
     def _write(self, name: str, master: Tensor) -> None:
         """The device copy of a master after its step (or a load): requantized, or cast and copied."""
@@ -343,7 +413,7 @@ class MasterWeights:
         out = {k: v for k, v in model.state_dict().items()
                if not k.endswith((".weight_codes", ".weight_scale"))}
         for name, layer in self._layers.items():
-            source = layer.dequantized_weight(torch.float32) if self.in_place else self.masters[name]
+            source = layer.dequantized_weight(torch.float32) if self.in_place else self.value(name)
             out[name] = source.detach().to(dtype)
         return out
 
@@ -376,7 +446,8 @@ class MasterWeights:
         ``torch.load(weights_only=True)`` reads it. The device weights are not in it: they are the masters'."""
         self.synchronize()
         held = {n: (self._layers[n].weight_codes, self._layers[n].weight_scale) if self.in_place and n in self._layers
-                else m.detach() for n, m in self.masters.items()}  # in place, an int8 weight is its own master
+                else self._parts[n] if self.split else m.detach()
+                for n, m in self.masters.items()}  # in place, an int8 weight is its own master
         return {"masters": held,
                 "optimizer": self._handed_state(),
                 "counters": {"steps": self.steps, "micro_steps": self.micro_steps,
@@ -397,7 +468,17 @@ class MasterWeights:
                 layer.weight_codes.copy_(codes)
                 layer.weight_scale.copy_(scale)
                 continue
-            master.copy_(masters[name])
+            saved = masters[name]
+            if self.split != isinstance(saved, (tuple, list)):
+                kinds = ("bf16+int8", "fp32 or bf16") if isinstance(saved, (tuple, list)) else ("fp32 or bf16",
+                                                                                                  "bf16+int8")
+                raise ValueError(f"this checkpoint's master of {name} is {kinds[0]}, this run's {kinds[1]}: resume "
+                                 f"with the --master it was saved with")
+            if self.split:
+                self._parts[name] = (saved[0].detach().clone(), saved[1].detach().clone())
+                self._write(name, joined_master(*self._parts[name]))
+                continue
+            master.copy_(saved)
             self._write(name, master)
         self.optimizer.load_state_dict(state["optimizer"])
         for front, back in zip(self.front.param_groups, self.optimizer.param_groups):
