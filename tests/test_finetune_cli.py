@@ -97,8 +97,9 @@ def test_table_for_methods_by_tasks(tmp_path, tiny_model_dir, glue_dir, capsys):
 
 @pytest.mark.parametrize("placement", [["--weights", "int8", "--offload", "host"], ["--offload", "host"],
                                        ["--weights", "int8", "--offload", "host", "--master", "bf16",
-                                        "--int8-group", "16"]],
-                         ids=["int8-host", "host", "int8-bf16-group"])
+                                        "--int8-group", "16"],
+                                       ["--weights", "int8", "--offload", "host", "--master", "bf16+int8"]],
+                         ids=["int8-host", "host", "int8-bf16-group", "int8-bf16+int8"])
 def test_int8_weights_and_host_masters_fine_tune(tmp_path, tiny_model_dir, glue_dir, capsys, placement):
     out = tmp_path / "out"
     rc, _, err = _run(["--model", str(tiny_model_dir), "--tasks", "sst2", "--data-dir", str(glue_dir),
@@ -110,6 +111,22 @@ def test_int8_weights_and_host_masters_fine_tune(tmp_path, tiny_model_dir, glue_
     assert all(r["status"] == "ok" and r["steps"] == 2 and 0.0 <= r["score"] <= 1.0 for r in rows)
     assert all(math.isfinite(r["eval_loss"]) and math.isfinite(r["train_loss"]) for r in rows)
     assert all(r["state_bytes"] > 0 for r in rows)  # the host optimizer's state, counted
+
+
+def test_a_fine_tuning_the_host_cannot_hold_stops_before_training(tmp_path, tiny_model_dir, glue_dir, capsys,
+                                                                  monkeypatch):
+    """As `slimopt train` does: one line (needed, available, a setting that fits), nothing trained."""
+    from slimopt.train.host_memory import HOST_BYTES_ENV
+
+    monkeypatch.setenv(HOST_BYTES_ENV, "1MiB")
+    out = tmp_path / "out"
+    rc, stdout, err = _run(["--model", str(tiny_model_dir), "--tasks", "sst2", "--data-dir", str(glue_dir),
+                            "--methods", "adamw", "--max-steps", "2", "--batch-size", "8", "--max-length", "16",
+                            "--weights", "int8", "--offload", "host", "--out", str(out)], capsys)
+    lines = [line for line in err.splitlines() if line.startswith("slimopt finetune:")]
+    assert rc == 2 and len(lines) == 1, err
+    assert "host memory: this run needs" in lines[0] and f"available (${HOST_BYTES_ENV})" in lines[0], lines[0]
+    assert "[1/" not in stdout and not (out / "results.csv").exists()  # not even the control trained
 
 
 def _tiny_model(path, num_labels):

@@ -298,6 +298,13 @@ def test_resume_continues_identically(master, tmp_path):
     resumed.close()
 
 
+def test_the_host_master_forms_are_the_ones_masterweights_keeps():
+    from slimopt.factory import HOST_MASTERS
+    from slimopt.weights.masters import MASTERS
+
+    assert set(HOST_MASTERS) == set(MASTERS) - {"none"}
+
+
 def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="clip_mode"):
         MasterWeights(tiny_llama(seed=0), "adamw", clip=1.0, clip_mode="later")

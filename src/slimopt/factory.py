@@ -16,7 +16,7 @@ from slimopt import catalog
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["make_optimizer", "build", "WEIGHT_FORMATS", "OFFLOADS"]
+__all__ = ["make_optimizer", "build", "WEIGHT_FORMATS", "OFFLOADS", "HOST_MASTERS"]
 
 
 def make_optimizer(model: torch.nn.Module, method: str, lr: float | None = None, weight_decay: float = 0.0, *,
@@ -72,6 +72,7 @@ def _rank_from_width(model: torch.nn.Module, method: str, hp: dict[str, Any]) ->
 
 WEIGHT_FORMATS = ("dtype", "int8")
 OFFLOADS = ("none", "host")
+HOST_MASTERS = ("fp32", "bf16+int8", "bf16")  # the forms of a host master copy (weights/masters.py)
 _MASTER_SETTINGS = ("accumulation_steps", "clip", "clip_mode", "overlap")  # MasterWeights' own keywords
 
 

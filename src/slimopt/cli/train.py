@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from slimopt.factory import HOST_MASTERS
 from slimopt.options import parse_int, parse_opt
 
 __all__ = ["add_data_model_args", "add_parser", "add_placement_args", "add_recipe_args", "config_from_args", "run"]
@@ -100,7 +101,7 @@ def add_placement_args(p: argparse.ArgumentParser, defaults) -> argparse._Argume
                         "in place with stochastic rounding (default: %(default)s). slimopt train stops before the "
                         "first step, with one line, when the planned host memory exceeds the free memory "
                         "(MemAvailable; $SLIMOPT_HOST_BYTES, e.g. 8GiB, stands in for it)")
-    g.add_argument("--master", default=defaults.master, choices=("fp32", "bf16+int8", "bf16"),
+    g.add_argument("--master", default=defaults.master, choices=HOST_MASTERS,
                    help="with --offload host: the master copy, fp32 (4 B/param), bf16+int8 (3 B/param: bf16 and an "
                         "8-bit residual, stepped as fp32) or bf16 (2 B/param) (default: %(default)s)")
     return g

@@ -347,7 +347,7 @@ def make_optimizer(
 def _placement(args: Any, weights: str, offload: str, master: str, int8_group: int) -> dict[str, Any] | None:
     """MasterWeights' settings from ``slimopt.build``'s names and the TrainingArguments (None: in place)."""
     for name, value, allowed in (("weights", weights, factory.WEIGHT_FORMATS), ("offload", offload, factory.OFFLOADS),
-                                 ("master", master, ("fp32", "bf16"))):
+                                 ("master", master, factory.HOST_MASTERS)):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
     if isinstance(int8_group, bool) or not isinstance(int8_group, int) or int8_group < 0:

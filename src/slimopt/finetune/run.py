@@ -160,7 +160,7 @@ class FinetuneConfig:
     weights: str = "dtype"  # dtype | int8: the body's attention and MLP Linear weights in int8 (not the head)
     int8_group: int = 0  # with int8 weights: one scale per this many elements of a row (0: a row)
     offload: str = "none"  # none | host: master copies and optimizer state on the host, stepped in backward
-    master: str = "fp32"  # with offload host: the master copy's dtype, fp32 | bf16
+    master: str = "fp32"  # with offload host: the master copy, fp32 | bf16+int8 | bf16
     out: str = "slimopt-finetune"
 
     @property
@@ -216,9 +216,11 @@ class FinetuneConfig:
         check_out_dir(self.out)
 
     def _validate_placement(self, plans: list[MethodPlan]) -> None:
+        from slimopt.factory import HOST_MASTERS
+
         for name, value, allowed in (("weights", self.weights, ("dtype", "int8")),
                                      ("offload", self.offload, ("none", "host")),
-                                     ("master", self.master, ("fp32", "bf16"))):
+                                     ("master", self.master, HOST_MASTERS)):
             if value not in allowed:
                 raise ValueError(f"--{name} must be one of {', '.join(allowed)}, got {value!r}")
         if isinstance(self.int8_group, bool) or not isinstance(self.int8_group, int) or self.int8_group < 0:
@@ -308,8 +310,25 @@ def prepare(cfg: FinetuneConfig, log: Callable[[str], None] = print) -> tuple[li
         template = load_classifier(cfg.model, data.num_labels, data.id2label, tokenizer.pad_token_id)
         log(f"task {name}: {len(data.train)} train / {len(data.validation)} validation examples, "
             f"{data.num_labels} labels ({data.source})")
+        _check_host(plans, template, cfg)
         out.append(_Prepared(name, data, template))
     return plans, out
+
+
+def _check_host(plans: list[MethodPlan], template: Any, cfg: FinetuneConfig) -> None:
+    """With int8 weights or a host master: stop before anything trains when the host cannot hold a method's master
+    and state (``train.host_memory``: one line, needed, available and a setting that fits)."""
+    from slimopt.train.host_memory import check_host_memory
+
+    if not cfg.placed:
+        return
+    for plan in plans:
+        if plan.head_only or plan.lora:  # the control runs as it is; LoRA is refused with these options
+            continue
+        settings = {k: v for k, v in method_settings(plan, cfg).items() if k != "lr"}
+        check_host_memory(template, plan.optimizer, settings, weights=cfg.weights, offload=cfg.offload,
+                          master=cfg.master, int8_group=cfg.int8_group, batch=cfg.batch_size, seq=cfg.max_length,
+                          device=next(template.parameters()).device)
 
 
 def _check_settings(plan: MethodPlan, cfg: FinetuneConfig) -> None:

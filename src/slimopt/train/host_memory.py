@@ -52,18 +52,31 @@ def host_bytes_needed(model: nn.Module, method: str, settings: dict[str, Any], *
     from slimopt.bench import planner
 
     dtype = "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
-    prep = planner.prepare(planner.meta_model(model.config, dtype), method, dtype=dtype, config=model.config,
+    prep = planner.prepare(_meta_twin(model, dtype), method, dtype=dtype, config=model.config,
                            weight_format=weights, offload=offload, master=master if offload == "host" else None,
                            int8_group=int8_group, vocab_slice=vocab_slice, **settings)
     plan = prep.plan(batch, seq)
     return plan.host + (plan.peak if device.type == "cpu" else 0)
 
 
+def _meta_twin(model: nn.Module, dtype: str) -> nn.Module:
+    """`model`'s architecture on the meta device (its own class from its config: a classifier stays one), in
+    `dtype`; a model that is not a transformers one, as the planner builds its config."""
+    from slimopt.bench import planner
+
+    build = getattr(type(model), "_from_config", None)
+    if build is None:
+        return planner.meta_model(model.config, dtype)
+    with torch.device("meta"):
+        twin = build(model.config)
+    return twin.to(planner._dtype(dtype))
+
+
 def check_host_memory(model: nn.Module, method: str, settings: dict[str, Any], *, weights: str, offload: str,
                       master: str, int8_group: int, batch: int, seq: int, device: torch.device,
                       vocab_slice: int = 0) -> None:
     """Raise ValueError, one line, when the planned host bytes exceed those available: needed, available and
-    the first of --master bf16, a smaller-state --method, --offload none that fits. Nothing to check with the
+    the first of a smaller --master, a smaller-state --method, --offload none that fits. Nothing to check with the
     weights in their dtype and no offload, or with device-only int8 weights on a GPU (no host part)."""
     if (weights == "dtype" and offload == "none") or (offload == "none" and device.type != "cpu"):
         return
@@ -87,8 +100,9 @@ def _fitting_setting(model: nn.Module, method: str, settings: dict[str, Any], pl
                      available: int) -> tuple[str, int] | None:
     """(the option that changes, its planned host bytes) of the first setting that fits, or None."""
     tries: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = []
-    if plan["offload"] == "host" and plan["master"] == "fp32":
-        tries.append(("--master bf16", method, settings, {**plan, "master": "bf16"}))
+    if plan["offload"] == "host":  # the smaller masters, largest first
+        smaller = {"fp32": ("bf16+int8", "bf16"), "bf16+int8": ("bf16",)}.get(plan["master"], ())
+        tries += [(f"--master {m}", method, settings, {**plan, "master": m}) for m in smaller]
     tries += [(f"--method {m}", m, {}, plan) for m in _SMALL_STATE if m != method]
     if plan["offload"] == "host":
         tries.append(("--offload none", method, settings, {**plan, "offload": "none"}))

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from slimopt.catalog import method_kind, resolve_lr
-from slimopt.factory import OFFLOADS, WEIGHT_FORMATS, make_optimizer
+from slimopt.factory import HOST_MASTERS, OFFLOADS, WEIGHT_FORMATS, make_optimizer
 from slimopt.train import checkpoint as ckpt
 from slimopt.train import fsdp, run_checkpoint
 from slimopt.train.evaluate import evaluate, lm_loss
@@ -176,9 +176,8 @@ def _check_config(c: TrainConfig, world_size: int) -> None:
 
 def _check_placement(c: TrainConfig, world_size: int) -> None:
     """The weights' format, the offload and the sliced loss: values, and what they do not combine with yet."""
-    from slimopt.weights.masters import MASTERS
     for name, value, allowed in (("weights", c.weights, WEIGHT_FORMATS), ("offload", c.offload, OFFLOADS),
-                                 ("master", c.master, tuple(m for m in MASTERS if m != "none"))):
+                                 ("master", c.master, HOST_MASTERS)):
         if value not in allowed:
             raise ValueError(f"--{name} must be one of {', '.join(allowed)}, got {value!r}")
     if not isinstance(c.int8_group, int) or isinstance(c.int8_group, bool) or c.int8_group < 0:

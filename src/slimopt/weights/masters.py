@@ -38,8 +38,9 @@ from slimopt.weights.row_grads import RowRoute, route_rows
 __all__ = ["CLIP_MODES", "MASTERS", "SPLIT", "MasterWeights", "split_master", "joined_master"]
 
 CLIP_MODES = ("hold", "previous")
-MASTERS = {"fp32": torch.float32, "bf16+int8": torch.float32, "bf16": torch.bfloat16, "none": None}  # the dtype
-# the optimizer steps: bf16+int8 is stepped as the fp32 value it holds (split_master, joined_master)
+# each form of master copy (factory.HOST_MASTERS, and none) -> the dtype the optimizer steps: bf16+int8 is stepped
+# as the fp32 value it holds (split_master, joined_master)
+MASTERS = {"fp32": torch.float32, "bf16+int8": torch.float32, "bf16": torch.bfloat16, "none": None}
 SPLIT = "bf16+int8"
 _RESIDUAL_BITS = 8  # a residual step is 2^-8 of the bf16 value's ulp: 16 bits of significand in all
 _WINDOW = 1 << 20  # elements split or joined at a time (about 20 bytes each of temporaries)
