@@ -691,29 +691,15 @@ def _assemble(prep: Prepared, batch: int, seq: int, layerwise: bool, checkpointi
     host_parts: dict[str, int] = {}
     pcie_parts: dict[str, int] = {}
     if host:
-        # the backward pass writes gradients output side first; each leaves for the host as it is complete, the
-        # output layer's a vocabulary slice at a time where the loss takes it so (weights/row_grads.py)
-        k = prep.grads_in_flight
-        head, embedding = _embedding_weights(net)
-        sliced = prep.vocab_slice and head is not None and head is not embedding and id(head) not in int8
-
-        def in_flight(p: torch.Tensor) -> int:
-            rows = min(prep.vocab_slice, p.shape[0]) if sliced and p is head else (p.shape[0] if p.dim() else 1)
-            return rows * (p.numel() // max(1, p.shape[0] if p.dim() else 1)) * p.element_size()
-
-        # the input embedding's gradient comes last, once the layers' activations are gone (a phase of its own)
-        last = embedding if embedding is not None and embedding is not head and embedding.requires_grad else None
-        order = [in_flight(p) for p in trainable if p is not last][::-1]
-        grads = max((sum(order[i:i + k]) for i in range(max(1, len(order) - k + 1))), default=0)
+        layers_grads, end = _grads_in_flight(prep, net, trainable, int8)
+        grads = max(layers_grads, end or 0)
         held = {"weights": weights, "optimizer state": 0, "projections": 0}
         phases = [
             {"gradients": 0, "activations": act.saved, "temporaries": act.loss_grad},  # start of the backward pass
-            {"gradients": grads, "activations": a_after_loss + act.recompute, "temporaries": dequant},  # a layer's
+            {"gradients": layers_grads, "activations": a_after_loss + act.recompute, "temporaries": dequant},
         ]
-        if last is not None:  # the embedding's gradient with the k - 1 before it still leaving
-            end = in_flight(last) + sum(order[len(order) - (k - 1):]) if k > 1 else in_flight(last)
+        if end is not None:  # the input embedding's gradient: the last, once the layers' activations are gone
             phases.append({"gradients": end, "activations": 0, "temporaries": 0})
-            grads = max(grads, end)
         trained_numel = sum(p.numel() for p in trainable)
         back = sum(on_device(p) for p in trainable)
         # the device's weights are written from a pinned copy in their format, unless the master is that copy
@@ -753,6 +739,29 @@ def _assemble(prep: Prepared, batch: int, seq: int, layerwise: bool, checkpointi
                       weight_format=prep.weight_format, offload=prep.offload, master=prep.master,
                       host=sum(host_parts.values()), host_parts=host_parts, pcie=sum(pcie_parts.values()),
                       pcie_parts=pcie_parts)
+
+
+def _grads_in_flight(prep: Prepared, net: nn.Module, trainable: list[torch.Tensor],
+                     int8: set[int]) -> tuple[int, int | None]:
+    """With host offload, the device's gradient bytes on their way out: (the most while the layers run backward,
+    the most while the input embedding's leaves, or None without one). The backward pass makes them output side
+    first, ``grads_in_flight`` at a time; the output layer's is one vocabulary slice where the loss takes it so
+    (weights/row_grads.py); the input embedding's comes last, after every layer's."""
+    k = prep.grads_in_flight
+    head, embedding = _embedding_weights(net)
+    sliced = prep.vocab_slice and head is not None and head is not embedding and id(head) not in int8
+
+    def in_flight(p: torch.Tensor) -> int:
+        rows = p.shape[0] if p.dim() else 1
+        return (min(prep.vocab_slice, rows) if sliced and p is head else rows) * (p.numel() // max(1, rows)) * \
+            p.element_size()
+
+    last = embedding if embedding is not None and embedding is not head and embedding.requires_grad else None
+    order = [in_flight(p) for p in trainable if p is not last][::-1]
+    layers = max((sum(order[i:i + k]) for i in range(max(1, len(order) - k + 1))), default=0)
+    if last is None:
+        return layers, None
+    return layers, in_flight(last) + (sum(order[len(order) - (k - 1):]) if k > 1 else 0)
 
 
 def _scratch(method: str, states: list[ParamState]) -> int:

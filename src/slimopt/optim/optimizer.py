@@ -180,6 +180,7 @@ class SlimOptimizer(torch.optim.Optimizer):
         self.settle()
         self._follow_params()
         try:
+            self._batch.taco_records = paramstep.prefetch_taco(self)
             for group in self.param_groups:
                 settings = paramstep.group_key(group)
                 for p in group["params"]:

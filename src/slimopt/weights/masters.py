@@ -1,10 +1,7 @@
 """Where the trainable copy of each weight lives: on the host (master="fp32", "bf16+int8" or "bf16"), the device
 keeping int8 (or its dtype's) weights, activations and the gradients in flight; or nowhere (master="none"), an int8
-weight stepped in place on the device with stochastic rounding (Q-GaLore's way, arXiv 2407.08296).
-
-"bf16+int8" keeps 3 bytes a weight (the split of FlashOptim, arXiv 2602.23349): the value rounded to bf16 and
-the rounding's residual in int8 steps of 1/256 of the bf16 value's ulp (``split_master``); each step runs on the
-fp32 value they give back (``joined_master``), one weight at a time, and is split again.
+weight stepped in place on the device with stochastic rounding (Q-GaLore's way, arXiv 2407.08296). "bf16+int8" is
+3 bytes a weight, bf16 and an int8 residual (FlashOptim's split, arXiv 2602.23349; ``split_master``).
 
 With a master, every trainable parameter gets a copy on the host that a ``SlimOptimizer`` steps with the
 partition and settings ``slimopt.build`` would give the model: the optimizer never sees a device tensor. A weight's

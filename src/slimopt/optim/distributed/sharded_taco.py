@@ -7,7 +7,8 @@ TACO picks, per column, the entry of largest magnitude over all rows, and rows l
   all-reduce of the n keys is torch.argmax's choice over all rows (the first row on ties);
 - with a history of k components per column (``taco.update``), each rank keeps the history of its chunk of the
   columns (split as torch.chunk splits them, ``shardcomm.chunks_of``) and the step gathers every column's
-  (``record``: one all-gather of k (row + value) + scale bytes a column, 5 at the defaults); the stored entries'
+  (``record``; ``prefetch``: one all-gather for all such weights of a step; k (row + value) + scale bytes a
+  column, 5 at the defaults); the stored entries'
   gradients are all-reduced (k x n, each has one owner and the others add zeros, so the sum is exact) and the k
   best candidates of all ranks are merged by k max-loc all-reduces (8 k n bytes, independent of the world size).
   Steps 4-6 of ``taco.update`` then run on identical data on every rank, each rank applies the direction to the
@@ -23,9 +24,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slimopt.optim.algorithm import taco
-from slimopt.optim.distributed.shardcomm import Rows, all_reduce, chunks_of, gather_rows
+from slimopt.optim.distributed.shardcomm import Rows, all_reduce, chunk_bounds, chunks_of, gather_rows
 
-__all__ = ["pack_keys", "unpack_keys", "taco_direction", "merge_top_keys", "taco_update", "record", "keep_columns"]
+__all__ = ["pack_keys", "unpack_keys", "taco_direction", "merge_top_keys", "taco_update", "record", "keep_columns",
+           "prefetch"]
 
 
 _ROW_BITS = 31  # rows < 2**31 (taco.row_dtype covers int32 rows)
@@ -35,27 +37,77 @@ _ROW_BITS = 31  # rows < 2**31 (taco.row_dtype covers int32 rows)
 # the history: each rank keeps its chunk of the columns, the step sees them all
 
 
-def record(state, group, m: int, n: int, k: int, rows: Rows, device) -> dict[str, Tensor]:
+def record(state, group, m: int, n: int, k: int, rows: Rows, device, gathered=None) -> dict[str, Tensor]:
     """The stored components of every column of a (m, n) weight whose rows are split as `rows` (``taco.KEYS``,
     (k, n), (k, n) and (n,)): the state itself where this rank keeps every column, else gathered from the ranks'
-    column chunks in one all-gather of their packed bytes. This rank's chunk is created where missing; the step
-    changes the gathered copy, and ``keep_columns`` writes this rank's columns of it back."""
+    column chunks in one all-gather of their packed bytes (or taken from `gathered`, ``prefetch``'s result, where
+    it holds them). This rank's chunk is created where missing; the step changes the gathered copy, and
+    ``keep_columns`` writes this rank's columns of it back."""
     cols = chunks_of(rows, n)
     if "taco_rows" not in state or tuple(state["taco_rows"].shape) != (k, cols.local):
         state.update(taco.init_state((m, cols.local), k, group["taco_format"], group["taco_scale_dtype"], device))
     if not cols.distributed:
         return state
+    if gathered is not None and id(state) in gathered:
+        return gathered.pop(id(state))
+    return _unpacked(state, gather_rows(_packed(state), cols), n)
+
+
+def _packed(state) -> Tensor:
+    """This rank's columns of the history as bytes: (c, bytes a column), each column's rows, values and scale."""
     mine = [state["taco_rows"], state["taco_values"], state["taco_absmax"].reshape(1, -1)]  # (k, c), (k, c), (1, c)
-    widths = [t.shape[0] * t.element_size() for t in mine]  # bytes a column of each
-    packed = torch.cat([t.T.contiguous().reshape(-1).view(torch.uint8).reshape(cols.local, w)
-                        for t, w in zip(mine, widths)], dim=1)  # (c, bytes a column)
-    every = gather_rows(packed, cols)  # (n, bytes a column)
+    c = mine[0].shape[1]
+    return torch.cat([t.T.contiguous().reshape(-1).view(torch.uint8).reshape(c, t.shape[0] * t.element_size())
+                      for t in mine], dim=1)
+
+
+def _unpacked(state, every: Tensor, n: int) -> dict[str, Tensor]:
+    """Every column's history from `every` (n, bytes a column), the layout of ``_packed``, dtypes as in `state`."""
     whole, at = {}, 0
-    for key, t, w in zip(taco.KEYS, mine, widths):
-        part = every[:, at: at + w].contiguous().reshape(-1).view(t.dtype).reshape(n, t.shape[0]).T.contiguous()
+    for key in taco.KEYS:
+        t = state[key]
+        k = t.shape[0] if t.dim() == 2 else 1
+        w = k * t.element_size()
+        part = every[:, at: at + w].contiguous().reshape(-1).view(t.dtype).reshape(n, k).T.contiguous()
         whole[key] = part if key != "taco_absmax" else part.reshape(n)
         at += w
     return whole
+
+
+def prefetch(items) -> dict[int, dict[str, Tensor]]:
+    """The histories of several row-split weights gathered at once, one all-gather a process group instead of one
+    a weight: items are (state, rows, n) of weights whose chunks exist; returns {id(state): every column's
+    history} for ``record``. Each rank sends its chunk of every weight, padded to the weight's chunk size."""
+    out: dict[int, dict[str, Tensor]] = {}
+    by_group: dict[int, list] = {}
+    for state, rows, n in items:
+        by_group.setdefault(id(rows.group), []).append((state, chunks_of(rows, n), n))
+    for entries in by_group.values():
+        cols0 = entries[0][1]
+        parts, sizes = [], []
+        for state, cols, n in entries:
+            packed = _packed(state)
+            size = cols.chunk * packed.shape[1]  # every rank's share of this weight: its padded chunk
+            flat = packed.reshape(-1)
+            parts.append(torch.cat([flat, flat.new_zeros(size - flat.numel())]) if flat.numel() < size else flat)
+            sizes.append(size)
+        mine = torch.cat(parts)
+        every = mine.new_empty(cols0.world * mine.numel())
+        dist.all_gather_into_tensor(every, mine, group=cols0.group)
+        every = every.view(cols0.world, mine.numel())  # rank r's chunks of every weight in row r
+        at = 0
+        for (state, cols, n), size in zip(entries, sizes):
+            width = size // cols.chunk  # bytes a column
+            stacked = every[:, at: at + size].reshape(cols.world * cols.chunk, width)
+            whole_rows = torch.cat([stacked[r * cols.chunk: r * cols.chunk + (e - s)]
+                                    for r, (s, e) in enumerate(_bounds(n, cols.world))])
+            out[id(state)] = _unpacked(state, whole_rows, n)
+            at += size
+    return out
+
+
+def _bounds(total: int, world: int) -> list[tuple[int, int]]:
+    return [chunk_bounds(total, world, r) for r in range(world)]
 
 
 def keep_columns(state, whole: dict[str, Tensor], rows: Rows) -> None:
@@ -138,7 +190,7 @@ def merge_top_keys(keys: Tensor, kc: int, rows: Rows) -> Tensor:
     return out
 
 
-def taco_update(state, g: Tensor, group, shape, rows: Rows) -> tuple[Tensor, float]:
+def taco_update(state, g: Tensor, group, shape, rows: Rows, gathered=None) -> tuple[Tensor, float]:
     """``taco.update`` for a row-sharded 2-D g (local rows of a (rows.total, n) tensor), each rank keeping the
     history of its chunk of the columns (``record``).
 
@@ -154,7 +206,7 @@ def taco_update(state, g: Tensor, group, shape, rows: Rows) -> tuple[Tensor, flo
     if k == 0:
         return taco_direction(g, rows), c
     m, n = rows.total, g.shape[1]
-    whole = record(state, group, m, n, k, rows, g.device)
+    whole = record(state, group, m, n, k, rows, g.device, gathered)
     beta = float(group["taco_decay"])
     stored_rows, values = taco.decode(whole)  # (k, n) global rows, fp32 values: the same on every rank
     live = values != 0

@@ -22,6 +22,8 @@ from torch import Tensor
 from slimopt.optim.algorithm import projectors as P
 from slimopt.optim.algorithm import taco
 from slimopt.optim.algorithm.rules import ELEMENTWISE_RULES, Counter, advance, comp_of, rounding_of
+from slimopt.optim.distributed import sharded_taco
+from slimopt.optim.distributed.shardcomm import chunks_of, is_sharded, rows_of
 from slimopt.optim.distributed.sharded import (
     Target,
     effective_rank,
@@ -38,7 +40,7 @@ from slimopt.optim.routes.subspace import count_moment_step, init_moments, refre
 from slimopt.optim.routes.torch import compiled, muon_batch
 from slimopt.optim.routes.torch.multi_tensor import Batch  # what a step queues: the optimizer's, run at its end
 
-__all__ = ["step", "group_key", "work_of", "explain", "Route", "ROUTE_SETTINGS", "Batch"]
+__all__ = ["step", "group_key", "work_of", "explain", "prefetch_taco", "Route", "ROUTE_SETTINGS", "Batch"]
 
 log = logging.getLogger("slimopt.routes")
 
@@ -95,6 +97,25 @@ def step(opt, param: Tensor, group: dict[str, Any], settings: tuple | None = Non
             log.debug("parameter %d %s (%s work): %s%s", t.index, tuple(t.shape), work, name,
                       "".join(f"; not {k}: {v}" for k, v in why.items()))
     _RUNS[route.name](opt, route, t, group, state, n, work)
+
+
+def prefetch_taco(opt) -> dict[int, dict[str, Tensor]]:
+    """The histories of the row-split TACO weights this ``step()`` steps, gathered at once (``sharded_taco.prefetch``:
+    one all-gather, not one a weight): weights stepped whole (no projector) with a gradient and their chunks."""
+    items = []
+    for group in opt.param_groups:
+        if group["rule"] != "taco" or group["taco_k"] < 1:
+            continue
+        for p in group["params"]:
+            state = opt.state.get(p)
+            if p.grad is None or p.dim() != 2 or opt._layout(p, group) != "none" or not state or \
+                    "taco_rows" not in state or not is_sharded(p):
+                continue
+            rows = rows_of(p)
+            if rows.distributed and tuple(state["taco_rows"].shape) == (group["taco_k"],
+                                                                         chunks_of(rows, p.shape[1]).local):
+                items.append((state, rows, p.shape[1]))
+    return sharded_taco.prefetch(items) if items else {}
 
 
 def explain(opt, param: Tensor) -> tuple[str, dict[str, str]] | None:

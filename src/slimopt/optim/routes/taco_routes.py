@@ -129,7 +129,7 @@ def sharded_step(p: Tensor, grad: Tensor, state: MutableMapping[str, Tensor], gr
     written where this rank holds its row."""
     beta, lr, wd = float(group["taco_decay"]), float(group["lr"]), float(group["weight_decay"])
     c = _coef(group, shape)
-    whole = sharded_taco.record(state, group, shape[0], shape[1], 1, rows, p.device)
+    whole = sharded_taco.record(state, group, shape[0], shape[1], 1, rows, p.device, batch.taco_records)
     if native.taco_declines(group, p, grad) is None and all(whole[key].is_contiguous() for key in taco.KEYS):
         shard = native.TacoShard(p, grad, whole, rows.start)
         keys = shard.keys(grad)

@@ -58,7 +58,7 @@ def stateful(opt, t: Target, group: dict[str, Any], state: dict[str, Tensor], g:
     if taco.owns(group, space.shape):  # TACO keeps its own compact per-column state (taco.py)
         norm_shape = t.shape if t.param.dim() == 2 else space.shape
         if space.split:
-            return taco_update(state, g, group, norm_shape, space.rows)
+            return taco_update(state, g, group, norm_shape, space.rows, opt._batch.taco_records)
         return taco.update(state, g, group, norm_shape)
     codecs = moment_codecs(opt, group, space, t.p.dtype)
     age = count_moment_step(state, codecs, g.shape, g.device)

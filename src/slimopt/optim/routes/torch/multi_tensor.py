@@ -148,6 +148,9 @@ class Batch:
         # sums over ranks started already (asynchronous): (their work, what runs once each is done), in that order
         self._started: list[tuple[Any, Callable[[], None]]] = []
         self.whole = WholeQueue()  # whole-matrix work: Muon's iterations, FSDP2 refreshes (whole_queue.py)
+        # row-split TACO weights' histories gathered at the start of the step (sharded_taco.prefetch): id(state) ->
+        # every column's
+        self.taco_records: dict[int, dict[str, Tensor]] = {}
 
     def adamw(self, group: dict[str, Any], p: Tensor, grad: Tensor, state: dict[str, Tensor]) -> None:
         """Queue p for a fused AdamW step; its ``moment_step`` is already counted for this step."""
