@@ -237,7 +237,8 @@ def test_taco_row_shards_step_as_one_weight(dtype, blocks):
         for (p, st), (_, shard) in zip(kernel, sent):
             assert shard.step(reduced, 0.5, 1e-2, 0.1, c) is None
         rows = [Rows(m, a, b, world=len(blocks)) for a, b in bounds]
-        keys = [sharded_taco.local_keys(st, g[a:b], group, r) for (_, st), (a, b), r in zip(ops, bounds, rows)]
+        # each shard's whole record (what sharded_taco.record gathers): the kernel's state dicts here
+        keys = [sharded_taco.local_keys(st, g[a:b], r) for (_, st), (a, b), r in zip(ops, bounds, rows)]
         for k, sent_k in zip(keys, sent):
             assert torch.equal(k, sent_k[0])
         reduced = torch.stack(keys).amax(0)
