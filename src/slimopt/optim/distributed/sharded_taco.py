@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slimopt.optim.algorithm import taco
-from slimopt.optim.distributed.shardcomm import Rows, all_reduce, chunk_bounds, chunks_of, gather_rows
+from slimopt.optim.distributed.shardcomm import Rows, all_reduce, chunks_of
 
 __all__ = ["pack_keys", "unpack_keys", "taco_direction", "merge_top_keys", "taco_update", "record", "keep_columns",
            "prefetch"]
@@ -50,64 +50,60 @@ def record(state, group, m: int, n: int, k: int, rows: Rows, device, gathered=No
         return state
     if gathered is not None and id(state) in gathered:
         return gathered.pop(id(state))
-    return _unpacked(state, gather_rows(_packed(state), cols), n)
-
-
-def _packed(state) -> Tensor:
-    """This rank's columns of the history as bytes: (c, bytes a column), each column's rows, values and scale."""
-    mine = [state["taco_rows"], state["taco_values"], state["taco_absmax"].reshape(1, -1)]  # (k, c), (k, c), (1, c)
-    c = mine[0].shape[1]
-    return torch.cat([t.T.contiguous().reshape(-1).view(torch.uint8).reshape(c, t.shape[0] * t.element_size())
-                      for t in mine], dim=1)
-
-
-def _unpacked(state, every: Tensor, n: int) -> dict[str, Tensor]:
-    """Every column's history from `every` (n, bytes a column), the layout of ``_packed``, dtypes as in `state`."""
-    whole, at = {}, 0
-    for key in taco.KEYS:
-        t = state[key]
-        k = t.shape[0] if t.dim() == 2 else 1
-        w = k * t.element_size()
-        part = every[:, at: at + w].contiguous().reshape(-1).view(t.dtype).reshape(n, k).T.contiguous()
-        whole[key] = part if key != "taco_absmax" else part.reshape(n)
-        at += w
-    return whole
+    return _gathered([(state, cols, n)])[0]
 
 
 def prefetch(items) -> dict[int, dict[str, Tensor]]:
     """The histories of several row-split weights gathered at once, one all-gather a process group instead of one
     a weight: items are (state, rows, n) of weights whose chunks exist; returns {id(state): every column's
-    history} for ``record``. Each rank sends its chunk of every weight, padded to the weight's chunk size."""
-    out: dict[int, dict[str, Tensor]] = {}
+    history} for ``record``."""
     by_group: dict[int, list] = {}
     for state, rows, n in items:
         by_group.setdefault(id(rows.group), []).append((state, chunks_of(rows, n), n))
+    out: dict[int, dict[str, Tensor]] = {}
     for entries in by_group.values():
-        cols0 = entries[0][1]
-        parts, sizes = [], []
-        for state, cols, n in entries:
-            packed = _packed(state)
-            size = cols.chunk * packed.shape[1]  # every rank's share of this weight: its padded chunk
-            flat = packed.reshape(-1)
-            parts.append(torch.cat([flat, flat.new_zeros(size - flat.numel())]) if flat.numel() < size else flat)
-            sizes.append(size)
-        mine = torch.cat(parts)
-        every = mine.new_empty(cols0.world * mine.numel())
-        dist.all_gather_into_tensor(every, mine, group=cols0.group)
-        every = every.view(cols0.world, mine.numel())  # rank r's chunks of every weight in row r
-        at = 0
-        for (state, cols, n), size in zip(entries, sizes):
-            width = size // cols.chunk  # bytes a column
-            stacked = every[:, at: at + size].reshape(cols.world * cols.chunk, width)
-            whole_rows = torch.cat([stacked[r * cols.chunk: r * cols.chunk + (e - s)]
-                                    for r, (s, e) in enumerate(_bounds(n, cols.world))])
-            out[id(state)] = _unpacked(state, whole_rows, n)
-            at += size
+        for (state, _, _), whole in zip(entries, _gathered(entries)):
+            out[id(state)] = whole
     return out
 
 
-def _bounds(total: int, world: int) -> list[tuple[int, int]]:
-    return [chunk_bounds(total, world, r) for r in range(world)]
+def _fields(state) -> list[Tensor]:
+    """The history's tensors as (k, c) each (the scales as (1, c)), in the order they are packed."""
+    return [state["taco_rows"], state["taco_values"], state["taco_absmax"].reshape(1, -1)]
+
+
+def _gathered(entries) -> list[dict[str, Tensor]]:
+    """Every column's history of each (state, column chunks, n) of `entries` (one process group): one all-gather of
+    every rank's chunks, each weight's padded to its chunk size. A weight's columns travel as bytes, (c, bytes a
+    column): its rows, values and scale side by side; torch.chunk pads only the last columns, so the first n of
+    the ranks' stacked chunks are the weight's."""
+    widths = [sum(t.shape[0] * t.element_size() for t in _fields(state)) for state, _, _ in entries]
+    sizes = [cols.chunk * w for (_, cols, _), w in zip(entries, widths)]
+    first = entries[0][1]
+    mine = torch.zeros(sum(sizes), dtype=torch.uint8, device=entries[0][0]["taco_rows"].device)
+    at = 0
+    for (state, cols, _), w, size in zip(entries, widths, sizes):
+        region, col = mine[at: at + cols.local * w].view(cols.local, w), 0
+        for t in _fields(state):
+            b = t.shape[0] * t.element_size()
+            region[:, col: col + b].copy_(t.T.contiguous().reshape(-1).view(torch.uint8).view(cols.local, b))
+            col += b
+        at += size
+    every = mine.new_empty(first.world * mine.numel())
+    dist.all_gather_into_tensor(every, mine, group=first.group)
+    every = every.view(first.world, mine.numel())  # row r: rank r's chunks of every weight
+    out, at = [], 0
+    for (state, cols, n), w, size in zip(entries, widths, sizes):
+        stacked = every[:, at: at + size].reshape(cols.world * cols.chunk, w)[:n]  # (n, bytes a column)
+        whole, col = {}, 0
+        for key, t in zip(taco.KEYS, _fields(state)):
+            b = t.shape[0] * t.element_size()
+            part = stacked[:, col: col + b].contiguous().reshape(-1).view(t.dtype).view(n, t.shape[0]).T  # (k, n)
+            whole[key] = part.contiguous() if key != "taco_absmax" else part.reshape(n)
+            col += b
+        out.append(whole)
+        at += size
+    return out
 
 
 def keep_columns(state, whole: dict[str, Tensor], rows: Rows) -> None:

@@ -23,7 +23,7 @@ from slimopt.optim.algorithm import projectors as P
 from slimopt.optim.algorithm import taco
 from slimopt.optim.algorithm.rules import ELEMENTWISE_RULES, Counter, advance, comp_of, rounding_of
 from slimopt.optim.distributed import sharded_taco
-from slimopt.optim.distributed.shardcomm import chunks_of, is_sharded, rows_of
+from slimopt.optim.distributed.shardcomm import chunks_of
 from slimopt.optim.distributed.sharded import (
     Target,
     effective_rank,
@@ -107,11 +107,11 @@ def prefetch_taco(opt) -> dict[int, dict[str, Tensor]]:
         if group["rule"] != "taco" or group["taco_k"] < 1:
             continue
         for p in group["params"]:
-            state = opt.state.get(p)
+            state, known = opt.state.get(p), opt._geometry.get(p)  # rows known from an earlier step
             if p.grad is None or p.dim() != 2 or opt._layout(p, group) != "none" or not state or \
-                    "taco_rows" not in state or not is_sharded(p):
+                    "taco_rows" not in state or known is None:
                 continue
-            rows = rows_of(p)
+            rows = known[0]
             if rows.distributed and tuple(state["taco_rows"].shape) == (group["taco_k"],
                                                                          chunks_of(rows, p.shape[1]).local):
                 items.append((state, rows, p.shape[1]))
