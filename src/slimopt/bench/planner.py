@@ -22,7 +22,7 @@ from torch import nn
 from slimopt.bench.activations import ActivationEstimate, activation_bytes, check_vocab_slice
 from slimopt.factory import OFFLOADS, WEIGHT_FORMATS
 from slimopt.optim.algorithm import int8_weight
-from slimopt.weights.convert import int8_weights
+from slimopt.weights.convert import embedding_modules, int8_weights
 
 __all__ = [
     "DTYPES",
@@ -232,20 +232,8 @@ def int8_nbytes(shape: tuple[int, ...], group: int = 0) -> tuple[int, int]:
     return rows * cols, rows * int8_weight.group_count(cols, group) * INT8_SCALE_BYTES
 
 
-def _embedding_weights(model: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(the output layer's weight, the input embedding's weight), None where the model has none."""
-    out = []
-    for getter in ("get_output_embeddings", "get_input_embeddings"):
-        get = getattr(model, getter, None)
-        module = get() if callable(get) else None
-        weight = getattr(module, "weight", None)
-        out.append(weight if isinstance(weight, torch.Tensor) else None)
-    return out[0], out[1]
-
-
 def _has_lm_head(model: nn.Module) -> bool:
-    get = getattr(model, "get_output_embeddings", None)
-    return callable(get) and get() is not None
+    return embedding_modules(model)[0] is not None
 
 
 def _body_trains(model: nn.Module) -> bool:
@@ -748,7 +736,7 @@ def _grads_in_flight(prep: Prepared, net: nn.Module, trainable: list[torch.Tenso
     first, ``grads_in_flight`` at a time; the output layer's is one vocabulary slice where the loss takes it so
     (weights/row_grads.py); the input embedding's comes last, after every layer's."""
     k = prep.grads_in_flight
-    head, embedding = _embedding_weights(net)
+    head, embedding = (getattr(m, "weight", None) for m in embedding_modules(net))
     sliced = prep.vocab_slice and head is not None and head is not embedding and id(head) not in int8
 
     def in_flight(p: torch.Tensor) -> int:

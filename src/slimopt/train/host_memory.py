@@ -101,7 +101,8 @@ def _fitting_setting(model: nn.Module, method: str, settings: dict[str, Any], pl
     """(the option that changes, its planned host bytes) of the first setting that fits, or None."""
     tries: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = []
     if plan["offload"] == "host":  # the smaller masters, largest first
-        smaller = {"fp32": ("bf16+int8", "bf16"), "bf16+int8": ("bf16",)}.get(plan["master"], ())
+        from slimopt.bench.planner import MASTERS
+        smaller = [m for m in sorted(MASTERS, key=MASTERS.get, reverse=True) if MASTERS[m] < MASTERS[plan["master"]]]
         tries += [(f"--master {m}", method, settings, {**plan, "master": m}) for m in smaller]
     tries += [(f"--method {m}", m, {}, plan) for m in _SMALL_STATE if m != method]
     if plan["offload"] == "host":

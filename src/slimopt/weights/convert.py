@@ -13,7 +13,16 @@ from torch import nn
 
 from slimopt.weights.int8_linear import Int8Linear
 
-__all__ = ["int8_weights", "to_int8"]
+__all__ = ["embedding_modules", "int8_weights", "to_int8"]
+
+
+def embedding_modules(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    """(the output layer, the input embedding) of a transformers model, each None where it has none."""
+    out = []
+    for getter in ("get_output_embeddings", "get_input_embeddings"):
+        get = getattr(model, getter, None)
+        out.append(get() if callable(get) else None)
+    return out[0], out[1]
 
 
 def int8_weights(model: nn.Module, embeddings: bool = False) -> list[tuple[str, nn.Parameter]]:
@@ -23,10 +32,7 @@ def int8_weights(model: nn.Module, embeddings: bool = False) -> list[tuple[str, 
     prefix = getattr(model, "base_model_prefix", "")
     body = getattr(model, prefix, None) if prefix else None
     body = body if isinstance(body, nn.Module) else model
-    get_out = getattr(model, "get_output_embeddings", None)
-    get_in = getattr(model, "get_input_embeddings", None)
-    out_emb = get_out() if callable(get_out) else None
-    in_emb = get_in() if callable(get_in) else None
+    out_emb, in_emb = embedding_modules(model)
     chosen: dict[int, tuple[str, nn.Parameter]] = {}
     names = {id(p): n for n, p in model.named_parameters()}
     for path, mod in body.named_modules():

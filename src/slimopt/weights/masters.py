@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from slimopt.optim.algorithm.noise import CounterStream, mix_seed
 from slimopt.optim.optimizer import SlimOptimizer
 from slimopt.optim.recipes import param_groups
-from slimopt.weights.convert import int8_weights, to_int8
+from slimopt.weights.convert import embedding_modules, int8_weights, to_int8
 from slimopt.weights.int8_linear import Int8Linear
 from slimopt.weights.row_grads import RowRoute, route_rows
 
@@ -220,15 +220,13 @@ class MasterWeights:
         """The output layer's gradient to its host master a slice of rows at a time, where a loss computes it so
         (the vocabulary-sliced loss): one slice on the device instead of (V, h). Not for a weight tied to the
         input embedding, whose gradient has a second part."""
-        get_out, get_in = getattr(model, "get_output_embeddings", None), getattr(model, "get_input_embeddings", None)
-        head = get_out() if callable(get_out) else None
+        head, embedding = embedding_modules(model)
         weight = getattr(head, "weight", None)
-        embedding = get_in() if callable(get_in) else None
         name = self._name_of.get(id(weight))
         if name is None or weight is getattr(embedding, "weight", None):
             return
         self._hooks.append(route_rows(weight, RowRoute(ready=lambda: self._wait((name,)),
-                                                       rows=lambda start, grad: self._arrive_rows(name, start, grad),
+                                                       rows=lambda start, grad: self._arrive(name, grad, start),
                                                        done=lambda: self._rows_done(name))))
 
     def _log(self, what: str, name: str) -> None:
@@ -236,29 +234,25 @@ class MasterWeights:
             with self._lock:
                 self.events.append((time.perf_counter() - self._t0, what, name))
 
-    def _arrive(self, name: str, grad: Tensor) -> None:
-        """A gradient (or a micro-batch's part of it) leaves the device: added into the master's .grad."""
+    def _arrive(self, name: str, grad: Tensor, start: int | None = None) -> None:
+        """A gradient (or a micro-batch's part of it) leaves the device: added into the master's .grad; with
+        `start`, rows [start, start + len(grad)) of it (a row route), written the window's first pass."""
         if grad is None:
             return
         self._wait((name,))  # a step of this master still running reads its .grad
         master = self.masters[name]
         host = grad.detach().to(device=master.device, dtype=master.dtype)
-        if master.grad is None:
-            master.grad = host
-        else:
-            master.grad.add_(host)
-        self._log("grad", name)
-
-    def _arrive_rows(self, name: str, start: int, grad: Tensor) -> None:
-        """Rows [start, start + len(grad)) of a gradient leave the device (a row route): written into the master's
-        .grad (added from the window's second backward pass on)."""
-        self._wait((name,))
-        master = self.masters[name]
+        if start is None:
+            if master.grad is None:
+                master.grad = host
+            else:
+                master.grad.add_(host)
+            self._log("grad", name)
+            return
         if master.grad is None:
             master.grad = torch.empty(master.shape, dtype=master.dtype, device=master.device)
             self._filling.add(name)
         rows = master.grad[start: start + grad.shape[0]]
-        host = grad.detach().to(device=master.device, dtype=master.dtype)
         rows.copy_(host) if name in self._filling else rows.add_(host)
         self._log("grad rows", name)
 

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["Rows", "is_sharded", "chunk_bounds", "rows_of", "all_reduce", "reduce_scatter_rows", "gather_rows",
-           "gather_rows_to_root", "broadcast", "chosen_per_rank", "gather_var_rows", "chunk_rows", "chunks_of",
-           "padded_to_chunks"]
+           "gather_rows_to_root", "broadcast", "chosen_per_rank", "gather_var_rows", "gather_equal", "chunk_rows",
+           "chunks_of", "padded_to_chunks"]
 
 
 def is_sharded(t: Any) -> bool:
@@ -197,6 +197,13 @@ def chosen_per_rank(index: Tensor, rows: Rows) -> list[int]:
         s, e = chunk_bounds(rows.total, rows.world, r)
         out.append(int(((index >= s) & (index < e)).sum().item()))
     return out
+
+
+def gather_equal(t: Tensor, rows: Rows) -> Tensor:
+    """All-gather a 1-D tensor as long on every rank of the group: (world, its length), row r rank r's."""
+    out = t.new_empty(rows.world * t.numel())
+    dist.all_gather_into_tensor(out, t.contiguous(), group=rows.group)
+    return out.view(rows.world, t.numel())
 
 
 def gather_var_rows(local: Tensor, rows: Rows, counts: list[int]) -> Tensor:

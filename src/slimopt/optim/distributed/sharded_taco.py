@@ -8,9 +8,9 @@ TACO picks, per column, the entry of largest magnitude over all rows, and rows l
 - with a history of k components per column (``taco.update``), each rank keeps the history of its chunk of the
   columns (split as torch.chunk splits them, ``shardcomm.chunks_of``) and the step gathers every column's
   (``record``; ``prefetch``: one all-gather for all such weights of a step; k (row + value) + scale bytes a
-  column, 5 at the defaults); the stored entries'
-  gradients are all-reduced (k x n, each has one owner and the others add zeros, so the sum is exact) and the k
-  best candidates of all ranks are merged by k max-loc all-reduces (8 k n bytes, independent of the world size).
+  column, 5 at the defaults); the stored entries' gradients are all-reduced (k x n, each has one owner and the
+  others add zeros, so the sum is exact) and the k best candidates of all ranks are merged by k max-loc
+  all-reduces (8 k n bytes, independent of the world size).
   Steps 4-6 of ``taco.update`` then run on identical data on every rank, each rank applies the direction to the
   rows it holds and keeps its columns' new history (``keep_columns``).
 """
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slimopt.optim.algorithm import taco
-from slimopt.optim.distributed.shardcomm import Rows, all_reduce, chunks_of
+from slimopt.optim.distributed.shardcomm import Rows, all_reduce, chunks_of, gather_equal
 
 __all__ = ["pack_keys", "unpack_keys", "taco_direction", "merge_top_keys", "taco_update", "record", "keep_columns",
            "prefetch"]
@@ -89,9 +89,7 @@ def _gathered(entries) -> list[dict[str, Tensor]]:
             region[:, col: col + b].copy_(t.T.contiguous().reshape(-1).view(torch.uint8).view(cols.local, b))
             col += b
         at += size
-    every = mine.new_empty(first.world * mine.numel())
-    dist.all_gather_into_tensor(every, mine, group=first.group)
-    every = every.view(first.world, mine.numel())  # row r: rank r's chunks of every weight
+    every = gather_equal(mine, first)  # row r: rank r's chunks of every weight
     out, at = [], 0
     for (state, cols, n), w, size in zip(entries, widths, sizes):
         stacked = every[:, at: at + size].reshape(cols.world * cols.chunk, w)[:n]  # (n, bytes a column)
