@@ -123,8 +123,9 @@ static void map256_init(map256_t *t, const float *map) {
         }
 }
 
-/* out[i] = map[codes[i]] for i < n (n a multiple of 16) */
-static void map256_decode(const map256_t *t, const uint8_t *codes, int64_t n, float *out) {
+/* out[i] = map[codes[i]] for i < n (n a multiple of 16): called 64 codes at a time from the AdamW loop */
+static inline __attribute__((always_inline)) void map256_decode(const map256_t *t, const uint8_t *codes, int64_t n,
+                                                                float *out) {
     /* the two unpack rounds leave lane L of result r with elements 16 L + 4 r .. + 3: the codes permuted first so
      * that result r holds elements 16 r .. 16 r + 15 in order */
     uint8_t order[64];
@@ -612,27 +613,32 @@ static inline __attribute__((always_inline)) void adamw16_loop(const step_t *s, 
     reader16_t rm, rv;
     reader16_start(&rm, &s->codecs[0], t0, bounds[0]);
     reader16_start(&rv, &s->codecs[1], t0, bounds[1]);
+    const int m8 = (km >= 0 ? km : s->codecs[0].kind) == C_BLOCK8, v8 = (kv >= 0 ? kv : s->codecs[1].kind) == C_BLOCK8;
 #ifdef __AVX512VBMI__
-    /* an 8-bit moment's map values into its own buffer: element i is read there before its new value is written */
-    if ((km >= 0 ? km : s->codecs[0].kind) == C_BLOCK8) {
-        map256_decode(&maps->map[0], (const uint8_t *)s->codecs[0].data + t0, cnt, m);
-        rm.pre = m - t0;
-    }
-    if ((kv >= 0 ? kv : s->codecs[1].kind) == C_BLOCK8) {
-        map256_decode(&maps->map[1], (const uint8_t *)s->codecs[1].data + t0, cnt, v);
-        rv.pre = v - t0;
-    }
+    /* an 8-bit moment's map values into its own buffer, 64 at a time just before the loop reads them (the decode's
+     * permutes then overlap the update's divisions): element i is read there before its new value is written */
+    if (m8) rm.pre = m - t0;
+    if (v8) rv.pre = v - t0;
 #else
     (void)maps;
+    (void)m8;
+    (void)v8;
 #endif
     /* an fp32 moment is written in place (each element read before it is written), the others into the buffers */
     float *mout = (km >= 0 ? km : s->codecs[0].kind) == C_FP32 ? (float *)s->codecs[0].data + t0 : m;
     float *vout = (kv >= 0 ? kv : s->codecs[1].kind) == C_FP32 ? (float *)s->codecs[1].data + t0 : v;
-    for (int64_t i = 0; i < cnt; i += 16) {
-        __m512 mv, vv;
-        adamw16_vec(s, &k, &rm, &rv, t0 + i, &mv, &vv, km, kv, grad_dtype, param_dtype);
-        _mm512_storeu_ps(mout + i, mv);
-        _mm512_storeu_ps(vout + i, vv);
+    for (int64_t i0 = 0; i0 < cnt; i0 += 64) {
+        const int64_t end = cnt - i0 < 64 ? cnt : i0 + 64;
+#ifdef __AVX512VBMI__
+        if (m8) map256_decode(&maps->map[0], (const uint8_t *)s->codecs[0].data + t0 + i0, end - i0, m + i0);
+        if (v8) map256_decode(&maps->map[1], (const uint8_t *)s->codecs[1].data + t0 + i0, end - i0, v + i0);
+#endif
+        for (int64_t i = i0; i < end; i += 16) {
+            __m512 mv, vv;
+            adamw16_vec(s, &k, &rm, &rv, t0 + i, &mv, &vv, km, kv, grad_dtype, param_dtype);
+            _mm512_storeu_ps(mout + i, mv);
+            _mm512_storeu_ps(vout + i, vv);
+        }
     }
 }
 
