@@ -6,6 +6,7 @@ root is correctly rounded, torch's CPU square root is not always: one fp32 ulp i
 Windows, a path switch across a weights_only checkpoint, the count tables, and the fallback without a compiler.
 """
 
+import multiprocessing
 import os
 import re
 import shutil
@@ -475,6 +476,47 @@ def test_a_window_split_over_threads_gives_the_same_bits(counted, m, v, settings
                     assert torch.equal(t.view(-1).view(torch.uint8), opt_b.state[pb][key].view(-1).view(torch.uint8)), key
     if settings.get("param_rounding") != "kahan":  # a compensation an ulp apart: checked in its own test above
         _assert_same(opt_a, eager[1], a, eager[0], torch.bfloat16, 3)
+
+
+def _two_thread_steps(out=None) -> list[torch.Tensor]:
+    """An 8-bit AdamW window of 1.1M elements stepped 3 times, the last two at 2 threads: the weight and the state's
+    tensors. torch's own parallel work (the tensors made, the state allocated) runs at one thread: in a process
+    forked after the pool ran, torch's threaded ops would wait forever too."""
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(1000, 1100, generator=gen).to(torch.bfloat16))
+    grads = [(torch.randn(p.shape, generator=gen) * 0.1).to(torch.bfloat16) for _ in range(3)]
+    opt = slimopt.SlimOptimizer([p], lr=1e-2, codec="int8")
+    for step, g in enumerate(grads):
+        torch.set_num_threads(1 if step == 0 else 2)
+        p.grad = g
+        opt.step()
+    torch.set_num_threads(1)
+    tensors = [p.detach().clone()] + [t.clone() for t in opt.state[p].values() if torch.is_tensor(t)]
+    if out is not None:
+        torch.save(tensors, out)
+    return tensors
+
+
+def test_a_forked_process_steps_over_threads_of_its_own(tmp_path):
+    """Built with OpenMP the kernel runs on the process's OpenMP pool, whose threads a forked child does not have
+    (libgomp would wait on them forever): a child forked after a threaded step takes threads of its own and ends
+    with the parent's bits."""
+    if native.library() is None:
+        pytest.skip("the kernel cannot be built here (no C compiler)")
+    before = torch.get_num_threads()
+    try:
+        parent = _two_thread_steps()  # the pool has run
+        child = multiprocessing.get_context("fork").Process(target=_two_thread_steps, args=(tmp_path / "child.pt",))
+        child.start()
+        child.join(timeout=120)
+        if child.is_alive():
+            child.kill()
+        assert child.exitcode == 0, "the forked child did not finish its steps"
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(parent, torch.load(tmp_path / "child.pt", weights_only=True)):
+        assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ SOURCE = Path(__file__).parent / "kernels" / "elementwise_step.c"
 # -ffp-contract=off: only the fma() calls fuse, as torch's kernels do; -fno-math-errno lets sqrtf vectorize
 FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-math-errno"]
 NATIVE_FLAGS = ["-march=native", "-mprefer-vector-width=512"]  # dropped when the compiler does not know it
+OPENMP_FLAGS = ["-fopenmp"]  # a window split over the OpenMP pool torch's CPU wheels run on (else pthreads)
 
 # the kernel's ids and tables: routes/abi.py
 _RULES, _MOMENT_KEYS, _FREE_RULES, _LIFT_RULES = abi.RULES, abi.MOMENT_KEYS, abi.FREE_RULES, abi.LIFT_RULES
@@ -121,19 +122,21 @@ class _BuildFailed(Exception):
 
 def _build(native_flags: list[str] = NATIVE_FLAGS) -> tuple[ctypes.CDLL | None, str]:
     """(library, "") or (None, why). native_flags: what targets this machine (without them if the compiler
-    refuses them); tests build the kernel with fewer instruction sets too, to run each of its code paths."""
+    refuses them), with OpenMP where the compiler has it; tests build the kernel with fewer instruction sets too,
+    to run each of its code paths."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
         return None, "no C compiler found (set CC, or install gcc or clang)"
     source = b"".join(path.read_bytes() for path in sorted(SOURCE.parent.iterdir()) if path.suffix in (".c", ".h"))
-    key = hashlib.sha256(source + " ".join([cc, *FLAGS, *native_flags, _machine()]).encode()).hexdigest()[:16]
+    flags = " ".join([cc, *FLAGS, *native_flags, *OPENMP_FLAGS, _machine()])
+    key = hashlib.sha256(source + flags.encode()).hexdigest()[:16]
     target = cache_root() / "native" / f"elementwise_step-{key}.so"
     if not target.exists():
         try:
             # atomic: a concurrent build or a crash never leaves half a library
             with atomic_path(target, suffix=".so") as tmp:
                 error = ""
-                for extra in (native_flags, []):
+                for extra in (native_flags + OPENMP_FLAGS, native_flags, OPENMP_FLAGS, []):
                     proc = subprocess.run([cc, *FLAGS, *extra, "-o", str(tmp), str(SOURCE), "-lm"],
                                           capture_output=True, text=True)
                     if proc.returncode == 0:

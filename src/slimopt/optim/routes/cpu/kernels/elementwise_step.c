@@ -752,6 +752,38 @@ static void *run_part(void *arg) {
 #define MIN_PER_THREAD 262144  /* elements: below this a thread costs more to start than it saves */
 #define MAX_THREADS 64
 
+#ifdef _OPENMP
+/* A process forked from one whose OpenMP pool had run has a pool of threads that no longer exist: libgomp waits on
+ * them forever. There the kernel starts its own threads, as a build without OpenMP does. */
+static volatile int forked_child = 0;
+static void mark_forked_child(void) { forked_child = 1; }
+__attribute__((constructor)) static void watch_fork(void) { pthread_atfork(NULL, NULL, mark_forked_child); }
+#endif
+
+/* fn(job t) for each t < threads, jobs an array of `threads` records of `size` bytes, each on a thread of its own.
+ * Built with OpenMP, the threads of the process's OpenMP pool: torch's own where torch runs on libgomp (the
+ * library is loaded once by its name), so no thread is started per call and none of torch's is left spinning on
+ * the cores these need (docs/benchmarks.md, "The host step at a LLaMA-7B layer's shapes"). Otherwise, or in a
+ * forked child, threads started here; one that cannot start leaves its job to this thread. */
+static void run_on_threads(void *(*fn)(void *), void *jobs, size_t size, int64_t threads) {
+    char *job = (char *)jobs;
+#ifdef _OPENMP
+    if (!forked_child) {
+#pragma omp parallel for num_threads((int)threads) schedule(static, 1)
+        for (int64_t t = 0; t < threads; t++) fn(job + t * size);
+        return;
+    }
+#endif
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int64_t t = 1; t < threads; t++) started[t] = pthread_create(&ids[t], NULL, fn, job + t * size) == 0;
+    fn(job);
+    for (int64_t t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(ids[t], NULL);
+        else fn(job + t * size);
+    }
+}
+
 /* The step of one window. Returns 0, or -1 for arguments it does not know (or memory it could not get).
  *
  * With s->threads > 1 the window is cut into groups of whole tiles (and, for a factored moment, whole rows), at
@@ -828,8 +860,6 @@ int slimopt_elementwise_step(step_t *s) {
         return rc;
     }
     part_t jobs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     for (int64_t t = 0; t < threads; t++) {
         jobs[t].s = *s;
         jobs[t].tile = tile;
@@ -840,15 +870,9 @@ int slimopt_elementwise_step(step_t *s) {
         jobs[t].col_parts[1] = parts[1];
         jobs[t].rc = 0;
     }
-    for (int64_t t = 1; t < threads; t++)  /* a thread that cannot start leaves its part to this one */
-        started[t] = pthread_create(&ids[t], NULL, run_part, &jobs[t]) == 0;
-    run_part(&jobs[0]);
-    int rc = jobs[0].rc;
-    for (int64_t t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(ids[t], NULL);
-        else run_part(&jobs[t]);
-        rc = rc != 0 ? rc : jobs[t].rc;
-    }
+    run_on_threads(run_part, jobs, sizeof jobs[0], threads);
+    int rc = 0;
+    for (int64_t t = 0; t < threads; t++) rc = rc != 0 ? rc : jobs[t].rc;
     for (int k = 0; k < s->n_codecs; k++) {
         if (parts[k] == NULL) continue;
         const int64_t cols = s->codecs[k].cols;

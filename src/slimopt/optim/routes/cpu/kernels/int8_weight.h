@@ -104,18 +104,10 @@ int slimopt_quantize_int8(const int8q_t *q) {
     if (threads > numel / MIN_PER_THREAD) threads = numel / MIN_PER_THREAD > 1 ? numel / MIN_PER_THREAD : 1;
     if (threads > q->rows) threads = q->rows > 1 ? q->rows : 1;
     int8q_part_t parts[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     for (int64_t t = 0; t < threads; t++)
         parts[t] = (int8q_part_t){q, q->rows * t / threads, q->rows * (t + 1) / threads, 0};
-    for (int64_t t = 1; t < threads; t++)
-        started[t] = pthread_create(&ids[t], NULL, int8q_rows, &parts[t]) == 0;
-    int8q_rows(&parts[0]);
-    int rc = parts[0].rc;
-    for (int64_t t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(ids[t], NULL);
-        else int8q_rows(&parts[t]);
-        rc = rc != 0 ? rc : parts[t].rc;
-    }
+    run_on_threads(int8q_rows, parts, sizeof parts[0], threads);
+    int rc = 0;
+    for (int64_t t = 0; t < threads; t++) rc = rc != 0 ? rc : parts[t].rc;
     return rc;
 }
