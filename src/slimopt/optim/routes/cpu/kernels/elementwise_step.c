@@ -749,7 +749,9 @@ static void *run_part(void *arg) {
     return NULL;
 }
 
-#define MIN_PER_THREAD 262144  /* elements: below this a thread costs more to start than it saves */
+/* elements: a thread's share is whole groups of about this many (a pool thread wakes in microseconds; a group
+ * takes 50-100) */
+#define GROUP_ELEMENTS 65536
 #define MAX_THREADS 64
 
 #ifdef _OPENMP
@@ -816,7 +818,7 @@ int slimopt_elementwise_step(step_t *s) {
         c->pairs = pairs[k];
     }
     const int64_t tile = align * (MAX_TILE / 16 > align ? MAX_TILE / 16 / align : 1);
-    /* a group: whole tiles and whole rows of every factored moment, about MIN_PER_THREAD / 4 elements */
+    /* a group: whole tiles and whole rows of every factored moment, about GROUP_ELEMENTS */
     int64_t unit = tile;
     int factored = 0;
     for (int k = 0; k < s->n_codecs; k++)
@@ -824,10 +826,9 @@ int slimopt_elementwise_step(step_t *s) {
             unit = unit / gcd(unit, s->codecs[k].cols) * s->codecs[k].cols;
             factored = 1;
         }
-    const int64_t group = unit * (MIN_PER_THREAD / 4 > unit ? MIN_PER_THREAD / 4 / unit : 1);
+    const int64_t group = unit * (GROUP_ELEMENTS > unit ? GROUP_ELEMENTS / unit : 1);
     const int64_t groups = (s->n + group - 1) / group;
     int64_t threads = s->threads < 1 ? 1 : s->threads > MAX_THREADS ? MAX_THREADS : s->threads;
-    if (threads > s->n / MIN_PER_THREAD) threads = s->n / MIN_PER_THREAD > 1 ? s->n / MIN_PER_THREAD : 1;
     if (threads > groups) threads = groups > 1 ? groups : 1;  /* an empty window (a rank's empty shard) too */
     if (!factored && threads == 1) return step_range(s, tile, 0, s->n);
 

@@ -101,7 +101,7 @@ int slimopt_quantize_int8(const int8q_t *q) {
     if (q->rows < 0 || q->cols < 1 || q->group < 0 || (q->w_dtype != D_FP32 && q->w_dtype != D_BF16)) return -1;
     int64_t threads = q->threads < 1 ? 1 : q->threads > MAX_THREADS ? MAX_THREADS : q->threads;
     const int64_t numel = q->rows * q->cols;
-    if (threads > numel / MIN_PER_THREAD) threads = numel / MIN_PER_THREAD > 1 ? numel / MIN_PER_THREAD : 1;
+    if (threads > numel / GROUP_ELEMENTS) threads = numel / GROUP_ELEMENTS > 1 ? numel / GROUP_ELEMENTS : 1;
     if (threads > q->rows) threads = q->rows > 1 ? q->rows : 1;
     int8q_part_t parts[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
