@@ -365,23 +365,33 @@ static inline double block_sum16(const float *x, int64_t n, int squares) {
 }
 
 /* Every block's scale (absmax, or the mean or root mean square of |x| over its cnt real values, as encode), stored,
- * and its divisor into divs: all blocks first, so that their reductions, square roots and reciprocals overlap */
+ * and its divisor into divs. In passes over all blocks (their reductions; the means' divisions and square roots
+ * eight blocks a register; the stores), so that no block waits on the latency of the one before it. */
 static void block_divisors(codec_t *c, int64_t off, int64_t cnt, const float *x, block_div_t *divs) {
-    const int64_t B = c->block, padded = (cnt + B - 1) / B * B;
-    for (int64_t b0 = 0; b0 < padded; b0 += B) {
-        int32_t top;
-        uint32_t low;
-        block_magnitudes(x + b0, B, &top, &low);
-        float scale;
-        if (c->scale_kind == S_ABSMAX) {
-            memcpy(&scale, &top, 4);
-        } else {
-            const double acc = block_sum16(x + b0, B, c->scale_kind == S_RMS);
-            const double k = (double)(cnt - b0 < B ? cnt - b0 : B);
-            scale = c->scale_kind == S_MEAN ? (float)(acc / k) : (float)sqrt(acc / k);
-        }
-        divs[b0 / B] = block_divisor(store_scale(c, (off + b0) / B, scale), top, low);
+    const int64_t B = c->block, blocks = (cnt + B - 1) / B;
+    int32_t top[MAX_TILE / 16];
+    uint32_t low[MAX_TILE / 16];
+    double acc[MAX_TILE / 16 + 8];
+    float scale[MAX_TILE / 16 + 8];
+    for (int64_t b = 0; b < blocks; b++) {
+        block_magnitudes(x + b * B, B, &top[b], &low[b]);
+        if (c->scale_kind != S_ABSMAX) acc[b] = block_sum16(x + b * B, B, c->scale_kind == S_RMS);
     }
+    if (c->scale_kind == S_ABSMAX) {
+        memcpy(scale, top, 4 * (size_t)blocks);
+    } else {
+        for (int64_t b = 0; b < blocks; b += 8) {  /* (float)(acc / k) or (float)sqrt(acc / k), k the real values */
+            double k[8];
+            for (int j = 0; j < 8; j++) {
+                const int64_t left = cnt - (b + j) * B;
+                k[j] = (double)(left < B ? (left > 0 ? left : 1) : B);
+            }
+            __m512d q = _mm512_div_pd(_mm512_loadu_pd(acc + b), _mm512_loadu_pd(k));
+            if (c->scale_kind == S_RMS) q = _mm512_sqrt_pd(q);
+            _mm256_storeu_ps(scale + b, _mm512_cvtpd_ps(q));
+        }
+    }
+    for (int64_t b = 0; b < blocks; b++) divs[b] = block_divisor(store_scale(c, off / B + b, scale[b]), top[b], low[b]);
 }
 
 /* encode() of a block codec, vectorized: x holds cnt values (padded here with zeros to whole blocks) */
