@@ -83,22 +83,35 @@ static inline __m512 adamw_denom(__m512 v, __m512 b2s, __m512 y, __m512 eps, int
 }
 
 /* Element e + j of a base-3 packed array, for e = 5 q + phase: digit d = (phase + j) % 5 of byte q + (phase + j) / 5,
- * which is floor(byte / 3^d) mod 3: floor(byte / 3^d) = (byte * TRIT_MAGIC) >> 16, TRIT_MAGIC = ceil(2^16 / 3^d)
- * (exact for every byte: the product's excess stays below 3^-d), and the mod by the same rule for d = 1.
- * Arithmetic, not a table: a gather is slow on AMD's Zen 4 (docs/benchmarks.md, "On AMD Zen 4"). */
-static int32_t TRIT_BYTE[5][16], TRIT_MAGIC[5][16];
+ * which is floor(byte / 3^d) mod 3: floor(byte / 3^d) = ((byte + TRIT_ADD) * TRIT_MAGIC) >> 16, TRIT_MAGIC =
+ * ceil(2^16 / 3^d) and TRIT_ADD = 0 for d > 0 (exact for every byte: the product's excess stays below 3^-d), 65535
+ * and 1 for d = 0 (b + 1 - (b + 1) / 2^16 floors to b), so that every factor fits 16 bits; the mod by the same rule
+ * for d = 1. Arithmetic, not a table: a gather is slow on AMD's Zen 4 (docs/benchmarks.md, "On AMD Zen 4"). */
+static int32_t TRIT_BYTE[5][16], TRIT_MAGIC[5][16], TRIT_ADD[5][16];
 
 static void init_trit_lanes(void) {
-    static const int32_t magic[5] = {65536, 21846, 7282, 2428, 810};
+    static const int32_t magic[5] = {65535, 21846, 7282, 2428, 810};
     for (int p = 0; p < 5; p++)
-        for (int j = 0; j < 16; j++) { TRIT_BYTE[p][j] = (p + j) / 5; TRIT_MAGIC[p][j] = magic[(p + j) % 5]; }
+        for (int j = 0; j < 16; j++) {
+            TRIT_BYTE[p][j] = (p + j) / 5;
+            TRIT_MAGIC[p][j] = magic[(p + j) % 5];
+            TRIT_ADD[p][j] = (p + j) % 5 == 0;
+        }
 }
 
-/* (16,) trits - 1 as fp32: -1, 0 or 1, of bytes b (int32, 0..255) at the digits whose magic is given */
-static inline __m512 trits16(__m512i b, __m512i magic) {
+/* (16,) trits - 1 as fp32: -1, 0 or 1, of bytes b (int32, 0..255) at the digits of phase p */
+static inline __m512 trits16(__m512i b, int64_t p) {
+    b = _mm512_add_epi32(b, _mm512_loadu_si512(TRIT_ADD[p]));
+    const __m512i magic = _mm512_loadu_si512(TRIT_MAGIC[p]);
+#ifdef __AVX512BW__  /* every factor in a lane's low 16 bits, its high 16 zero: the high half of 16-bit products */
+    const __m512i q = _mm512_mulhi_epu16(b, magic);
+    const __m512i third = _mm512_mulhi_epu16(q, _mm512_set1_epi32(21846));
+    const __m512i digit = _mm512_sub_epi32(q, _mm512_mullo_epi16(third, _mm512_set1_epi32(3)));
+#else
     const __m512i q = _mm512_srli_epi32(_mm512_mullo_epi32(b, magic), 16);
     const __m512i third = _mm512_srli_epi32(_mm512_mullo_epi32(q, _mm512_set1_epi32(21846)), 16);
     const __m512i digit = _mm512_sub_epi32(q, _mm512_add_epi32(third, _mm512_slli_epi32(third, 1)));
+#endif
     return _mm512_cvtepi32_ps(_mm512_sub_epi32(digit, _mm512_set1_epi32(1)));
 }
 
@@ -238,7 +251,7 @@ static inline __attribute__((always_inline)) __m512 reader16_next(reader16_t *r,
         const __mmask16 needed = (__mmask16)((1u << ((p + 15) / 5 + 1)) - 1);  /* the bytes these elements lie in */
         const __m512i four = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(needed, (const uint8_t *)c->data + r->byte));
         const __m512i b = _mm512_permutexvar_epi32(_mm512_loadu_si512(TRIT_BYTE[p]), four);
-        const __m512 x = _mm512_mul_ps(trits16(b, _mm512_loadu_si512(TRIT_MAGIC[p])), r->scale);
+        const __m512 x = _mm512_mul_ps(trits16(b, p), r->scale);
         r->byte += 3 + (p == 4);  /* 16 = 3 x 5 + 1 */
         r->phase = p == 4 ? 0 : p + 1;
         next_block16(r);
@@ -509,8 +522,8 @@ static void encode_ternary_sr16(codec_t *c, int64_t off, int64_t cnt, float *x) 
             const __mmask16 upper = _mm512_cmp_ps_mask(q, _mm512_setzero_ps(), _CMP_GE_OQ)
                                     | _mm512_cmp_ps_mask(q, q, _CMP_UNORD_Q);
             __m512 p = _mm512_sub_ps(q, _mm512_mask_mov_ps(_mm512_set1_ps(-1.0f), upper, _mm512_setzero_ps()));
-            p = _mm512_mask_mov_ps(p, _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps());
-            p = _mm512_mask_mov_ps(p, _mm512_cmp_ps_mask(p, _mm512_set1_ps(1.0f), _CMP_GT_OQ), _mm512_set1_ps(1.0f));
+            /* clamped to [0, 1]; a NaN p (of a NaN q) becomes 0, which rounds the same (u < p false either way) */
+            p = _mm512_min_ps(_mm512_max_ps(p, _mm512_setzero_ps()), _mm512_set1_ps(1.0f));
             const __m512i up = _mm512_maskz_mov_epi32(upper, one);
             const __m512i digit = _mm512_mask_add_epi32(up, _mm512_cmp_ps_mask(u, p, _CMP_LT_OQ), up, one);
             _mm_storeu_si128((__m128i *)(code + i), _mm512_cvtepi32_epi8(digit));
