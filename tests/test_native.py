@@ -191,7 +191,7 @@ def test_packed_tables_count_as_quant(name):
         packed = native._packed(table).long()
         key = Q._order_key(x).long()
         entry = packed[(key >> 16) + 32768]
-        count = (entry >> 17) + ((key & 0xFFFF) >= (entry & 0x1FFFF)).long()
+        count = (entry + (key & 0xFFFF)) >> 16
         assert torch.equal(count, table.count_le(x).long())
 
 

@@ -271,7 +271,8 @@ def applies(group: dict[str, Any], p: Tensor, grad: Tensor, codecs: list[tuple[s
 
 def _packed(table: Any) -> Tensor | None:
     """quant's count table of at most one point per range as one int32 look-up (see count_table_t in the C
-    source): base << 17 | the low 16 bits of the order key of the range's point (65536 for none)."""
+    source): (base + 1) << 16 minus the low 16 bits of the order key of the range's point (65536 for none), so
+    that the count is (entry + low16(key)) >> 16."""
     if table.extra > 1:
         return None
     n = table.padded.numel() - table.extra
@@ -279,7 +280,7 @@ def _packed(table: Any) -> Tensor | None:
     candidate = table.padded[base.clamp(max=max(0, n - 1))]
     inside = (base < n) & (Q._CountTable.range_of(candidate).long() == torch.arange(65536))
     low = torch.where(inside, Q._order_key(candidate).long() & 0xFFFF, torch.full_like(base, 65536))
-    return ((base << 17) | low).to(torch.int32)
+    return (((base + 1) << 16) - low).to(torch.int32)
 
 
 _TABLES: dict[str, tuple[Tensor, ...]] = {}

@@ -149,13 +149,13 @@ def _decode_factored(row, col, denom, offs, mask, cols):
 
 @triton.jit
 def _nearest_code(x, table, mask):
-    """The nearest map code of fp32 x through the count table (table: (65536,) int32, base << 17 | the low 16
-    bits of the range's decision point): quant.nearest_codes, NaN counted above every point."""
+    """The nearest map code of fp32 x through the count table (table: (65536,) int32, (base + 1) << 16 minus the
+    low 16 bits of the range's decision point): quant.nearest_codes, NaN counted above every point."""
     y = x + 0.0  # -0.0 -> +0.0
     bits = y.to(tl.int32, bitcast=True)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     e = tl.load(table + (key >> 16) + 32768, mask=mask, other=0)
-    return (e >> 17) + ((key & 0xFFFF) >= (e & 0x1FFFF)).to(tl.int32)
+    return (e + (key & 0xFFFF)) >> 16
 
 
 @triton.jit

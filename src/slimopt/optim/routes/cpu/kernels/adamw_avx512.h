@@ -291,10 +291,7 @@ static inline __m512i codes16_table(const codec_t *c, __m512 x, int signed_zero_
                                                                  _mm512_set1_epi32(0x7FFFFFFF)));
     /* the table's range index is (key >> 16) + 32768: the offset is in the base address */
     const __m512i e = _mm512_i32gather_epi32(_mm512_srai_epi32(key, 16), c->nearest.packed + 32768, 4);
-    const __mmask16 up = _mm512_cmp_epi32_mask(_mm512_and_si512(key, _mm512_set1_epi32(0xFFFF)),
-                                               _mm512_and_si512(e, _mm512_set1_epi32(0x1FFFF)), _MM_CMPINT_NLT);
-    const __m512i base = _mm512_srli_epi32(e, 17);
-    return _mm512_mask_add_epi32(base, up, base, _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(e, _mm512_and_si512(key, _mm512_set1_epi32(0xFFFF))), 16);
 }
 
 /* The same count for at most 15 points: a binary search in registers (count_le_compare's), round r comparing with

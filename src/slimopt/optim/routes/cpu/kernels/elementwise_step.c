@@ -63,9 +63,9 @@ typedef struct {
     const int32_t *base;  /* (65536,) */
     const float *points;  /* (n_points + extra,) */
     int32_t extra;
-    /* (65536,) or NULL; where no range holds more than one point: base[r] << 17 | t, t the low 16 bits of the
-     * order key of the point in range r (65536 if none), so that count = (packed >> 17) + (low16(key) >= t):
-     * one look-up instead of two dependent ones */
+    /* (65536,) or NULL; where no range holds more than one point: (base[r] + 1) << 16 - t, t the low 16 bits of
+     * the order key of the point in range r (65536 if none), so that count = (packed + low16(key)) >> 16 (the
+     * carry out of the low 16 bits is low16(key) >= t): one look-up instead of two dependent ones */
     const int32_t *packed;
     int32_t n_points;     /* the points before the NaN padding */
 } count_table_t;
@@ -255,15 +255,13 @@ static void count_le_many(const count_table_t *t, const float *x, int32_t *out, 
     /* the loop below, eight at a time: the gather is what the compiler will not emit on its own */
     const __m256 zero = _mm256_setzero_ps();
     const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF), half = _mm256_set1_epi32(32768);
-    const __m256i low16 = _mm256_set1_epi32(0xFFFF), low17 = _mm256_set1_epi32(0x1FFFF);
+    const __m256i low16 = _mm256_set1_epi32(0xFFFF);
     for (; i + 8 <= n; i += 8) {
         __m256i bits = _mm256_castps_si256(_mm256_add_ps(_mm256_loadu_ps(x + i), zero));
         __m256i key = _mm256_xor_si256(bits, _mm256_and_si256(_mm256_srai_epi32(bits, 31), magnitude));
         __m256i e = _mm256_i32gather_epi32(packed, _mm256_add_epi32(_mm256_srai_epi32(key, 16), half), 4);
-        /* low16(key) >= t  <=>  not (t > low16(key)); the mask is -1 where t > low16 */
-        __m256i below = _mm256_cmpgt_epi32(_mm256_and_si256(e, low17), _mm256_and_si256(key, low16));
-        __m256i count = _mm256_add_epi32(_mm256_srli_epi32(e, 17), _mm256_set1_epi32(1));
-        _mm256_storeu_si256((__m256i *)(out + i), _mm256_add_epi32(count, below));
+        const __m256i count = _mm256_srli_epi32(_mm256_add_epi32(e, _mm256_and_si256(key, low16)), 16);
+        _mm256_storeu_si256((__m256i *)(out + i), count);
     }
 #endif
     for (; i < n; i++) {
@@ -272,7 +270,7 @@ static void count_le_many(const count_table_t *t, const float *x, int32_t *out, 
         memcpy(&bits, &y, 4);
         int32_t key = bits ^ ((bits >> 31) & 0x7FFFFFFF);
         int32_t e = packed[(key >> 16) + 32768];
-        out[i] = (int32_t)((uint32_t)e >> 17) + ((key & 0xFFFF) >= (e & 0x1FFFF));
+        out[i] = (e + (key & 0xFFFF)) >> 16;
     }
 }
 
