@@ -641,14 +641,13 @@ static inline __attribute__((always_inline)) void adamw16_loop(const step_t *s, 
     if (v8) rv.pre = v - t0;
 #else
     (void)maps;
-    (void)m8;
-    (void)v8;
 #endif
     /* an fp32 moment is written in place (each element read before it is written), the others into the buffers */
     float *mout = (km >= 0 ? km : s->codecs[0].kind) == C_FP32 ? (float *)s->codecs[0].data + t0 : m;
     float *vout = (kv >= 0 ? kv : s->codecs[1].kind) == C_FP32 ? (float *)s->codecs[1].data + t0 : v;
-    for (int64_t i0 = 0; i0 < cnt; i0 += 64) {
-        const int64_t end = cnt - i0 < 64 ? cnt : i0 + 64;
+    const int64_t chunk = m8 || v8 ? 64 : cnt;  /* one loop over the run where no codes are decoded in chunks */
+    for (int64_t i0 = 0; i0 < cnt; i0 += chunk) {
+        const int64_t end = cnt - i0 < chunk ? cnt : i0 + chunk;
 #ifdef __AVX512VBMI__
         if (m8) map256_decode(&maps->map[0], (const uint8_t *)s->codecs[0].data + t0 + i0, end - i0, m + i0);
         if (v8) map256_decode(&maps->map[1], (const uint8_t *)s->codecs[1].data + t0 + i0, end - i0, v + i0);
