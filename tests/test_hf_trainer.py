@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import tiny_bert as seeded_bert
 from helpers import tiny_llama
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from slimopt.finetune import hf
 from slimopt.optim.recipes import METHODS
@@ -287,6 +287,10 @@ def test_trainer_trains_int8_weights_with_host_masters(tmp_path, dataset):
 
     model, opt, trainer = _int8_trainer(tmp_path, dataset, max_steps=12, learning_rate=3e-3, save_strategy="no",
                                         logging_steps=1, warmup_steps=2)
+    trainer.callback_handler.callbacks.insert(0, opt.grad_norm_callback())
+    seen = []  # what a reporter after it receives
+    trainer.add_callback(type("Seen", (TrainerCallback,), {"on_log": lambda self, a, s, c, logs=None, **k:
+                                                           seen.append(logs.get("grad_norm"))})())
     # attention and MLP weights int8; the head, and the pooler it reads, in their dtype
     assert sum(isinstance(m, Int8Linear) for m in model.bert.encoder.modules()) == 6 * 2  # 2 layers
     assert [n for n, m in model.named_modules() if type(m) is torch.nn.Linear] == ["bert.pooler.dense",
@@ -302,6 +306,10 @@ def test_trainer_trains_int8_weights_with_host_masters(tmp_path, dataset):
     assert opt.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
     assert opt.masters.optimizer.param_groups[0]["lr"] == pytest.approx(logs[-1]["learning_rate"])
     assert opt.masters.last_grad_norm is not None  # clipped by args.max_grad_norm inside the backward pass
+    # the masters' norm, not the 0 of the model's empty gradients, in the log and to every later callback
+    norms = [h["grad_norm"] for h in logs]
+    assert all(n > 0 for n in norms) and norms[-1] == opt.masters.last_grad_norm
+    assert [n for n in seen if n is not None] == norms  # (the run's summary log has no grad_norm)
 
 
 def test_trainer_resumes_int8_weights_with_host_masters_exactly(tmp_path, dataset):

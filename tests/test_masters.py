@@ -267,6 +267,21 @@ def test_clipping_modes(mode):
     host.close()
 
 
+def test_the_gradient_norm_is_measured_without_clipping():
+    """last_grad_norm is the window's global gradient norm with no clip set too (what a training loop logs):
+    the norm clip_grad_norm_ returns over the same gradients, accumulated over the window's backward passes."""
+    data = batches(2, seed=8)
+    model, twin = tiny_llama(seed=0), tiny_llama(seed=0)
+    host = MasterWeights(model, "adamw", accumulation_steps=2)
+    for ids in data:
+        model(input_ids=ids, labels=ids).loss.backward()
+        twin(input_ids=ids, labels=ids).loss.backward()
+    host.synchronize()
+    expected = float(torch.nn.utils.clip_grad_norm_(list(twin.parameters()), float("inf")))
+    assert host.last_grad_norm == pytest.approx(expected, rel=1e-5)
+    host.close()
+
+
 @pytest.mark.parametrize("master", ["fp32", "bf16+int8"])
 def test_resume_continues_identically(master, tmp_path):
     data = batches(4, seed=9)

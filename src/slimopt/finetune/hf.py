@@ -104,6 +104,28 @@ class TrainerMasterWeights(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.masters.load_state_dict(state_dict)
 
+    def grad_norm_callback(self) -> Any:
+        """A ``transformers.TrainerCallback`` that logs the masters' gradient norm as the Trainer's ``grad_norm``.
+
+        The Trainer measures the norm on the model's parameters, whose gradients the masters took during the
+        backward pass: it would log 0. Insert it first, so that every reporter sees the real norm::
+
+            trainer.callback_handler.callbacks.insert(0, opt.grad_norm_callback())
+        """
+        from transformers import TrainerCallback
+
+        masters = self.masters
+
+        class MasterGradNorm(TrainerCallback):
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs is None or "grad_norm" not in logs:
+                    return
+                # the log as the Trainer recorded it (state.log_history) and as the callbacks after this one see it
+                for record in (logs, state.log_history[-1] if state.log_history else {}):
+                    record["grad_norm"] = masters.last_grad_norm
+
+        return MasterGradNorm()
+
 
 # --------------------------------------------------------------------------------------------------------------
 # optim_target_modules and optim_args
@@ -305,7 +327,8 @@ def make_optimizer(
             ``offload="host"`` the model is converted in place (its body's Linear weights int8, not the head) and a
             ``TrainerMasterWeights`` returned: every weight steps during the backward pass, with
             ``args.gradient_accumulation_steps`` and the clipping of ``args.max_grad_norm``; the Trainer's own
-            clipping then finds no gradient on the model and does nothing.
+            clipping then finds no gradient on the model and does nothing (its logged ``grad_norm``: see
+            ``TrainerMasterWeights.grad_norm_callback``).
         hparams: further SlimOptimizer settings; a key also given in optim_args is an error.
 
     Example (``model`` a BERT-style classifier)::

@@ -474,6 +474,8 @@ def _train_and_score(model, plan: MethodPlan, data, cfg: FinetuneConfig, setting
                           compute_metrics=data.compute_metrics, optimizers=(optimizer, None),
                           callbacks=[StepTimer()])
         trainer.remove_callback(PrinterCallback)  # the Trainer's own log lines; run_finetune prints a summary
+        if hasattr(optimizer, "grad_norm_callback"):  # host masters: their norm, not the model's empty gradients
+            trainer.callback_handler.callbacks.insert(0, optimizer.grad_norm_callback())
         started = time.perf_counter()
         train_out = trainer.train()
         train_s = time.perf_counter() - started

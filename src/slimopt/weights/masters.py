@@ -141,9 +141,11 @@ class MasterWeights:
         self.accumulation_steps, self.record = accumulation_steps, record
         self.overlap = overlap and not self.in_place  # on the device the step is queued on its stream already
         self.clip, self.clip_mode = None if clip is None else float(clip), clip_mode
-        self.last_grad_norm: float | None = None  # the unclipped global norm of the last window (with clip)
+        self.last_grad_norm: float | None = None  # the unclipped global gradient norm of the last window
         self.steps = self.micro_steps = 0
-        self._sq_norm, self._previous_coef = 0.0, 1.0
+        # the window's gradient norms, each a 0-dim tensor where its gradient is (no device sync before the end)
+        self._norms: list[Tensor] = []
+        self._previous_coef = 1.0
         self._handed = False
         self.events: list[tuple[float, str, str]] = []
         self._t0 = time.perf_counter()
@@ -281,13 +283,12 @@ class MasterWeights:
         return self.clip is not None and (self.clip_mode == "hold" or self.last_grad_norm is None)
 
     def _scale_by_previous(self, name: str) -> float | None:
-        """In "previous" mode: add the gradient's part of this window's norm; the scale the last window set."""
-        if self.clip is None:
-            return None
+        """Add the gradient's part of this window's norm (last_grad_norm, clipped or not); with clip, the scale
+        the last window set ("previous" mode), else None."""
         grad = self.masters[name].grad
         if grad is not None:
-            self._sq_norm += float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
-        return self._previous_coef
+            self._norms.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
+        return None if self.clip is None else self._previous_coef
 
     def _hand_over(self) -> None:
         """The front's hyperparameters (an lr schedule's latest) into the worker's groups, once no step of the
@@ -375,8 +376,7 @@ class MasterWeights:
         for name, master in self.masters.items():  # held steps, and a master whose gradient came early
             if master.grad is not None and name not in self._pending:
                 self._submit(name, 1.0 if held else self._scale_by_previous(name))
-        if self.clip is not None:
-            self._close_window(norm if held else self._sq_norm ** 0.5)
+        self._close_window(norm if held else sum(float(n) ** 2 for n in self._norms) ** 0.5)
         self.steps += 1
         self._handed = False
         # torch's lr schedulers warn when scheduler.step() comes before any optimizer.step(): one happened
@@ -385,8 +385,8 @@ class MasterWeights:
     def _close_window(self, norm: float) -> None:
         """Record the window's unclipped norm; the scale the next window's gradients take in "previous" mode."""
         self.last_grad_norm = norm
-        self._previous_coef = min(1.0, self.clip / (norm + 1e-6))
-        self._sq_norm = 0.0
+        self._previous_coef = 1.0 if self.clip is None else min(1.0, self.clip / (norm + 1e-6))
+        self._norms = []
 
     # ------------------------------------------------------------------------------------------------------------
 
