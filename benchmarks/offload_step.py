@@ -65,8 +65,8 @@ class Offloaded:
             self.host.masters[name].grad = g.clone()
 
     def step(self) -> None:
-        for name in self.names:
-            self.host._step(name)  # the worker's whole job for one weight: its step and its int8 write
+        for name in self.names:  # what the host does as each gradient arrives: its step and its int8 write
+            self.host._submit(name)
 
 
 class TorchFused:
