@@ -387,6 +387,7 @@ static void block_divisors(codec_t *c, int64_t off, int64_t cnt, const float *x,
         block_magnitudes(x + b * B, B, &top[b], &low[b]);
         if (c->scale_kind != S_ABSMAX) acc[b] = block_sum16(x + b * B, B, c->scale_kind == S_RMS);
     }
+    for (int64_t b = blocks; b < blocks + 8; b++) acc[b] = 0.0;  /* the last register's lanes past the blocks */
     if (c->scale_kind == S_ABSMAX) {
         memcpy(scale, top, 4 * (size_t)blocks);
     } else {
