@@ -276,13 +276,13 @@ class MasterWeights:
             self._task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if (self.micro_steps + 1) % self.accumulation_steps == 0 and not self._holding():
-            self._submit(name, self._scale_by_previous(name))
+            self._submit(name, self._measure_and_scale(name))
 
     def _holding(self) -> bool:
         """Whether this window's steps wait for its global gradient norm."""
         return self.clip is not None and (self.clip_mode == "hold" or self.last_grad_norm is None)
 
-    def _scale_by_previous(self, name: str) -> float | None:
+    def _measure_and_scale(self, name: str) -> float | None:
         """Add the gradient's part of this window's norm (last_grad_norm, clipped or not); with clip, the scale
         the last window set ("previous" mode), else None."""
         grad = self.masters[name].grad
@@ -375,7 +375,7 @@ class MasterWeights:
             norm = float(torch.nn.utils.clip_grad_norm_(with_grads, self.clip)) if with_grads else 0.0
         for name, master in self.masters.items():  # held steps, and a master whose gradient came early
             if master.grad is not None and name not in self._pending:
-                self._submit(name, 1.0 if held else self._scale_by_previous(name))
+                self._submit(name, 1.0 if held else self._measure_and_scale(name))
         self._close_window(norm if held else sum(float(n) ** 2 for n in self._norms) ** 0.5)
         self.steps += 1
         self._handed = False

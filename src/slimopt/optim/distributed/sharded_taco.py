@@ -67,9 +67,11 @@ def prefetch(items) -> dict[int, dict[str, Tensor]]:
     return out
 
 
-def _fields(state) -> list[Tensor]:
-    """The history's tensors as (k, c) each (the scales as (1, c)), in the order they are packed."""
-    return [state["taco_rows"], state["taco_values"], state["taco_absmax"].reshape(1, -1)]
+def _fields(state) -> list[tuple[Tensor, int]]:
+    """The history's tensors as (k, c) each (the scales as (1, c)), in the order they are packed, each with its
+    bytes a column."""
+    fields = [state["taco_rows"], state["taco_values"], state["taco_absmax"].reshape(1, -1)]
+    return [(t, t.shape[0] * t.element_size()) for t in fields]
 
 
 def _gathered(entries) -> list[dict[str, Tensor]]:
@@ -77,25 +79,23 @@ def _gathered(entries) -> list[dict[str, Tensor]]:
     every rank's chunks, each weight's padded to its chunk size. A weight's columns travel as bytes, (c, bytes a
     column): its rows, values and scale side by side; torch.chunk pads only the last columns, so the first n of
     the ranks' stacked chunks are the weight's."""
-    widths = [sum(t.shape[0] * t.element_size() for t in _fields(state)) for state, _, _ in entries]
+    fields = [_fields(state) for state, _, _ in entries]
+    widths = [sum(b for _, b in f) for f in fields]
     sizes = [cols.chunk * w for (_, cols, _), w in zip(entries, widths)]
-    first = entries[0][1]
     mine = torch.zeros(sum(sizes), dtype=torch.uint8, device=entries[0][0]["taco_rows"].device)
     at = 0
-    for (state, cols, _), w, size in zip(entries, widths, sizes):
+    for (_, cols, _), f, w, size in zip(entries, fields, widths, sizes):
         region, col = mine[at: at + cols.local * w].view(cols.local, w), 0
-        for t in _fields(state):
-            b = t.shape[0] * t.element_size()
+        for t, b in f:
             region[:, col: col + b].copy_(t.T.contiguous().reshape(-1).view(torch.uint8).view(cols.local, b))
             col += b
         at += size
-    every = gather_equal(mine, first)  # row r: rank r's chunks of every weight
+    every = gather_equal(mine, entries[0][1])  # row r: rank r's chunks of every weight
     out, at = [], 0
-    for (state, cols, n), w, size in zip(entries, widths, sizes):
+    for (_, cols, n), f, w, size in zip(entries, fields, widths, sizes):
         stacked = every[:, at: at + size].reshape(cols.world * cols.chunk, w)[:n]  # (n, bytes a column)
         whole, col = {}, 0
-        for key, t in zip(taco.KEYS, _fields(state)):
-            b = t.shape[0] * t.element_size()
+        for key, (t, b) in zip(taco.KEYS, f):
             part = stacked[:, col: col + b].contiguous().reshape(-1).view(t.dtype).view(n, t.shape[0]).T  # (k, n)
             whole[key] = part.contiguous() if key != "taco_absmax" else part.reshape(n)
             col += b
