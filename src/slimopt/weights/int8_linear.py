@@ -115,20 +115,31 @@ class Int8Linear(nn.Module):
         rounding, or stochastic from `noise`). Rounded where the weight is (a host master: the host), so only the
         int8 codes and the scales cross to the layer's device."""
         if weight.device.type == "cpu":  # the C kernel's writer (the same bytes), straight into CPU buffers
-            on_cpu = self.weight_codes.device.type == "cpu"
-            codes = self.weight_codes if on_cpu else torch.empty(self.weight_codes.shape, dtype=torch.int8)
-            scale = self.weight_scale if on_cpu else torch.empty(self.weight_scale.shape, dtype=torch.float32)
+            codes, scale = self.host_buffers()
             if native.quantize_int8(weight.detach().contiguous(), self.group, noise, codes, scale):
-                if on_cpu:  # written through a pointer: tell autograd, as copy_ would, that the buffers changed
-                    increment_version(self.weight_codes)
-                    increment_version(self.weight_scale)
-                else:
-                    self.weight_codes.copy_(codes)
-                    self.weight_scale.copy_(scale)
+                self.publish(codes, scale)
                 return
         codes, scale = int8_weight.quantize(weight, self.group, noise=noise)
         self.weight_codes.copy_(codes)
         self.weight_scale.copy_(scale)
+
+    def host_buffers(self) -> tuple[Tensor, Tensor]:
+        """Where a writer on the host puts this layer's codes and scales: the layer's own buffers on a CPU, new
+        host tensors for another device (``publish`` copies them there)."""
+        if self.weight_codes.device.type == "cpu":
+            return self.weight_codes, self.weight_scale
+        return (torch.empty(self.weight_codes.shape, dtype=torch.int8),
+                torch.empty(self.weight_scale.shape, dtype=torch.float32))
+
+    @torch.no_grad()
+    def publish(self, codes: Tensor, scale: Tensor) -> None:
+        """Make the codes and scales a host writer put into ``host_buffers``' tensors this layer's weight."""
+        if codes is self.weight_codes:  # written through a pointer: tell autograd, as copy_ would, that they changed
+            increment_version(self.weight_codes)
+            increment_version(self.weight_scale)
+        else:
+            self.weight_codes.copy_(codes)
+            self.weight_scale.copy_(scale)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The weight the layer computes with, dequantized to `dtype` (a new tensor)."""

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from slimopt.optim.algorithm.noise import CounterStream, mix_seed
 from slimopt.optim.optimizer import SlimOptimizer
 from slimopt.optim.recipes import param_groups
+from slimopt.optim.routes.cpu import native
 from slimopt.weights.convert import embedding_modules, int8_weights, to_int8
 from slimopt.weights.int8_linear import Int8Linear
 from slimopt.weights.row_grads import RowRoute, route_rows
@@ -328,6 +329,15 @@ class MasterWeights:
             master.data = _stand_in(master, master.device)
             # the device weight from the value the parts hold (what a resume writes too), not the step's fp32
             self._write(name, joined_master(*self._parts[name]))
+        elif name in self._layers:  # the int8 codes written by the step's own pass where its kernel allows
+            layer = self._layers[name]
+            codes, scale = layer.host_buffers()
+            with native.Int8Sink(master, layer.group, codes, scale) as sink:
+                self.optimizer.step_param(master, grad)
+            if sink.written:
+                layer.publish(codes, scale)
+            else:
+                layer.load_weight(master)
         else:
             self.optimizer.step_param(master, grad)
             self._write(name, master)

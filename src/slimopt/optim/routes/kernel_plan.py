@@ -321,7 +321,7 @@ def build_cpu(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str
     windows = [(i, key, codec, codec.open(key, state, p.shape)) for i, (key, codec) in enumerate(codecs)]
     weight, gradient = p.view(-1), grad.view(-1)
     steps = []
-    for start, stop in windowed.spans(p, group, codecs, rounding):
+    for start, stop in windowed.kernel_spans(p, group, codecs, rounding):
         s, _, buffers = native.prepare(weight[start:stop], gradient[start:stop], state, windows, start,
                                        _any_stream, group, comp=comp.view(-1)[start:stop] if comp is not None else None,
                                        gen=_any_stream(PARAM_STREAM, start) if rounding == "stochastic" else None)

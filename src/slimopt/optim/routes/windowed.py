@@ -84,6 +84,16 @@ def spans(p: Tensor, group: dict[str, Any], codecs: list[tuple[str, Any]], round
     return [(start, min(n, start + size)) for start in range(0, n, size)]
 
 
+def kernel_spans(p: Tensor, group: dict[str, Any], codecs: list[tuple[str, Any]], rounding: str
+                 ) -> list[tuple[int, int]]:
+    """The C kernel's windows of p: all of it where the kernel reads every moment in place (it allocates nothing
+    per element and splits a window over its threads itself; one window also lets it write an int8 weight's codes
+    row by row, ``native.Int8Sink``), else ``spans``. Windows are cut at whole blocks: the bits do not depend on them."""
+    if all(native.in_kernel(codec) for _, codec in codecs):
+        return [(0, p.numel())] if p.numel() else []
+    return spans(p, group, codecs, rounding)
+
+
 def in_windows(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
                codecs: list[tuple[str, Any]], age: int, stream: Callable[[int, int], CounterStream], rounding: str,
                comp: Tensor | None, one_pass: bool, batch: Any = None) -> None:
@@ -97,7 +107,7 @@ def in_windows(p: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[st
     if batch is not None:
         for *_, w in windows:
             w.defer_to(batch)
-    for start, stop in spans(p, group, codecs, rounding):
+    for start, stop in (kernel_spans if one_pass else spans)(p, group, codecs, rounding):
         gen = stream(PARAM_STREAM, start) if rounding == "stochastic" else None
         part = comp.view(-1)[start:stop] if comp is not None else None
         if one_pass:

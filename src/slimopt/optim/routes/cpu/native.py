@@ -34,7 +34,7 @@ from slimopt.optim.routes import abi
 
 __all__ = ["library", "in_kernel", "scratch_per_element", "kernel_declines", "kernel_applies", "declines", "applies",
            "window_step",
-           "column_best_applies", "column_best", "quantize_int8"]
+           "column_best_applies", "column_best", "quantize_int8", "Int8Sink"]
 
 SOURCE = Path(__file__).parent / "kernels" / "elementwise_step.c"
 # -ffp-contract=off: only the fma() calls fuse, as torch's kernels do; -fno-math-errno lets sqrtf vectorize
@@ -96,10 +96,12 @@ class _Step(ctypes.Structure):
                 ("rounding", ctypes.c_int32), ("comp", ctypes.c_void_p), ("wkey0", ctypes.c_uint32),
                 ("wkey1", ctypes.c_uint32), ("wcounter", ctypes.c_int64), ("codecs", _Codec * 2),
                 ("g", ctypes.c_void_p), ("g_dtype", ctypes.c_int32), ("up", ctypes.c_void_p),
-                ("lift_coef", ctypes.c_float), ("free_scale", ctypes.c_float), ("threads", ctypes.c_int32)]
+                ("lift_coef", ctypes.c_float), ("free_scale", ctypes.c_float), ("threads", ctypes.c_int32),
+                ("int8", ctypes.c_void_p), ("int8_written", ctypes.c_int32)]
 
 
 _lock = threading.Lock()
+_local = threading.local()  # .sink: the Int8Sink a step on this thread writes into, or None
 _state: dict[str, Any] = {}  # "lib": the loaded library or None once a build failed
 
 
@@ -507,8 +509,14 @@ def write_scalars(s: _Step, r: abi.StepScalars) -> float:
 
 
 def run(s: _Step, group: dict[str, Any], windows: list) -> None:
-    """Call the kernel on prepared arguments."""
-    if library().slimopt_elementwise_step(ctypes.byref(s)) != 0:
+    """Call the kernel on prepared arguments (a call that steps the whole weight of an open ``Int8Sink`` writes
+    its codes too)."""
+    sink = getattr(_local, "sink", None)
+    s.int8 = sink.address if sink is not None and sink.covers(s) else None
+    rc = library().slimopt_elementwise_step(ctypes.byref(s))
+    if s.int8 and s.int8_written:
+        sink.landed()
+    if rc != 0:
         raise RuntimeError(f"slimopt: the native element-wise step refused its arguments (rule "
                            f"{group['rule']!r}, codecs {[w[2].name for w in windows]}); run this group with "
                            "fused=False and report it")
@@ -556,6 +564,61 @@ def quantize_int8(w: Tensor, group: int, noise: CounterStream | None, codes: Ten
     if noise is not None:
         (q.key0, q.key1), q.counter = noise.key_words, noise.offset
     return lib.slimopt_quantize_int8(ctypes.byref(q)) == 0
+
+
+class Int8Sink:
+    """The int8 codes and scales of a weight written by its step's own pass (``kernels/int8_weight.h``; the bytes
+    of ``quantize_int8``), each row as soon as it is stepped, while it is in cache: the separate write read the
+    whole weight from memory again. A context manager: a kernel call on this thread that steps all of `w` (a
+    contiguous (rows, cols) fp32 or bf16 CPU tensor) writes `codes` (rows, cols) int8 and `scales` (rows, groups)
+    fp32, CPU, contiguous, nearest rounding. After it, ``written`` says whether they hold the rounding of w's
+    final value; where not (another route, a window, a NaN, w changed after), the caller writes them.
+
+        with native.Int8Sink(master, group, codes, scales) as sink:
+            optimizer.step_param(master, grad)
+        if not sink.written:
+            native.quantize_int8(master, group, None, codes, scales)
+    """
+
+    def __init__(self, w: Tensor, group: int, codes: Tensor, scales: Tensor) -> None:
+        rows, cols = w.shape
+        groups = 1 if group == 0 else -(-cols // group)
+        for t, dtype, shape in ((w, w.dtype, (rows, cols)), (codes, torch.int8, (rows, cols)),
+                                (scales, torch.float32, (rows, groups))):
+            if t.device.type != "cpu" or t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+                raise ValueError(f"Int8Sink needs contiguous CPU tensors: w {tuple(w.shape)} fp32 or bf16, codes "
+                                 f"{(rows, cols)} int8, scales {(rows, groups)} fp32; got {dtype} {tuple(t.shape)}")
+        if w.dtype not in _DTYPES:
+            raise ValueError(f"Int8Sink writes from an fp32 or bf16 weight, got {w.dtype}")
+        self.w, self._ptr, self._dtype = w, w.data_ptr(), _DTYPES[w.dtype]
+        self._q = _Int8Q(rows=rows, cols=cols, group=group, w=self._ptr, w_dtype=self._dtype,
+                         codes=codes.data_ptr(), scales=scales.data_ptr(), stochastic=0, threads=1)
+        self.address = ctypes.addressof(self._q)
+        self._keep = (codes, scales)
+        self._version: int | None = None  # w's version when the kernel last wrote the codes
+
+    def covers(self, s: _Step) -> bool:
+        """Whether the kernel call `s` steps all of the weight (not a window of it, not a direction buffer)."""
+        return (s.param == self._ptr and s.n == self.w.numel() and s.param_dtype == self._dtype
+                and not s.direction_only)
+
+    def landed(self) -> None:
+        self._version = self.w._version
+
+    @property
+    def written(self) -> bool:
+        """Whether codes and scales hold the rounding of w as it is now (written by its last kernel call, with no
+        change to w since)."""
+        return self._version == self.w._version and self.w.data_ptr() == self._ptr
+
+    def __enter__(self) -> Int8Sink:
+        if getattr(_local, "sink", None) is not None:
+            raise RuntimeError("one Int8Sink at a time on a thread")
+        self._version, _local.sink = None, self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _local.sink = None
 
 
 def taco_kernel_declines(group: dict[str, Any], dtype: torch.dtype, device_type: str) -> str | None:

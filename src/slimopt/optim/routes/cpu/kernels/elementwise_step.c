@@ -128,6 +128,10 @@ typedef struct {
     float lift_coef;
     float free_scale;
     int32_t threads;       /* worker threads the window may be split over (1: this thread only) */
+    /* or NULL: the weight's int8 codes and scales written from its new value in the step's pass, rows as soon as
+     * their group is stepped (still in cache); the window is the whole (rows, cols) weight (int8_weight.h) */
+    const struct int8q *int8;
+    int32_t int8_written;  /* out: 1 where every row's codes were written; 0 at a NaN or an infinity */
 } step_t;
 
 static float TRITS[256][5];  /* base-3 digits of every byte value minus 1 (the trits -1, 0, 1), lowest first */
@@ -731,18 +735,23 @@ static int step_range(step_t *s, int64_t tile, int64_t lo, int64_t hi) {
 typedef struct {
     step_t s;
     int64_t tile, group, g0, g1;
-    double *col_parts[2];  /* per factored codec: (groups, cols) fp64 column sums of each group, or NULL */
+    double *col_parts[2];  /* per factored codec: (groups of the round, cols) fp64 column sums, or NULL */
+    int64_t round0;        /* the round's first group: group g's sums are row g - round0 of col_parts */
     int rc;
+    int int8_bad;          /* step_group's */
 } part_t;
+
+static int step_group(step_t *s, int64_t tile, int64_t lo, int64_t hi, int *int8_bad);
 
 static void *run_part(void *arg) {
     part_t *p = (part_t *)arg;
     p->rc = 0;
     for (int64_t g = p->g0; g < p->g1 && p->rc == 0; g++) {
         for (int k = 0; k < p->s.n_codecs; k++)
-            if (p->col_parts[k] != NULL) p->s.codecs[k].col_sum = p->col_parts[k] + g * p->s.codecs[k].cols;
+            if (p->col_parts[k] != NULL)
+                p->s.codecs[k].col_sum = p->col_parts[k] + (g - p->round0) * p->s.codecs[k].cols;
         const int64_t lo = g * p->group, hi = lo + p->group < p->s.n ? lo + p->group : p->s.n;
-        p->rc = step_range(&p->s, p->tile, lo, hi);
+        p->rc = step_group(&p->s, p->tile, lo, hi, &p->int8_bad);
     }
     return NULL;
 }
@@ -751,6 +760,7 @@ static void *run_part(void *arg) {
  * takes 50-100) */
 #define GROUP_ELEMENTS 65536
 #define MAX_THREADS 64
+#define ROUND_GROUPS 16  /* groups a thread steps between two sums of a factored moment's column parts */
 
 #ifdef _OPENMP
 /* A process forked from one whose OpenMP pool had run has a pool of threads that no longer exist: libgomp waits on
@@ -784,6 +794,20 @@ static void run_on_threads(void *(*fn)(void *), void *jobs, size_t size, int64_t
     }
 }
 
+#include "int8_weight.h"
+
+/* Elements [lo, hi) of the window stepped, then, where the step writes int8 codes, the rows they complete (the
+ * group holds whole rows: slimopt_elementwise_step); *int8_bad set where a row held a NaN or an infinity (or no
+ * buffer could be had: the caller writes the codes). Returns step_range's code. */
+static int step_group(step_t *s, int64_t tile, int64_t lo, int64_t hi, int *int8_bad) {
+    const int rc = step_range(s, tile, lo, hi);
+    if (rc != 0 || s->int8 == NULL || *int8_bad) return rc;
+    int8q_part_t rows = {s->int8, lo / s->int8->cols, hi / s->int8->cols, 0};
+    int8q_rows(&rows);
+    *int8_bad = rows.rc != 0;
+    return rc;
+}
+
 /* The step of one window. Returns 0, or -1 for arguments it does not know (or memory it could not get).
  *
  * With s->threads > 1 the window is cut into groups of whole tiles (and, for a factored moment, whole rows), at
@@ -792,6 +816,7 @@ static void run_on_threads(void *(*fn)(void *), void *jobs, size_t size, int64_t
  * order, so the result is the same bits at any thread count; every other codec's block is whole in one tile and
  * its random numbers are drawn by element index. */
 int slimopt_elementwise_step(step_t *s) {
+    s->int8_written = 0;
     if (!trits_ready) {
 #ifdef __AVX512F__
         init_trit_lanes();
@@ -816,7 +841,7 @@ int slimopt_elementwise_step(step_t *s) {
         c->pairs = pairs[k];
     }
     const int64_t tile = align * (MAX_TILE / 16 > align ? MAX_TILE / 16 / align : 1);
-    /* a group: whole tiles and whole rows of every factored moment, about GROUP_ELEMENTS */
+    /* a group: whole tiles and whole rows of every factored moment and of the int8 weight, about GROUP_ELEMENTS */
     int64_t unit = tile;
     int factored = 0;
     for (int k = 0; k < s->n_codecs; k++)
@@ -824,24 +849,34 @@ int slimopt_elementwise_step(step_t *s) {
             unit = unit / gcd(unit, s->codecs[k].cols) * s->codecs[k].cols;
             factored = 1;
         }
+    if (s->int8 != NULL) {
+        const int8q_t *q = s->int8;
+        if (s->direction_only || q->rows * q->cols != s->n || q->w != s->param || q->w_dtype != s->param_dtype
+            || q->group < 0 || q->stochastic)
+            return -1;
+        unit = unit / gcd(unit, q->cols) * q->cols;
+    }
     const int64_t group = unit * (GROUP_ELEMENTS > unit ? GROUP_ELEMENTS / unit : 1);
     const int64_t groups = (s->n + group - 1) / group;
     int64_t threads = s->threads < 1 ? 1 : s->threads > MAX_THREADS ? MAX_THREADS : s->threads;
     if (threads > groups) threads = groups > 1 ? groups : 1;  /* an empty window (a rank's empty shard) too */
-    if (!factored && threads == 1) return step_range(s, tile, 0, s->n);
+    if (!factored && s->int8 == NULL && threads == 1) return step_range(s, tile, 0, s->n);
+    int int8_bad = 0;
 
-    /* one thread: a group's column sums in one buffer, added into col_sum before the next group (the same sums in
-     * the same order as below, without a buffer for every group) */
-    const int64_t buffered = threads == 1 ? 1 : groups;
+    /* one thread: a group's column sums in one buffer, added into col_sum before the next group. Several: rounds
+     * of ROUND_GROUPS groups a thread, each group's sums in a buffer of its own, added into col_sum in group order
+     * after the round. The same sums in the same order either way, in a buffer of bounded size. */
+    const int64_t per_round = factored ? threads * ROUND_GROUPS : groups;
+    const int64_t buffered = threads == 1 ? 1 : per_round < groups ? per_round : groups;
     double *parts[2] = {NULL, NULL};
     for (int k = 0; k < s->n_codecs; k++) {
         if (s->codecs[k].kind != C_FACTORED) continue;
         parts[k] = (double *)calloc((size_t)(buffered * s->codecs[k].cols), sizeof(double));
         if (parts[k] == NULL) { free(parts[0]); return -1; }
     }
+    int rc = 0;
     if (threads == 1) {
         step_t one = *s;  /* its own running row sums, as a thread's copy */
-        int rc = 0;
         for (int64_t g = 0; g < groups && rc == 0; g++) {
             for (int k = 0; k < s->n_codecs; k++)
                 if (parts[k] != NULL) {
@@ -849,37 +884,44 @@ int slimopt_elementwise_step(step_t *s) {
                     one.codecs[k].col_sum = parts[k];
                 }
             const int64_t lo = g * group, hi = lo + group < s->n ? lo + group : s->n;
-            rc = step_range(&one, tile, lo, hi);
+            rc = step_group(&one, tile, lo, hi, &int8_bad);
             for (int k = 0; k < s->n_codecs; k++)
                 if (parts[k] != NULL)
                     for (int64_t c = 0; c < s->codecs[k].cols; c++) s->codecs[k].col_sum[c] += parts[k][c];
         }
-        free(parts[0]);
-        free(parts[1]);
-        return rc;
     }
-    part_t jobs[MAX_THREADS];
-    for (int64_t t = 0; t < threads; t++) {
-        jobs[t].s = *s;
-        jobs[t].tile = tile;
-        jobs[t].group = group;
-        jobs[t].g0 = groups * t / threads;
-        jobs[t].g1 = groups * (t + 1) / threads;
-        jobs[t].col_parts[0] = parts[0];
-        jobs[t].col_parts[1] = parts[1];
-        jobs[t].rc = 0;
+    for (int64_t r0 = 0; threads > 1 && r0 < groups && rc == 0; r0 += per_round) {
+        const int64_t r1 = r0 + per_round < groups ? r0 + per_round : groups;
+        part_t jobs[MAX_THREADS];
+        for (int64_t t = 0; t < threads; t++) {
+            jobs[t].s = *s;
+            jobs[t].tile = tile;
+            jobs[t].group = group;
+            jobs[t].g0 = r0 + (r1 - r0) * t / threads;
+            jobs[t].g1 = r0 + (r1 - r0) * (t + 1) / threads;
+            jobs[t].col_parts[0] = parts[0];
+            jobs[t].col_parts[1] = parts[1];
+            jobs[t].round0 = r0;
+            jobs[t].rc = 0;
+            jobs[t].int8_bad = 0;
+        }
+        run_on_threads(run_part, jobs, sizeof jobs[0], threads);
+        for (int64_t t = 0; t < threads; t++) {
+            rc = rc != 0 ? rc : jobs[t].rc;
+            int8_bad |= jobs[t].int8_bad;
+        }
+        for (int k = 0; k < s->n_codecs; k++) {
+            if (parts[k] == NULL) continue;
+            const int64_t cols = s->codecs[k].cols;
+            double *sum = s->codecs[k].col_sum;
+            for (int64_t g = r0; g < r1; g++)
+                for (int64_t c = 0; c < cols; c++) sum[c] += parts[k][(g - r0) * cols + c];
+            memset(parts[k], 0, sizeof(double) * (size_t)(buffered * cols));
+        }
     }
-    run_on_threads(run_part, jobs, sizeof jobs[0], threads);
-    int rc = 0;
-    for (int64_t t = 0; t < threads; t++) rc = rc != 0 ? rc : jobs[t].rc;
-    for (int k = 0; k < s->n_codecs; k++) {
-        if (parts[k] == NULL) continue;
-        const int64_t cols = s->codecs[k].cols;
-        double *sum = s->codecs[k].col_sum;
-        for (int64_t g = 0; g < groups; g++)
-            for (int64_t c = 0; c < cols; c++) sum[c] += parts[k][g * cols + c];
-        free(parts[k]);
-    }
+    free(parts[0]);
+    free(parts[1]);
+    s->int8_written = s->int8 != NULL && rc == 0 && !int8_bad;
     return rc;
 }
 
@@ -1169,4 +1211,3 @@ int slimopt_taco_shard_step(const taco_t *t) {
     return 0;
 }
 
-#include "int8_weight.h"
