@@ -1,6 +1,6 @@
 """int8 device weights (slimopt.weights, optim/algorithm/int8_weight.py): the quantizer against a plain loop, the
-layer against nn.Linear on the dequantized weight (bit for bit, both passes), and a model converted with its
-masters trained by an optimizer."""
+layer against nn.Linear and the embedding against nn.Embedding on the dequantized weight (bit for bit, both
+passes), and a model converted with its masters trained by an optimizer."""
 
 import math
 
@@ -12,6 +12,7 @@ from helpers import batches, tiny_llama
 from slimopt.optim.algorithm import int8_weight
 from slimopt.optim.algorithm.noise import CounterStream
 from slimopt.weights.convert import int8_weights, to_int8
+from slimopt.weights.int8_embedding import Int8Embedding
 from slimopt.weights.int8_linear import Int8Linear
 
 
@@ -145,3 +146,57 @@ def test_tied_weights_are_refused():
     model[1].weight = model[0].weight
     with pytest.raises(ValueError, match="tied"):
         to_int8(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_embedding_equals_nn_embedding_on_the_dequantized_table(dtype, padding_idx):
+    torch.manual_seed(1)
+    table = torch.nn.Embedding(50, 16, padding_idx=padding_idx).to(dtype)
+    layer = Int8Embedding.from_embedding(table)
+    twin = torch.nn.Embedding(50, 16, padding_idx=padding_idx).to(dtype)
+    twin.weight.data = layer.dequantized_weight(dtype)
+    ids = torch.randint(0, 50, (4, 300))
+    ids[0, :9] = 3  # a repeated row, and the padding row where there is one
+    grad = torch.randn(4, 300, 16).to(dtype)
+    out, twin_out = layer(ids), twin(ids)
+    assert out.dtype == dtype and torch.equal(out, twin_out)
+    out.backward(grad)
+    twin_out.backward(grad)
+    assert torch.equal(layer.master.grad, twin.weight.grad.float())  # the master is fp32
+    if padding_idx is not None:
+        assert not layer.master.grad[padding_idx].any()
+
+
+def test_a_llama_with_int8_embeddings_computes_as_its_dequantized_twin():
+    model, twin = tiny_llama(seed=0), tiny_llama(seed=0)
+    names = [n for n, _ in int8_weights(model, embeddings=True)]
+    assert names[0] == "model.embed_tokens.weight" and names[-1] == "lm_head.weight"
+    masters = to_int8(model, group=16, embeddings=True)
+    assert [n for n, _ in masters] == names
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    assert isinstance(emb, Int8Embedding) and isinstance(head, Int8Linear)
+    assert head.group == 0 and emb.group == 0 and head.weight_scale.shape == (head.out_features, 1)
+    for name, module in model.named_modules():
+        if isinstance(module, (Int8Linear, Int8Embedding)):
+            twin.get_submodule(name).weight.data.copy_(module.dequantized_weight())
+    ids = batches(1)[0]
+    loss, twin_loss = model(input_ids=ids, labels=ids).loss, twin(input_ids=ids, labels=ids).loss
+    assert torch.equal(loss, twin_loss)
+    loss.backward()
+    twin_loss.backward()
+    for name, master in masters:
+        assert torch.equal(master.grad, twin.get_submodule(name.removesuffix(".weight")).weight.grad), name
+
+
+def test_embeddings_that_int8_cannot_hold_are_refused():
+    with pytest.raises(ValueError, match="max_norm"):
+        Int8Embedding.from_embedding(torch.nn.Embedding(10, 4, max_norm=1.0))
+    with pytest.raises(ValueError, match="sparse"):
+        Int8Embedding.from_embedding(torch.nn.Embedding(10, 4, sparse=True))
+    with pytest.raises(ValueError, match="padding_idx"):
+        Int8Embedding(10, 4, padding_idx=10)
+    model = tiny_llama(seed=0)
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as SmolLM2's
+    with pytest.raises(ValueError, match="tied"):
+        to_int8(model, embeddings=True)

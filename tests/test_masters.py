@@ -12,6 +12,8 @@ from slimopt.optim.optimizer import SlimOptimizer
 from slimopt.optim.recipes import param_groups
 from slimopt.train.vocab_chunked_loss import causal_lm_loss
 from slimopt.weights.convert import to_int8
+from slimopt.weights.int8_embedding import Int8Embedding
+from slimopt.weights.int8_layer import Int8Weight
 from slimopt.weights.int8_linear import Int8Linear
 from slimopt.weights.masters import MasterWeights, joined_master, split_master
 
@@ -33,13 +35,13 @@ def _sliced_loss(model, ids):  # the output layer's gradient 24 of its 64 rows a
     return causal_lm_loss(model, ids, slice_rows=24)
 
 
-def _reference(method, settings, data, accumulation=1, loss_fn=_hf_loss, through=None):
+def _reference(method, settings, data, accumulation=1, loss_fn=_hf_loss, through=None, embeddings=False):
     """int8 weights and fp32 masters, one optimizer.step() after each window's backward passes, then requantize.
     through: what each master's value becomes at the start and after each step (a master form's rounding)."""
     model = tiny_llama(seed=0)
     groups = param_groups(model, method, **settings)
     names = {id(p): n for n, p in model.named_parameters()}
-    masters = dict(to_int8(model, 0, torch.float32))
+    masters = dict(to_int8(model, 0, torch.float32, embeddings=embeddings))
     device = {}
     for group in groups:
         ps = []
@@ -51,7 +53,7 @@ def _reference(method, settings, data, accumulation=1, loss_fn=_hf_loss, through
             ps.append(masters[name])
         group["params"] = ps
     opt = SlimOptimizer(groups)
-    layers = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, Int8Linear)}
+    layers = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, Int8Weight)}
 
     def store():
         with torch.no_grad():
@@ -80,10 +82,10 @@ def _reference(method, settings, data, accumulation=1, loss_fn=_hf_loss, through
 
 
 def _offloaded(method, settings, data, accumulation=1, overlap=False, record=False, master="fp32",
-               loss_fn=_hf_loss):
+               loss_fn=_hf_loss, embeddings=False):
     model = tiny_llama(seed=0)
     host = MasterWeights(model, method, accumulation_steps=accumulation, overlap=overlap, record=record,
-                         master=master, **settings)
+                         master=master, int8_embeddings=embeddings, **settings)
     losses = []
     for ids in data:
         loss = loss_fn(model, ids) / accumulation
@@ -104,6 +106,20 @@ def test_offloaded_run_equals_the_step_after_backward(method):
     for (name, a), (_, b) in zip(model.state_dict().items(), ref_model.state_dict().items()):
         assert torch.equal(a, b), name  # int8 codes, scales and every device weight
     host.close()
+
+
+@pytest.mark.parametrize("method", ["adamw", "galore", "ternary_adamw"])
+def test_int8_embeddings_run_equals_the_step_after_backward(method):
+    data = batches(3, seed=6)
+    ref_model, ref_masters, ref_losses = _reference(method, METHODS[method], data, embeddings=True)
+    model, host, losses = _offloaded(method, METHODS[method], data, embeddings=True)
+    assert isinstance(model.get_input_embeddings(), Int8Embedding)
+    assert isinstance(model.get_output_embeddings(), Int8Linear)
+    assert losses == ref_losses and host.steps == 3
+    for name, master in host.masters.items():
+        assert torch.equal(master, ref_masters[name]), name
+    for (name, a), (_, b) in zip(model.state_dict().items(), ref_model.state_dict().items()):
+        assert torch.equal(a, b), name  # the embedding's and the output layer's codes and scales too
 
 
 def test_accumulation_and_the_inline_mode_agree_with_the_reference():

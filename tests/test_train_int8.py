@@ -1,5 +1,6 @@
-"""`slimopt train` with int8 weights (--weights int8) and a host master (--offload host) or none: a run cut short
-and resumed equals the unbroken one, after a real kill -9 too; the final model is a plain transformers model."""
+"""`slimopt train` with int8 weights (--weights int8, --int8-embeddings) and a host master (--offload host) or
+none: a run cut short and resumed equals the unbroken one, after a real kill -9 too; the final model is a plain
+transformers model."""
 
 from dataclasses import replace
 
@@ -30,7 +31,10 @@ def _same_checkpoints(a, b):
     ("host", "adamw8bit", {}), ("host", "galore", {}), ("none", "adamw", {}),
     # a 3-byte master, and the loss a vocabulary slice at a time (the output layer's gradient by rows)
     ("host", "adamw8bit", {"master": "bf16+int8", "vocab_slice": 100}),
-], ids=["host-adamw8bit", "host-galore", "device-adamw", "host-bf16+int8-sliced"])
+    # the input embedding and the output layer in int8 too
+    ("host", "ternary_adamw", {"int8_embeddings": True}), ("none", "adamw", {"int8_embeddings": True}),
+], ids=["host-adamw8bit", "host-galore", "device-adamw", "host-bf16+int8-sliced", "host-ternary-embeddings",
+        "device-adamw-embeddings"])
 def test_interrupted_and_resumed_equals_uninterrupted(data, tmp_path, offload, method, more):
     corpus, cache = data
     cfg = fast_config(corpus, cache, method=method, opt={"update_gap": 3} if method == "galore" else {},
@@ -45,13 +49,16 @@ def test_interrupted_and_resumed_equals_uninterrupted(data, tmp_path, offload, m
     assert ref["trainable_params"] == ref["params"]  # the int8 weights' masters count as trainable
 
 
-def test_the_final_model_loads_as_a_plain_llama_with_the_masters_weights(data, tmp_path):
+@pytest.mark.parametrize("embeddings", [False, True], ids=["body", "and-embeddings"])
+def test_the_final_model_loads_as_a_plain_llama_with_the_masters_weights(data, tmp_path, embeddings):
     corpus, cache = data
     out = tmp_path / "run"
     train(fast_config(corpus, cache, max_steps=3, weights="int8", offload="host", save_model=True, out=str(out),
-                      resume=True))
+                      resume=True, int8_embeddings=embeddings))
     model = AutoModelForCausalLM.from_pretrained(out / "final")
-    saved = load_checkpoint(out / "checkpoint.pt")["optimizer"]["masters"]
+    checkpoint = load_checkpoint(out / "checkpoint.pt")
+    assert ("model.embed_tokens.weight_codes" in checkpoint["model"]) == embeddings
+    saved = checkpoint["optimizer"]["masters"]
     for name, master in saved.items():
         assert torch.equal(model.get_parameter(name), master), name
 
@@ -69,6 +76,8 @@ def test_a_loss_in_vocabulary_slices_trains_as_the_whole_one(data):
     ({"int8_group": 32}, "--int8-group needs --weights int8"), ({"vocab_slice": -1}, "--vocab-slice"),
     ({"weights": "int8", "method": "torch-adamw"}, "slimopt methods"),
     ({"weights": "int8", "fsdp": True}, "one process"),
+    ({"int8_embeddings": True}, "--int8-embeddings needs --weights int8"),
+    ({"weights": "int8", "int8_embeddings": True, "vocab_slice": 100}, "--int8-embeddings and --vocab-slice"),
 ])
 def test_bad_settings_name_the_option(data, change, message):
     corpus, cache = data

@@ -77,13 +77,14 @@ _MASTER_SETTINGS = ("accumulation_steps", "clip", "clip_mode", "overlap")  # Mas
 
 
 def build(model: torch.nn.Module, method: str = "adamw", *, weights: str = "dtype", offload: str = "none",
-          master: str = "fp32", int8_group: int = 0, **settings: Any):
+          master: str = "fp32", int8_group: int = 0, int8_embeddings: bool = False, **settings: Any):
     """``slimopt.build``: the optimizer for `method` over `model` (``slimopt.optim.recipes.build``, whose
     keywords it takes), and where the weights live.
 
     - weights: ``"dtype"`` (as the model holds them) or ``"int8"``: the attention and MLP weights become int8
       codes and scales on the device (``slimopt.weights``; ``int8_group`` elements of a row share a scale, 0: a
-      row), converted in place.
+      row), converted in place; with ``int8_embeddings`` the input embedding and the output layer too (one
+      scale a row; an embedding tied to the output layer is refused).
     - offload: ``"none"`` or ``"host"``: a ``master`` copy (``"fp32"``, ``"bf16+int8"`` or ``"bf16"``) of every
       trainable weight and all optimizer state on the host, each weight stepped there as the backward pass
       completes its gradient.
@@ -105,6 +106,8 @@ def build(model: torch.nn.Module, method: str = "adamw", *, weights: str = "dtyp
         if value not in allowed:
             raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
     own = {k: settings.pop(k) for k in _MASTER_SETTINGS if k in settings}
+    if int8_embeddings and weights != "int8":
+        raise ValueError("int8_embeddings=True needs weights='int8'")
     if weights == "dtype" and offload == "none":
         if own:
             raise ValueError(f"{', '.join(own)} apply with weights='int8' or offload='host'")
@@ -112,4 +115,5 @@ def build(model: torch.nn.Module, method: str = "adamw", *, weights: str = "dtyp
         return build_in_place(model, method, **settings)
     from slimopt.weights.masters import MasterWeights
     return MasterWeights(model, method, int8=weights == "int8", int8_group=int8_group,
-                         master=master if offload == "host" else "none", **own, **settings)
+                         int8_embeddings=int8_embeddings, master=master if offload == "host" else "none", **own,
+                         **settings)

@@ -132,7 +132,8 @@ def config_from_args(args):
         batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, grad_accum=args.grad_accum, lr=args.lr,
         rank=args.rank, lora_alpha=args.lora_alpha, warmup=args.warmup, weight_decay=args.weight_decay,
         clip=args.clip, bf16=args.bf16, seed=args.seed, seeds=args.seeds, control=not args.no_control,
-        weights=args.weights, int8_group=args.int8_group, offload=args.offload, master=args.master,
+        weights=args.weights, int8_group=args.int8_group, int8_embeddings=args.int8_embeddings, offload=args.offload,
+        master=args.master,
         tune_lr=args.tune_lr, method_opts=parse_method_opts(args.set_opts),
         out=args.out, **extra,
     )

@@ -88,13 +88,17 @@ def add_recipe_args(p: argparse.ArgumentParser, defaults, budget_default_help: s
 
 
 def add_placement_args(p: argparse.ArgumentParser, defaults) -> argparse._ArgumentGroup:
-    """--weights, --int8-group, --offload and --master (train and finetune): their group, for more options."""
+    """--weights, --int8-group, --int8-embeddings, --offload and --master (train and finetune): their group, for
+    more options."""
     g = p.add_argument_group("where the weights live (slimopt memory plans each)")
     g.add_argument("--weights", default=defaults.weights, choices=("dtype", "int8"),
                    help="int8: the attention and MLP weights in int8 on the device, one fp32 scale per row (default: "
                         "%(default)s, every weight in its dtype)")
     g.add_argument("--int8-group", type=_int, default=defaults.int8_group, metavar="N",
                    help="with --weights int8: one scale per N elements of a row (default 0: per row)")
+    g.add_argument("--int8-embeddings", action="store_true",
+                   help="with --weights int8: the input embedding and the output layer in int8 too, one scale per "
+                        "row (a model whose embedding is tied to its output layer is refused)")
     g.add_argument("--offload", default=defaults.offload, choices=("none", "host"),
                    help="host: a master copy and the optimizer state on the host, each weight stepped there while "
                         "the backward pass goes on; none with --weights int8: no master, the int8 weights updated "
@@ -170,7 +174,7 @@ def config_from_args(args):
         eval_batch_size=args.eval_batch_size, save_every=args.save_every, log_every=args.log_every, out=args.out,
         resume=args.resume, overwrite=args.overwrite, device=args.device, threads=args.threads,
         fsdp=getattr(args, "fsdp", False), weights=args.weights, int8_group=args.int8_group, offload=args.offload,
-        master=args.master, vocab_slice=args.vocab_slice,
+        master=args.master, vocab_slice=args.vocab_slice, int8_embeddings=args.int8_embeddings,
         cache_dir=args.cache_dir,
         progress=not args.no_progress, save_model=not args.no_save_model)
 

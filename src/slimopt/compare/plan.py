@@ -34,6 +34,7 @@ class PlanSetting:
 
 # the run settings a variant may set (adamw+weights=int8+offload=host) -> the planner's keyword, slimopt memory's
 PLACEMENT = {"weights": ("weight_format", "--weights"), "int8_group": ("int8_group", "--int8-group"),
+             "int8_embeddings": ("int8_embeddings", "--int8-embeddings"),
              "offload": ("offload", "--offload"), "master": ("master", "--master"),
              "vocab_slice": ("vocab_slice", "--vocab-slice")}
 
@@ -56,7 +57,8 @@ def memory_command(setting: PlanSetting, method: str, settings: dict) -> str:
     if setting.layerwise:
         parts.append("--layerwise")
     parts.append(f"--gpu-memory {setting.gpu_memory}")
-    parts += [f"{PLACEMENT[k][1]} {v}" for k, v in _placed(settings).items()]
+    parts += [(PLACEMENT[k][1] if v is True else f"{PLACEMENT[k][1]} {v}")  # a flag (--int8-embeddings) alone
+              for k, v in _placed(settings).items() if v is not False]
     parts += [f"--set {method}.{k}={v}" for k, v in sorted(_plan_settings(settings).items())]
     return " ".join(parts)
 

@@ -310,6 +310,7 @@ def make_optimizer(
     offload: str = "none",
     master: str = "fp32",
     int8_group: int = 0,
+    int8_embeddings: bool = False,
     **hparams: Any,
 ) -> SlimOptimizer | TrainerMasterWeights:
     """A ``SlimOptimizer`` built from ``TrainingArguments``-style settings, for ``Trainer(optimizers=(opt, None))``.
@@ -323,7 +324,7 @@ def make_optimizer(
         optim_target_modules: overrides ``args.optim_target_modules`` (None: slimopt's default selection).
         optim_args: overrides ``args.optim_args``; e.g. ``"rank=8,update_gap=100,scale=2"`` for GaLore
             (see ``parse_optim_args``).
-        weights, offload, master, int8_group: as ``slimopt.build``. With ``weights="int8"`` or
+        weights, offload, master, int8_group, int8_embeddings: as ``slimopt.build``. With ``weights="int8"`` or
             ``offload="host"`` the model is converted in place (its body's Linear weights int8, not the head) and a
             ``TrainerMasterWeights`` returned: every weight steps during the backward pass, with
             ``args.gradient_accumulation_steps`` and the clipping of ``args.max_grad_norm``; the Trainer's own
@@ -361,13 +362,14 @@ def make_optimizer(
     settings.update(hparams)
     # without args, lr and weight decay are the method's defaults (slimopt.catalog's lr, no decay)
     groups = partial(_groups, optim_target_modules=optim_target_modules, state_full=settings.pop("state_full", "all"))
-    placement = _placement(args, weights, offload, master, int8_group)
+    placement = _placement(args, weights, offload, master, int8_group, int8_embeddings)
     opt = factory.make_optimizer(model, method, settings.pop("lr", None), settings.pop("weight_decay", 0.0),
                                  groups=groups, placement=placement, **settings)
     return opt if placement is None else TrainerMasterWeights(opt)
 
 
-def _placement(args: Any, weights: str, offload: str, master: str, int8_group: int) -> dict[str, Any] | None:
+def _placement(args: Any, weights: str, offload: str, master: str, int8_group: int,
+               int8_embeddings: bool = False) -> dict[str, Any] | None:
     """MasterWeights' settings from ``slimopt.build``'s names and the TrainingArguments (None: in place)."""
     for name, value, allowed in (("weights", weights, factory.WEIGHT_FORMATS), ("offload", offload, factory.OFFLOADS),
                                  ("master", master, factory.HOST_MASTERS)):
@@ -377,9 +379,12 @@ def _placement(args: Any, weights: str, offload: str, master: str, int8_group: i
         raise ValueError(f"int8_group must be an integer >= 0 (0: one scale per row); got {int8_group!r}")
     if int8_group and weights != "int8":
         raise ValueError("int8_group needs weights='int8'")
+    if int8_embeddings and weights != "int8":
+        raise ValueError("int8_embeddings needs weights='int8'")
     if weights == "dtype" and offload == "none":
         return None
     clip = float(getattr(args, "max_grad_norm", 0.0) or 0.0)
-    return {"int8": weights == "int8", "int8_group": int8_group, "master": master if offload == "host" else "none",
+    return {"int8": weights == "int8", "int8_group": int8_group, "int8_embeddings": bool(int8_embeddings),
+            "master": master if offload == "host" else "none",
             "accumulation_steps": int(getattr(args, "gradient_accumulation_steps", 1) or 1),
             "clip": clip if clip > 0 else None}

@@ -159,6 +159,7 @@ class FinetuneConfig:
     method_opts: dict[str, dict[str, Any]] = field(default_factory=dict)  # {method name: {setting: value}}
     weights: str = "dtype"  # dtype | int8: the body's attention and MLP Linear weights in int8 (not the head)
     int8_group: int = 0  # with int8 weights: one scale per this many elements of a row (0: a row)
+    int8_embeddings: bool = False  # with int8 weights: the input embedding in int8 too (one scale a row)
     offload: str = "none"  # none | host: master copies and optimizer state on the host, stepped in backward
     master: str = "fp32"  # with offload host: the master copy, fp32 | bf16+int8 | bf16
     out: str = "slimopt-finetune"
@@ -227,6 +228,8 @@ class FinetuneConfig:
             raise ValueError(f"--int8-group must be an integer >= 0 (0: one scale per row), got {self.int8_group!r}")
         if self.int8_group and self.weights != "int8":
             raise ValueError("--int8-group needs --weights int8")
+        if self.int8_embeddings and self.weights != "int8":
+            raise ValueError("--int8-embeddings needs --weights int8")
         lora = [p.name for p in plans if p.lora]
         if self.placed and lora:
             raise ValueError(f"--weights int8 and --offload host apply to full fine-tuning methods; {lora} train "
@@ -327,7 +330,8 @@ def _check_host(plans: list[MethodPlan], template: Any, cfg: FinetuneConfig) -> 
             continue
         settings = {k: v for k, v in method_settings(plan, cfg).items() if k != "lr"}
         check_host_memory(template, plan.optimizer, settings, weights=cfg.weights, offload=cfg.offload,
-                          master=cfg.master, int8_group=cfg.int8_group, batch=cfg.batch_size, seq=cfg.max_length,
+                          master=cfg.master, int8_group=cfg.int8_group, int8_embeddings=cfg.int8_embeddings,
+                          batch=cfg.batch_size, seq=cfg.max_length,
                           device=next(template.parameters()).device)
 
 
@@ -466,8 +470,8 @@ def _train_and_score(model, plan: MethodPlan, data, cfg: FinetuneConfig, setting
         )
         opt_settings = {k: v for k, v in settings.items() if k != "lr"}
         if cfg.placed and not plan.head_only:  # the control's frozen body stays as it is: it is the reference
-            opt_settings.update(weights=cfg.weights, int8_group=cfg.int8_group, offload=cfg.offload,
-                                master=cfg.master)
+            opt_settings.update(weights=cfg.weights, int8_group=cfg.int8_group,
+                                int8_embeddings=cfg.int8_embeddings, offload=cfg.offload, master=cfg.master)
         optimizer = make_optimizer(model, args, plan.optimizer, optim_target_modules=None, optim_args=None,
                                    **opt_settings)
         trainer = Trainer(model=model, args=args, train_dataset=data.train, data_collator=data.data_collator,

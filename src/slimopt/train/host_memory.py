@@ -46,7 +46,7 @@ def available_host_bytes() -> int | None:
 
 def host_bytes_needed(model: nn.Module, method: str, settings: dict[str, Any], *, weights: str, offload: str,
                       master: str, int8_group: int, batch: int, seq: int, device: torch.device,
-                      vocab_slice: int = 0) -> int:
+                      vocab_slice: int = 0, int8_embeddings: bool = False) -> int:
     """The planned host bytes of a run of `method` (with `settings`) on `model` (its config, planned on the meta
     device): the planner's host part with ``offload="host"``, plus its device part when `device` is the CPU."""
     from slimopt.bench import planner
@@ -54,7 +54,8 @@ def host_bytes_needed(model: nn.Module, method: str, settings: dict[str, Any], *
     dtype = "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
     prep = planner.prepare(_meta_twin(model, dtype), method, dtype=dtype, config=model.config,
                            weight_format=weights, offload=offload, master=master if offload == "host" else None,
-                           int8_group=int8_group, vocab_slice=vocab_slice, **settings)
+                           int8_group=int8_group, int8_embeddings=int8_embeddings, vocab_slice=vocab_slice,
+                           **settings)
     plan = prep.plan(batch, seq)
     return plan.host + (plan.peak if device.type == "cpu" else 0)
 
@@ -74,7 +75,7 @@ def _meta_twin(model: nn.Module, dtype: str) -> nn.Module:
 
 def check_host_memory(model: nn.Module, method: str, settings: dict[str, Any], *, weights: str, offload: str,
                       master: str, int8_group: int, batch: int, seq: int, device: torch.device,
-                      vocab_slice: int = 0) -> None:
+                      vocab_slice: int = 0, int8_embeddings: bool = False) -> None:
     """Raise ValueError, one line, when the planned host bytes exceed those available: needed, available and
     the first of a smaller --master, a smaller-state --method, --offload none that fits. Nothing to check with the
     weights in their dtype and no offload, or with device-only int8 weights on a GPU (no host part)."""
@@ -84,7 +85,7 @@ def check_host_memory(model: nn.Module, method: str, settings: dict[str, Any], *
     if available is None:
         return
     plan = {"weights": weights, "offload": offload, "master": master, "int8_group": int8_group, "batch": batch,
-            "seq": seq, "device": device, "vocab_slice": vocab_slice}
+            "seq": seq, "device": device, "vocab_slice": vocab_slice, "int8_embeddings": int8_embeddings}
     needed = host_bytes_needed(model, method, settings, **plan)
     if needed <= available:
         return

@@ -83,6 +83,7 @@ class TrainConfig:
     fsdp: bool = False                  # shard weights, gradients and optimizer state with FSDP2 (train/fsdp.py)
     weights: str = "dtype"              # dtype | int8: the body's Linear weights in int8 on the device
     int8_group: int = 0                 # with int8 weights: one scale per this many elements of a row (0: a row)
+    int8_embeddings: bool = False       # with int8 weights: the input embedding and the output layer in int8 too
     offload: str = "none"               # none | host: the master copy and the optimizer state on the host
     master: str = "fp32"                # with --offload host: the master copy's dtype, fp32 | bf16
     vocab_slice: int = 0                # the loss takes the vocabulary this many rows at a time (0: whole logits)
@@ -184,6 +185,11 @@ def _check_placement(c: TrainConfig, world_size: int) -> None:
         raise ValueError(f"--int8-group must be an integer >= 0 (0: one scale per row), got {c.int8_group!r}")
     if c.int8_group and c.weights != "int8":
         raise ValueError("--int8-group needs --weights int8")
+    if c.int8_embeddings and c.weights != "int8":
+        raise ValueError("--int8-embeddings needs --weights int8")
+    if c.int8_embeddings and c.vocab_slice:
+        raise ValueError("--int8-embeddings and --vocab-slice: the sliced loss reads the output layer's weight, "
+                         "which int8 replaces; use one of them")
     if not isinstance(c.vocab_slice, int) or isinstance(c.vocab_slice, bool) or c.vocab_slice < 0:
         raise ValueError(f"--vocab-slice must be an integer >= 0 (0: the whole logits), got {c.vocab_slice!r}")
     placed = _placement(c) is not None
@@ -199,7 +205,7 @@ def _placement(c: TrainConfig) -> dict | None:
     """MasterWeights' settings for int8 weights or a host master (None: the model steps as it is)."""
     if c.weights == "dtype" and c.offload == "none":
         return None
-    return {"int8": c.weights == "int8", "int8_group": c.int8_group,
+    return {"int8": c.weights == "int8", "int8_group": c.int8_group, "int8_embeddings": c.int8_embeddings,
             "master": c.master if c.offload == "host" else "none", "accumulation_steps": c.grad_accum,
             "clip": c.clip or None}
 
@@ -307,7 +313,8 @@ def _resume_key(c: TrainConfig, total_steps: int) -> dict:
             "lr": c.lr, "warmup": c.warmup, "min_lr_ratio": c.min_lr_ratio, "weight_decay": c.weight_decay,
             "clip": c.clip, "dtype": c.dtype, "method": c.method, "opt": dict(sorted(c.opt.items())),
             "seed": c.seed, **({"weights": c.weights, "int8_group": c.int8_group, "offload": c.offload,
-                                "master": c.master} if _placement(c) else {})}
+                                "master": c.master} if _placement(c) else {}),
+            **({"int8_embeddings": True} if c.int8_embeddings else {})}
 
 
 def _seed_everything(seed: int) -> None:
@@ -401,8 +408,8 @@ class _Run:
 
     def _int8_masters(self) -> list[torch.Tensor]:
         """The masters of int8 weights: trainable, but not parameters of the model."""
-        from slimopt.weights.int8_linear import Int8Linear
-        return [m.master for m in self.model.modules() if isinstance(m, Int8Linear) and m.master is not None]
+        from slimopt.weights.int8_layer import Int8Weight
+        return [m.master for m in self.model.modules() if isinstance(m, Int8Weight) and m.master is not None]
 
 
 def _build(c: TrainConfig, d: _Dist) -> _Run:
@@ -438,8 +445,8 @@ def _build(c: TrainConfig, d: _Dist) -> _Run:
     if _placement(c) is not None:  # before the masters and the state exist: one line if the host cannot hold them
         from slimopt.train.host_memory import check_host_memory
         check_host_memory(model, c.method, c.opt, weights=c.weights, offload=c.offload, master=c.master,
-                          int8_group=c.int8_group, batch=c.batch_size // c.grad_accum, seq=c.seq_len,
-                          device=device, vocab_slice=c.vocab_slice)
+                          int8_group=c.int8_group, int8_embeddings=c.int8_embeddings,
+                          batch=c.batch_size // c.grad_accum, seq=c.seq_len, device=device, vocab_slice=c.vocab_slice)
     baseline_hook = None
     # Seed before anything that draws from the global generators (LoRA's adapter init, random projections), so
     # a run depends on its seed alone, not on what the process did before.

@@ -2,8 +2,9 @@
 
 The choice is the planner's (``slimopt memory --weights int8``) and the trainer's alike: every ``nn.Linear`` of
 the model's body (attention and MLP projections), not the output layer nor an encoder's pooler (a classifier's
-head reads it); norms, biases and embeddings stay in the model's dtype. ``to_int8`` swaps each chosen layer for
-an ``Int8Linear`` whose master copy is the trainable parameter an optimizer steps.
+head reads it); norms, biases and embeddings stay in the model's dtype unless ``embeddings`` (the input embedding
+and the output layer too, one scale a row). ``to_int8`` swaps each chosen layer for an ``Int8Linear`` (an
+``Int8Embedding`` for the input embedding) whose master copy is the trainable parameter an optimizer steps.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from slimopt.weights.int8_embedding import Int8Embedding
 from slimopt.weights.int8_linear import Int8Linear
 
 __all__ = ["embedding_modules", "int8_weights", "to_int8"]
@@ -28,7 +30,7 @@ def embedding_modules(model: nn.Module) -> tuple[nn.Module | None, nn.Module | N
 def int8_weights(model: nn.Module, embeddings: bool = False) -> list[tuple[str, nn.Parameter]]:
     """The weights held in int8, as (name, parameter) in the model's order: every ``nn.Linear`` weight of the
     model's body (``base_model_prefix``), not the output layer nor a pooler (a classifier's head); with
-    `embeddings` (planned only), the input and output embeddings too."""
+    `embeddings`, the input embedding and the output layer too."""
     prefix = getattr(model, "base_model_prefix", "")
     body = getattr(model, prefix, None) if prefix else None
     body = body if isinstance(body, nn.Module) else model
@@ -50,14 +52,16 @@ def int8_weights(model: nn.Module, embeddings: bool = False) -> list[tuple[str, 
 
 
 def to_int8(model: nn.Module, group: int = 0, master_dtype: torch.dtype = torch.float32,
-            master_device: torch.device | str = "cpu") -> list[tuple[str, nn.Parameter]]:
-    """Replace every layer ``int8_weights`` chooses by an ``Int8Linear`` (in place) and return the masters as
-    (weight name, parameter) in the model's order: what an optimizer steps in place of those weights. A weight
-    shared by two modules (tied) is refused: its master would have two gradient sinks."""
-    chosen = {id(p): name for name, p in int8_weights(model)}
+            master_device: torch.device | str = "cpu", embeddings: bool = False) -> list[tuple[str, nn.Parameter]]:
+    """Replace every layer ``int8_weights(model, embeddings)`` chooses by an ``Int8Linear`` or ``Int8Embedding``
+    (in place; `group` for the body's layers, one scale a row for the embedding and the output layer) and return
+    the masters as (weight name, parameter) in the model's order: what an optimizer steps in place of those
+    weights. A weight shared by two modules (tied) is refused: its master would have two gradient sinks."""
+    chosen = {id(p): name for name, p in int8_weights(model, embeddings)}
+    out_emb = embedding_modules(model)[0]
     uses: dict[int, int] = {}
     for mod in model.modules():
-        if isinstance(mod, nn.Linear) and id(mod.weight) in chosen:
+        if isinstance(mod, (nn.Linear, nn.Embedding)) and id(mod.weight) in chosen:
             uses[id(mod.weight)] = uses.get(id(mod.weight), 0) + 1
     tied = [chosen[i] for i, n in uses.items() if n > 1]
     if tied:
@@ -65,8 +69,14 @@ def to_int8(model: nn.Module, group: int = 0, master_dtype: torch.dtype = torch.
     masters: dict[str, nn.Parameter] = {}
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and id(child.weight) in chosen:
-                layer = Int8Linear.from_linear(child, group, master_dtype, master_device)
-                setattr(parent, child_name, layer)
-                masters[chosen[id(child.weight)]] = layer.master
+            if not isinstance(child, (nn.Linear, nn.Embedding)) or id(child.weight) not in chosen:
+                continue
+            name = chosen[id(child.weight)]
+            if isinstance(child, nn.Embedding):
+                layer = Int8Embedding.from_embedding(child, 0, master_dtype, master_device)
+            else:
+                layer = Int8Linear.from_linear(child, 0 if child is out_emb else group, master_dtype, master_device)
+            setattr(parent, child_name, layer)
+            masters[name] = layer.master
     return [(name, masters[name]) for name in chosen.values()]  # int8_weights' order
+

@@ -5,7 +5,7 @@ weight stepped in place on the device with stochastic rounding (Q-GaLore's way, 
 
 With a master, every trainable parameter gets a copy on the host that a ``SlimOptimizer`` steps with the
 partition and settings ``slimopt.build`` would give the model: the optimizer never sees a device tensor. A weight's
-gradient leaves the device as soon as the backward pass has completed it (the Int8Linear's token, or the
+gradient leaves the device as soon as the backward pass has completed it (the int8 module's token, or the
 parameter's post-accumulate-grad hook), its host step runs at once (in the backward pass's thread, or with
 ``overlap`` on a worker thread while the backward pass goes on), and the new value is written back (requantized for
 an int8 layer, cast for the rest) before the next forward pass reaches that module, which waits only for its own
@@ -30,7 +30,7 @@ from slimopt.optim.optimizer import SlimOptimizer
 from slimopt.optim.recipes import param_groups
 from slimopt.optim.routes.cpu import native
 from slimopt.weights.convert import embedding_modules, int8_weights, to_int8
-from slimopt.weights.int8_linear import Int8Linear
+from slimopt.weights.int8_layer import Int8Weight
 from slimopt.weights.row_grads import RowRoute, route_rows
 
 __all__ = ["CLIP_MODES", "MASTERS", "SPLIT", "MasterWeights", "split_master", "joined_master"]
@@ -89,12 +89,14 @@ class MasterWeights:
     """Master weights and their optimizer for `model`, stepped during its backward pass.
 
     Args:
-        model: the model on its device; its chosen Linear layers become ``Int8Linear`` in place (``int8=True``).
+        model: the model on its device; its chosen Linear layers become ``Int8Linear`` in place (``int8=True``;
+            with ``int8_embeddings`` its input embedding an ``Int8Embedding`` and its output layer an ``Int8Linear``).
         method, build_settings: as ``slimopt.build(model, method, **build_settings)``.
         groups: the partition, called as ``groups(model, method, **build_settings)`` (default
             ``slimopt.param_groups``; the Trainer path passes its own, with its no-decay groups).
         int8: hold the body's Linear weights in int8 on the device (else in their dtype).
         int8_group: 0 for one scale a row, else the elements of a row that share one.
+        int8_embeddings: the input embedding and the output layer in int8 too (one scale a row; untied only).
         master: "fp32" (the updates are what an fp32 run would make), "bf16+int8" (3 bytes a weight: bf16 and an
             int8 residual, stepped as fp32) or "bf16": host copies in that form; "none": no copy, the optimizer
             and its state on the device, each int8 weight dequantized to fp32 for its step and rounded back
@@ -114,8 +116,8 @@ class MasterWeights:
     """
 
     def __init__(self, model: nn.Module, method: str = "adamw", *, int8: bool = True, int8_group: int = 0,
-                 master: str = "fp32", accumulation_steps: int = 1, overlap: bool = False,
-                 clip: float | None = None, clip_mode: str = "hold", record: bool = False,
+                 int8_embeddings: bool = False, master: str = "fp32", accumulation_steps: int = 1,
+                 overlap: bool = False, clip: float | None = None, clip_mode: str = "hold", record: bool = False,
                  groups: Callable[..., list[dict[str, Any]]] | None = None, **build_settings: Any) -> None:
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
             raise ValueError(f"clip must be None or a number > 0, got {clip!r}")
@@ -133,7 +135,9 @@ class MasterWeights:
         groups = (groups or param_groups)(model, method, **build_settings)  # the partition of the model as it is
         self.masters: dict[str, nn.Parameter] = {}
         self._device_param: dict[str, Tensor] = {}  # name -> the device tensor a non-int8 master is written to
-        self._place_masters(model, groups, int8, int8_group, MASTERS[master])
+        if int8_embeddings and not int8:
+            raise ValueError("int8_embeddings=True needs int8=True")
+        self._place_masters(model, groups, int8, int8_group, int8_embeddings, MASTERS[master])
         self._name_of = {id(p): n for n, p in self._device_param.items()}  # a tied parameter under either module
         self._index = {name: k for k, name in enumerate(self.masters)}
         self.optimizer = SlimOptimizer(groups)  # the worker's: nothing else writes its groups while it steps
@@ -154,7 +158,7 @@ class MasterWeights:
         self._pending: dict[str, Future] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimopt-host-step") if self.overlap else None
         self._task = -1
-        self._layers: dict[str, Int8Linear] = {}
+        self._layers: dict[str, Int8Weight] = {}
         self._filling: set[str] = set()  # masters whose .grad a row route is writing for the first time this window
         self._hooks = []
         self._attach(model)
@@ -165,15 +169,15 @@ class MasterWeights:
     # ------------------------------------------------------------------------------------------------------------
 
     def _place_masters(self, model: nn.Module, groups: list[dict[str, Any]], int8: bool, int8_group: int,
-                       dtype: torch.dtype | None) -> None:
+                       int8_embeddings: bool, dtype: torch.dtype | None) -> None:
         """Swap each group's parameters for their masters (in place: the device parameter itself, and for an int8
         layer a stand-in that holds a weight only while it steps)."""
-        int8_names = {name for name, _ in int8_weights(model)} if int8 else set()
+        int8_names = {name for name, _ in int8_weights(model, int8_embeddings)} if int8 else set()
         names = {id(p): n for n, p in model.named_parameters()}
         # in place, a master on the meta device holds no memory until its stand-in replaces it
-        int8_masters = dict(to_int8(model, int8_group, dtype or torch.float32,
-                                    "meta" if dtype is None else "cpu")) if int8 else {}
-        layers = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, Int8Linear)}
+        int8_masters = dict(to_int8(model, int8_group, dtype or torch.float32, "meta" if dtype is None else "cpu",
+                                    int8_embeddings)) if int8 else {}
+        layers = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, Int8Weight)}
         for group in groups:
             masters = []
             for p in group["params"]:
@@ -200,7 +204,7 @@ class MasterWeights:
         hooked: set[str] = set()
         for module_name, module in model.named_modules():
             waits: list[str] = []
-            if isinstance(module, Int8Linear) and module.master is not None:
+            if isinstance(module, Int8Weight) and module.master is not None:
                 name = f"{module_name}.weight" if module_name else "weight"
                 self._layers[name] = module
                 module.grad_sink = lambda grad, name=name: self._arrive(name, grad)
