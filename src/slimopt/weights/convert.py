@@ -79,4 +79,3 @@ def to_int8(model: nn.Module, group: int = 0, master_dtype: torch.dtype = torch.
             setattr(parent, child_name, layer)
             masters[name] = layer.master
     return [(name, masters[name]) for name in chosen.values()]  # int8_weights' order
-

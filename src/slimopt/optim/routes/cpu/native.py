@@ -27,6 +27,7 @@ from torch import Tensor
 
 from slimopt.atomic import atomic_path
 from slimopt.cache import cache_root
+from slimopt.optim.algorithm import int8_weight
 from slimopt.optim.algorithm import quant as Q
 from slimopt.optim.algorithm.codecs import Bf16Codec, BlockCodec, FactoredCodec, FactoredRows, Fp32Codec, TernaryCodec
 from slimopt.optim.algorithm.noise import CounterStream
@@ -545,24 +546,33 @@ def column_best(g: Tensor, hidden: Tensor | None) -> tuple[Tensor, Tensor]:
     return rows, absval
 
 
+def _int8_args(w: Tensor, group: int, codes: Tensor, scales: Tensor) -> _Int8Q | None:
+    """The writer's arguments for w (rows, cols) fp32 or bf16 into codes (rows, cols) int8 and scales (rows,
+    groups) fp32, nearest rounding on one thread; None unless all three are contiguous CPU tensors of those dtypes
+    and shapes."""
+    if w.dim() != 2 or w.dtype not in _DTYPES:
+        return None
+    rows, cols = w.shape
+    for t, dtype, shape in ((w, w.dtype, (rows, cols)), (codes, torch.int8, (rows, cols)),
+                            (scales, torch.float32, (rows, int8_weight.group_count(cols, group)))):
+        if t.device.type != "cpu" or t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+            return None
+    return _Int8Q(rows=rows, cols=cols, group=group, w=w.data_ptr(), w_dtype=_DTYPES[w.dtype],
+                  codes=codes.data_ptr(), scales=scales.data_ptr(), stochastic=0, threads=1)
+
+
 def quantize_int8(w: Tensor, group: int, noise: CounterStream | None, codes: Tensor, scales: Tensor) -> bool:
     """``int8_weight.quantize(w, group, noise=noise)`` written into `codes` (rows, cols) int8 and `scales`
     (rows, groups) fp32 by the kernel, the rows split over torch's threads: True; False where the kernel does not
     take it (no library, a tensor not a contiguous CPU one of those dtypes and shapes, a NaN or an infinity in w),
     for the caller to run the reference."""
     lib = library()
-    if lib is None or w.dim() != 2 or w.dtype not in _DTYPES:
+    q = _int8_args(w, group, codes, scales) if lib is not None else None
+    if q is None:
         return False
-    rows, cols = w.shape
-    groups = 1 if group == 0 else -(-cols // group)
-    for t, dtype, shape in ((w, w.dtype, (rows, cols)), (codes, torch.int8, (rows, cols)),
-                            (scales, torch.float32, (rows, groups))):
-        if t.device.type != "cpu" or t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
-            return False
-    q = _Int8Q(rows=rows, cols=cols, group=group, w=w.data_ptr(), w_dtype=_DTYPES[w.dtype], codes=codes.data_ptr(),
-               scales=scales.data_ptr(), stochastic=int(noise is not None), threads=torch.get_num_threads())
+    q.threads = torch.get_num_threads()
     if noise is not None:
-        (q.key0, q.key1), q.counter = noise.key_words, noise.offset
+        q.stochastic, (q.key0, q.key1), q.counter = 1, noise.key_words, noise.offset
     return lib.slimopt_quantize_int8(ctypes.byref(q)) == 0
 
 
@@ -581,19 +591,14 @@ class Int8Sink:
     """
 
     def __init__(self, w: Tensor, group: int, codes: Tensor, scales: Tensor) -> None:
-        rows, cols = w.shape
-        groups = 1 if group == 0 else -(-cols // group)
-        for t, dtype, shape in ((w, w.dtype, (rows, cols)), (codes, torch.int8, (rows, cols)),
-                                (scales, torch.float32, (rows, groups))):
-            if t.device.type != "cpu" or t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
-                raise ValueError(f"Int8Sink needs contiguous CPU tensors: w {tuple(w.shape)} fp32 or bf16, codes "
-                                 f"{(rows, cols)} int8, scales {(rows, groups)} fp32; got {dtype} {tuple(t.shape)}")
-        if w.dtype not in _DTYPES:
-            raise ValueError(f"Int8Sink writes from an fp32 or bf16 weight, got {w.dtype}")
-        self.w, self._ptr, self._dtype = w, w.data_ptr(), _DTYPES[w.dtype]
-        self._q = _Int8Q(rows=rows, cols=cols, group=group, w=self._ptr, w_dtype=self._dtype,
-                         codes=codes.data_ptr(), scales=scales.data_ptr(), stochastic=0, threads=1)
-        self.address = ctypes.addressof(self._q)
+        q = _int8_args(w, group, codes, scales)
+        if q is None:
+            raise ValueError(f"Int8Sink needs contiguous CPU tensors: w (rows, cols) fp32 or bf16, codes (rows, cols)"
+                             f" int8, scales (rows, groups) fp32 for int8_group={group}; got w {w.dtype} "
+                             f"{tuple(w.shape)}, codes {codes.dtype} {tuple(codes.shape)}, scales {scales.dtype} "
+                             f"{tuple(scales.shape)}")
+        self.w, self._ptr, self._dtype, self._q = w, q.w, q.w_dtype, q
+        self.address = ctypes.addressof(q)
         self._keep = (codes, scales)
         self._version: int | None = None  # w's version when the kernel last wrote the codes
 
