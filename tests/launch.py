@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -73,8 +74,29 @@ def run_torchrun(nproc: int | None, *args: str, timeout: int = 900) -> str:
     if res.returncode != 0:
         errors = [line for line in text.splitlines() if "Error" in line or "assert" in line.lower()]
         pytest.fail(f"{' '.join(args[:3])} at {nproc or 1} ranks failed ({res.returncode}):\n"
-                    + "\n".join(errors[-20:]) + "\n--- tail ---\n" + text[-4000:])
+                    + "\n".join(errors[-20:]) + crashes(text) + "\n--- tail ---\n" + text[-4000:]
+                    + f"\n--- the whole output: {keep_output(text)} ---")
     return text
+
+
+def crashes(text: str) -> str:
+    """The stacks of the ranks that died of a signal, as faulthandler prints them (each from the line before
+    "Fatal Python error", where a C++ exception's "terminate called ..." stands, to its module list, which is
+    left out), so that a crash's cause is in the failure's message and not only past the output's tail."""
+    lines, blocks = text.splitlines(), []
+    for i, line in enumerate(lines):
+        if line.startswith("Fatal Python error"):
+            end = next((j for j in range(i, len(lines)) if lines[j].startswith("Extension modules:")), len(lines))
+            blocks.append("\n".join(lines[max(0, i - 3):end][:60]))
+    return "".join(f"\n--- a rank's crash ---\n{b}" for b in blocks)
+
+
+def keep_output(text: str) -> str:
+    """Write a failed launch's whole output to a file of its own (the temporary folder) and return its path."""
+    fd, path = tempfile.mkstemp(prefix="slimopt-launch-", suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
 
 
 def run_worker(nproc: int | None, worker: str, out, *extra: str, phase: str | None = None,
