@@ -109,6 +109,24 @@ def test_windows_of_a_tensor(counted, monkeypatch, m, v):
     _assert_same(fast, eager, a, b, torch.bfloat16, 3)
 
 
+@pytest.mark.parametrize("m,v", [("ternary_sr_rms64", "factored"), ("ternary_ef_mean64", "int4")])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_streams_from_an_odd_counter(counted, monkeypatch, m, v, rounding):
+    """Every stream read from an odd counter (as a shard's can start): the kernel's draws for the first element of a
+    pair and the rest (the fused path's fallback, or the tile loop's with a stochastically rounded weight) equal
+    the eager encode's."""
+    from slimopt.optim.algorithm import projectors as P
+    whole = P.stream
+    monkeypatch.setattr(P, "stream", lambda *parts: whole(*parts).at(1))
+    kw = dict(lr=1e-2, m_codec=m, v_codec=v, param_rounding=rounding)
+    a, b = _params(torch.bfloat16), _params(torch.bfloat16)
+    fast, eager = slimopt.SlimOptimizer(a, **kw), slimopt.SlimOptimizer(b, fused=False, **kw)
+    _run(a, fast, _grads(torch.bfloat16, 3))
+    assert counted.calls >= 3 * 2
+    _run(b, eager, _grads(torch.bfloat16, 3))
+    _assert_same(fast, eager, a, b, torch.bfloat16, 3)
+
+
 @pytest.mark.parametrize("m,v", [("int8", "int8"), ("ternary_ef", "factored"), ("ternary_sr_rms64", "factored")])
 def test_path_switch_across_a_checkpoint(counted, m, v):
     """Three steps in one pass, a weights_only checkpoint, three eager steps: the eager run's result, and the

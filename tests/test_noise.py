@@ -31,11 +31,21 @@ def test_bits_are_the_hash_of_key_and_counter_across_the_high_word(key, offset):
     assert got == [_reference_hash(key, j) for j in range(offset, offset + 11)]
 
 
+@pytest.mark.parametrize("offset", [0, 1, 6, (1 << 33) - 3])
+def test_an_element_takes_half_of_the_hash_of_its_pair(offset):
+    key = mix_seed(9)
+    got = CounterStream(key, offset).int16((7,), "cpu").tolist()
+    halves = [(_reference_hash(key, c // 2) >> (0 if c % 2 else 16)) & 0xFFFF for c in range(offset, offset + 7)]
+    assert got == halves
+    assert torch.equal(CounterStream(key, offset).uniform((7,), "cpu"), torch.tensor(halves) / 65536.0)
+
+
 def test_a_view_reads_the_same_numbers_as_the_whole():
     s = CounterStream(mix_seed(1, 2, 3))
     whole = s.uniform((1000,), "cpu")
     assert torch.equal(s.at(300).uniform((200,), "cpu"), whole[300:500])
     assert torch.equal(s.at(100).at(200).uniform((5, 40), "cpu").view(-1), whole[300:500])
+    assert torch.equal(s.at(301).uniform((3, 33), "cpu").view(-1), whole[301:400])  # from the second of a pair
     assert not torch.equal(s.fork(1).uniform((1000,), "cpu"), whole)
 
 

@@ -1,4 +1,4 @@
-"""Counter-based random streams for stochastic rounding: the noise of element j is a hash of (key, j).
+"""Counter-based random streams for stochastic rounding: the noise of element j is half of a hash of (key, j // 2).
 
 A stateful generator (torch.Generator) hands out numbers in the order they are asked for, so a kernel that rounds
 a tile at a time cannot draw its own: the caller had to draw the whole window's noise into a tensor first (a pass
@@ -75,7 +75,7 @@ def _mix32_(x: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class CounterStream:
     """The random numbers of one tensor's stochastic rounding at one step: element j (counted from `offset`)
-    gets ``hash(key, offset + j)``. key: a 63-bit seed (``projectors.mix_seed`` of the group's seed, the
+    gets 16 bits of ``hash(key, (offset + j) // 2)`` (``int16``). key: a 63-bit seed (``projectors.mix_seed`` of the group's seed, the
     parameter, the step and the moment); offset: the counter of the first element this view draws for."""
 
     key: int
@@ -116,9 +116,19 @@ class CounterStream:
         return out
 
     def uniform(self, shape: torch.Size | tuple[int, ...], device: torch.device | str) -> Tensor:
-        """Uniform [0, 1) fp32 of `shape`, element j of its row-major order from counter offset + j."""
-        return (self.bits(math.prod(shape), device) >> 8).bitwise_and_(0xFFFFFF).float().mul_(2.0 ** -24).view(shape)
+        """Uniform [0, 1) fp32 of `shape`, element j of its row-major order from counter offset + j: its 16-bit
+        integer (``int16``) times 2^-16, exact."""
+        return self.int16(shape, device).float().mul_(2.0 ** -16)
 
     def int16(self, shape: torch.Size | tuple[int, ...], device: torch.device | str) -> Tensor:
-        """Uniform integers in [0, 65536) as int32 of `shape` (floor(uniform * 2^16) of the same elements)."""
-        return (self.bits(math.prod(shape), device) >> 16).bitwise_and_(0xFFFF).view(shape)
+        """Uniform integers in [0, 65536) as int32 of `shape`, element j of its row-major order from counter
+        c = offset + j: a half of the hash of c // 2, the high half for an even c and the low half for an odd
+        one (one hash serves two elements: half the work of a hash an element, in every kernel)."""
+        n = math.prod(shape)
+        if n == 0:
+            return torch.empty(shape, dtype=torch.int32, device=device)
+        first = self.offset // 2
+        h = CounterStream(self.key, first).bits((self.offset + n - 1) // 2 - first + 1, device)
+        halves = torch.stack([(h >> 16).bitwise_and_(0xFFFF), h.bitwise_and_(0xFFFF)], dim=1).view(-1)
+        start = self.offset % 2
+        return halves[start:start + n].view(shape)

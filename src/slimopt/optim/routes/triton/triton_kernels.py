@@ -83,20 +83,26 @@ def _hash(j, key0, key1):
 
 
 @triton.jit
+def _int16(j, key0, key1):
+    """CounterStream.int16 at counters j (int64): a half of hash(j // 2), the high one for an even j (in int64)."""
+    h = _hash(j >> 1, key0, key1)
+    return tl.where((j & 1) == 1, h & 0xFFFF, (h >> 16) & 0xFFFF)
+
+
+@triton.jit
 def _stochastic_bf16_bits(y, j, key0, key1):
-    """quant.to_bf16(y, stochastic=True) with the counter-based stream (key0, key1) at counters j (int64): the top
-    16 bits of hash(j) added to the low half of y's pattern, truncated; inf and NaN rounded to nearest."""
-    h = _hash(j, key0, key1)
+    """quant.to_bf16(y, stochastic=True) with the counter-based stream (key0, key1) at counters j (int64): the 16-bit
+    number of j added to the low half of y's pattern, truncated; inf and NaN rounded to nearest."""
     bits = y.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-    rounded = ((bits + (h >> 16)) >> 16) & 0xFFFF
+    rounded = ((bits + _int16(j, key0, key1)) >> 16) & 0xFFFF
     finite = (bits & 0x7F800000) != 0x7F800000
     return tl.where(finite, rounded.to(tl.int32), _bf16_bits(y))
 
 
 @triton.jit
 def _uniform(j, key0, key1):
-    """CounterStream.uniform at counters j: the hash's top 24 bits times 2^-24 (fp32, exact)."""
-    return ((_hash(j, key0, key1) >> 8) & 0xFFFFFF).to(tl.float32) * 5.9604644775390625e-08
+    """CounterStream.uniform at counters j: the 16-bit number times 2^-16 (fp32, exact)."""
+    return _int16(j, key0, key1).to(tl.float32) * 1.52587890625e-05
 
 
 @triton.jit

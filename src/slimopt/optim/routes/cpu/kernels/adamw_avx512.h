@@ -248,8 +248,8 @@ static inline __attribute__((always_inline)) __m512 reader16_next(reader16_t *r,
     case C_TERNARY_SR:
     case C_TERNARY_EF: {  /* ternary_values: digit - 1 times the block's scale */
         const int64_t p = r->phase;
-        const __mmask16 needed = (__mmask16)((1u << ((p + 15) / 5 + 1)) - 1);  /* the bytes these elements lie in */
-        const __m512i four = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(needed, (const uint8_t *)c->data + r->byte));
+        /* the bytes these elements lie in: (p + 15) / 5 + 1 = 4 for every phase p < 5 (masked: the codes may end) */
+        const __m512i four = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(0xF, (const uint8_t *)c->data + r->byte));
         const __m512i b = _mm512_permutexvar_epi32(_mm512_loadu_si512(TRIT_BYTE[p]), four);
         const __m512 x = _mm512_mul_ps(trits16(b, p), r->scale);
         r->byte += 3 + (p == 4);  /* 16 = 3 x 5 + 1 */
@@ -331,20 +331,67 @@ typedef struct {
     float div, recip, low;
 } block_div_t;
 
-/* |x| as int32 patterns order like the floats (NaN above inf): *top their max (the absmax), *low the unsigned min
- * of pattern - 1 (the smallest nonzero magnitude less one; a zero wraps to the largest) */
-static inline void block_magnitudes(const float *x, int64_t B, int32_t *top, uint32_t *low) {
+/* |x| as int32 patterns order like the floats (NaN above inf): per lane, *top their max (the absmax) and *low the
+ * unsigned min of pattern - 1 (the smallest nonzero magnitude less one; a zero wraps to the largest), over a block
+ * of B values (a multiple of 16); reduce16 finishes them sixteen blocks at a time */
+static inline void block_magnitudes(const float *x, int64_t B, __m512i *top, __m512i *low) {
     __m512i max_bits = _mm512_setzero_si512(), min_bits = _mm512_set1_epi32(-1);
     for (int64_t i = 0; i < B; i += 16) {
         const __m512i a = _mm512_and_si512(_mm512_loadu_si512(x + i), _mm512_set1_epi32(0x7FFFFFFF));
         max_bits = _mm512_max_epi32(max_bits, a);
         min_bits = _mm512_min_epu32(min_bits, _mm512_sub_epi32(a, _mm512_set1_epi32(1)));
     }
-    *top = _mm512_reduce_max_epi32(max_bits);
-    *low = _mm512_reduce_min_epu32(min_bits);
+    *top = max_bits;
+    *low = min_bits;
 }
 
-/* scale: what the codec stored; top, low: block_magnitudes'. The reciprocal where the divisor and every magnitude
+/* The max (or the unsigned min) of each of sixteen registers' lanes, lane j of the result for register j: four rounds,
+ * each halving the lanes per register and pairing the registers, instead of a reduction per register */
+static inline __m512i reduce16(__m512i *r, int min) {
+    static const int32_t half[4][2][16] = {
+        {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}, {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}},
+        {{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}, {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31}},
+        {{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}, {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31}},
+        {{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}, {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}}};
+    for (int round = 0, n = 16; round < 4; round++, n /= 2) {
+        const __m512i lo = _mm512_loadu_si512(half[round][0]), hi = _mm512_loadu_si512(half[round][1]);
+        for (int j = 0; j < n / 2; j++) {
+            const __m512i a = _mm512_permutex2var_epi32(r[2 * j], lo, r[2 * j + 1]);
+            const __m512i b = _mm512_permutex2var_epi32(r[2 * j], hi, r[2 * j + 1]);
+            r[j] = min ? _mm512_min_epu32(a, b) : _mm512_max_epi32(a, b);
+        }
+    }
+    return r[0];
+}
+
+/* block_sum's eight chains of a block of n values (a multiple of 16): the fp64 sum of |x| or of x * x rounded to
+ * fp32, lane j of the sum of elements j, j + 8, ...; sum8 combines them in block_sum's order */
+static inline __m512d block_chains(const float *x, int64_t n, int squares) {
+    __m512d acc = _mm512_setzero_pd();
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const __m256 t = squares ? _mm256_mul_ps(v, v) : _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
+        acc = _mm512_add_pd(acc, _mm512_cvtps_pd(t));
+    }
+    return acc;
+}
+
+/* ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)) of each of eight registers a, lane j of the result for register
+ * j: the same additions in the same order, three rounds over the registers together */
+static inline __m512d sum8(const __m512d *a) {
+    __m512d s[4], t[2];
+    for (int j = 0; j < 4; j++)  /* a0 + a1, b0 + b1, a2 + a3, b2 + b3, ... of the pair (a, b) */
+        s[j] = _mm512_add_pd(_mm512_unpacklo_pd(a[2 * j], a[2 * j + 1]), _mm512_unpackhi_pd(a[2 * j], a[2 * j + 1]));
+    /* (x0 + x1) + (x2 + x3) of the four registers x, then (x4 + x5) + (x6 + x7) of the four */
+    const __m512i lo2 = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), hi2 = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+    for (int j = 0; j < 2; j++)
+        t[j] = _mm512_add_pd(_mm512_permutex2var_pd(s[2 * j], lo2, s[2 * j + 1]),
+                             _mm512_permutex2var_pd(s[2 * j], hi2, s[2 * j + 1]));
+    const __m512i lo3 = _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0), hi3 = _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
+    return _mm512_add_pd(_mm512_permutex2var_pd(t[0], lo3, t[1]), _mm512_permutex2var_pd(t[0], hi3, t[1]));
+}
+
+/* scale: what the codec stored; top, low: the block's reduced block_magnitudes. The reciprocal where the divisor and every magnitude
  * lie in its range (unchecked where the smallest nonzero one allows: quotients from 2^-100 on), else the divider. */
 static inline block_div_t block_divisor(float scale, int32_t top, uint32_t low) {
     block_div_t d;
@@ -360,48 +407,43 @@ static inline block_div_t block_divisor(float scale, int32_t top, uint32_t low) 
     return d;
 }
 
-/* block_sum (the fp64 sum of |x| or of x * x rounded to fp32, in eight chains combined in its order) of a block of
- * a multiple of 16 values */
-static inline double block_sum16(const float *x, int64_t n, int squares) {
-    __m512d acc = _mm512_setzero_pd();
-    for (int64_t i = 0; i < n; i += 8) {
-        const __m256 v = _mm256_loadu_ps(x + i);
-        const __m256 t = squares ? _mm256_mul_ps(v, v) : _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
-        acc = _mm512_add_pd(acc, _mm512_cvtps_pd(t));
-    }
-    double a[8];
-    _mm512_storeu_pd(a, acc);
-    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-}
-
 /* Every block's scale (absmax, or the mean or root mean square of |x| over its cnt real values, as encode), stored,
- * and its divisor into divs. In passes over all blocks (their reductions; the means' divisions and square roots
- * eight blocks a register; the stores), so that no block waits on the latency of the one before it. */
+ * and its divisor into divs. Sixteen blocks at a time: their reductions finished together (reduce16, sum8), the
+ * means' divisions and square roots eight blocks a register, so that no block waits on the latency of the one before. */
 static void block_divisors(codec_t *c, int64_t off, int64_t cnt, const float *x, block_div_t *divs) {
     const int64_t B = c->block, blocks = (cnt + B - 1) / B;
-    int32_t top[MAX_TILE / 16];
-    uint32_t low[MAX_TILE / 16];
-    double acc[MAX_TILE / 16 + 8];
-    float scale[MAX_TILE / 16 + 8];
-    for (int64_t b = 0; b < blocks; b++) {
-        block_magnitudes(x + b * B, B, &top[b], &low[b]);
-        if (c->scale_kind != S_ABSMAX) acc[b] = block_sum16(x + b * B, B, c->scale_kind == S_RMS);
-    }
-    for (int64_t b = blocks; b < blocks + 8; b++) acc[b] = 0.0;  /* the last register's lanes past the blocks */
-    if (c->scale_kind == S_ABSMAX) {
-        memcpy(scale, top, 4 * (size_t)blocks);
-    } else {
-        for (int64_t b = 0; b < blocks; b += 8) {  /* (float)(acc / k) or (float)sqrt(acc / k), k the real values */
+    const int sums = c->scale_kind != S_ABSMAX;
+    int32_t top[MAX_TILE / 16 + 16];
+    uint32_t low[MAX_TILE / 16 + 16];
+    float scale[MAX_TILE / 16 + 16];
+    for (int64_t b0 = 0; b0 < blocks; b0 += 16) {
+        __m512i tops[16], lows[16];
+        __m512d acc[16];
+        for (int64_t j = 0; j < 16; j++) {
+            if (b0 + j < blocks) {
+                block_magnitudes(x + (b0 + j) * B, B, &tops[j], &lows[j]);
+                if (sums) acc[j] = block_chains(x + (b0 + j) * B, B, c->scale_kind == S_RMS);
+            } else {  /* lanes past the last block */
+                tops[j] = _mm512_setzero_si512();
+                lows[j] = _mm512_set1_epi32(-1);
+                acc[j] = _mm512_setzero_pd();
+            }
+        }
+        _mm512_storeu_si512(top + b0, reduce16(tops, 0));
+        _mm512_storeu_si512(low + b0, reduce16(lows, 1));
+        if (!sums) continue;
+        for (int64_t h = 0; h < 16; h += 8) {  /* (float)(acc / k) or (float)sqrt(acc / k), k the real values */
             double k[8];
             for (int j = 0; j < 8; j++) {
-                const int64_t left = cnt - (b + j) * B;
+                const int64_t left = cnt - (b0 + h + j) * B;
                 k[j] = (double)(left < B ? (left > 0 ? left : 1) : B);
             }
-            __m512d q = _mm512_div_pd(_mm512_loadu_pd(acc + b), _mm512_loadu_pd(k));
+            __m512d q = _mm512_div_pd(sum8(acc + h), _mm512_loadu_pd(k));
             if (c->scale_kind == S_RMS) q = _mm512_sqrt_pd(q);
-            _mm256_storeu_ps(scale + b, _mm512_cvtpd_ps(q));
+            _mm256_storeu_ps(scale + b0 + h, _mm512_cvtpd_ps(q));
         }
     }
+    if (!sums) memcpy(scale, top, 4 * (size_t)blocks);
     for (int64_t b = 0; b < blocks; b++) divs[b] = block_divisor(store_scale(c, off / B + b, scale[b]), top[b], low[b]);
 }
 
@@ -449,16 +491,23 @@ static inline __m512i mix32_16(__m512i x) {
     return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
-/* uniform_many's numbers of counters [j0, j0 + 16), or 0 where their high words differ (the caller's cue to take
- * uniform_many) */
-static inline int uniform16(uint32_t key0, uint32_t key1, int64_t j0, __m512 *u) {
-    const uint64_t j = (uint64_t)j0;
-    if ((uint32_t)j > 0xFFFFFFFFu - 15u) return 0;
-    const __m512i lo = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(uint32_t)j),
+/* uniform_many's numbers of counters [j0, j0 + 32), j0 even, as two registers from the sixteen hashes of j0 / 2 on
+ * (the high halves for the even counters, the low ones for the odd), or 0 where their high words differ (the
+ * caller's cue to take uniform_many) */
+static inline int uniform32(uint32_t key0, uint32_t key1, int64_t j0, __m512 *u0, __m512 *u1) {
+    const uint64_t k = (uint64_t)j0 >> 1;
+    if ((uint32_t)k > 0xFFFFFFFFu - 15u) return 0;
+    const __m512i lo = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(uint32_t)k),
                                         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
     __m512i h = mix32_16(_mm512_xor_si512(lo, _mm512_set1_epi32((int32_t)key0)));
-    h = mix32_16(_mm512_xor_si512(h, _mm512_set1_epi32((int32_t)((uint32_t)(j >> 32) ^ key1))));
-    *u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), _mm512_set1_ps(0x1p-24f));
+    h = mix32_16(_mm512_xor_si512(h, _mm512_set1_epi32((int32_t)((uint32_t)(k >> 32) ^ key1))));
+    const __m512i high = _mm512_srli_epi32(h, 16), low = _mm512_and_si512(h, _mm512_set1_epi32(0xFFFF));
+    /* counter 2 l + b: hash l's high half (b = 0, index l) or low half (b = 1, index 16 + l) */
+    const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    const __m512 unit = _mm512_set1_ps(0x1p-16f);
+    *u0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(high, first, low)), unit);
+    *u1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(high, second, low)), unit);
     return 1;
 }
 
@@ -503,6 +552,8 @@ static void encode_ternary_sr16(codec_t *c, int64_t off, int64_t cnt, float *x) 
     block_div_t divs[MAX_TILE / 16];
     block_divisors(c, off, cnt, x, divs);
     const __m512i one = _mm512_set1_epi32(1);
+    __m512 next = _mm512_setzero_ps();  /* the numbers of the next register, drawn with this one's (uniform32) */
+    int have_next = 0;
     for (int64_t b0 = 0; b0 < padded; b0 += B) {
         const block_div_t *d = &divs[b0 / B];
         const int how = d->how;
@@ -511,15 +562,22 @@ static void encode_ternary_sr16(codec_t *c, int64_t off, int64_t cnt, float *x) 
             /* a quotient's sign decides nothing at zero: -0 and +0 give the same trit */
             const __m512 q = normalize16(how, _mm512_loadu_ps(x + i), dv, yv, lowv);
             __m512 u;
-            if (!uniform16(c->key0, c->key1, c->counter + off + i, &u)) {
+            const int64_t j = c->counter + off + i;
+            if (have_next) {  /* the second register of the last call's pair (within this block) */
+                u = next;
+                have_next = 0;
+            } else if (i + 32 <= b0 + B && !(j & 1) && uniform32(c->key0, c->key1, j, &u, &next)) {
+                have_next = 1;
+            } else {
                 float tmp[16];
-                uniform_many(c->key0, c->key1, c->counter + off + i, tmp, 16);
+                uniform_many(c->key0, c->key1, j, tmp, 16);
                 u = _mm512_loadu_ps(tmp);
+                have_next = 0;
             }
             /* ternary_sr_many: the bracket (0, 1) where q >= 0 or NaN, else (-1, 0); p_up = q - (upper - 1) */
-            const __mmask16 upper = _mm512_cmp_ps_mask(q, _mm512_setzero_ps(), _CMP_GE_OQ)
-                                    | _mm512_cmp_ps_mask(q, q, _CMP_UNORD_Q);
-            __m512 p = _mm512_sub_ps(q, _mm512_mask_mov_ps(_mm512_set1_ps(-1.0f), upper, _mm512_setzero_ps()));
+            const __mmask16 upper = _mm512_cmp_ps_mask(q, _mm512_setzero_ps(), _CMP_NLT_UQ);  /* not q < 0 */
+            /* q - (-1) is q + 1 exactly, and q - 0 is q (-0 stays -0): one masked addition */
+            __m512 p = _mm512_mask_add_ps(q, (__mmask16)~upper, q, _mm512_set1_ps(1.0f));
             /* clamped to [0, 1]; a NaN p (of a NaN q) becomes 0, which rounds the same (u < p false either way) */
             p = _mm512_min_ps(_mm512_max_ps(p, _mm512_setzero_ps()), _mm512_set1_ps(1.0f));
             const __m512i up = _mm512_maskz_mov_epi32(upper, one);

@@ -31,8 +31,8 @@
  * slimopt_taco_one is TACO's whole step at one stored component a column, that search included.
  *
  * Stochastic codecs draw their uniform [0, 1) numbers themselves, from the counter-based stream of
- * slimopt/optim/algorithm/noise.py: the number of element j of the parameter is a hash of (key, j), so every tile computes
- * exactly what the eager encode draws for its elements, with nothing read from memory.
+ * slimopt/optim/algorithm/noise.py: the number of element j of the parameter is a half of a hash of (key, j / 2), so
+ * every tile computes exactly what the eager encode draws for its elements, with nothing read from memory.
  */
 
 #include <math.h>
@@ -447,22 +447,35 @@ static inline uint32_t stream_hash(uint32_t key0, uint32_t key1, int64_t j) {
     return mix32(mix32((uint32_t)u ^ key0) ^ (uint32_t)(u >> 32) ^ key1);
 }
 
-/* n uniform [0, 1) numbers of the stream from counter `j0` on (noise.CounterStream.uniform): each hash's top 24
- * bits times 2^-24 */
-static void uniform_many(uint32_t key0, uint32_t key1, int64_t j0, float *u, int64_t n) {
-    for (int64_t i = 0; i < n; i++)  /* < 2^24: exact, and a signed conversion vectorizes */
-        u[i] = (float)(int32_t)(stream_hash(key0, key1, j0 + i) >> 8) * 0x1p-24f;
+/* The 16-bit number of counter j of the stream (noise.CounterStream.int16): a half of the hash of j / 2, the high
+ * half for an even j, the low half for an odd one */
+static inline uint32_t stream16(uint32_t key0, uint32_t key1, int64_t j) {
+    const uint32_t h = stream_hash(key0, key1, j >> 1);
+    return (j & 1) ? h & 0xFFFFu : h >> 16;
 }
 
-/* quant.to_bf16(stochastic=True) on the stream (key0, key1) from counter j0: the top 16 bits of element j's
- * hash added to the low half of the fp32 pattern (int32 arithmetic), truncated; inf and NaN rounded to nearest */
+/* n uniform [0, 1) numbers of the stream from counter `j0` on (noise.CounterStream.uniform): each 16-bit number
+ * times 2^-16, one hash for each two */
+static void uniform_many(uint32_t key0, uint32_t key1, int64_t j0, float *u, int64_t n) {
+    int64_t i = 0;
+    if (n > 0 && (j0 & 1)) u[i++] = (float)stream16(key0, key1, j0) * 0x1p-16f;
+    for (; i + 2 <= n; i += 2) {  /* j0 + i even */
+        const uint32_t h = stream_hash(key0, key1, (j0 + i) >> 1);
+        u[i] = (float)(int32_t)(h >> 16) * 0x1p-16f;  /* < 2^16: exact, and a signed conversion vectorizes */
+        u[i + 1] = (float)(int32_t)(h & 0xFFFFu) * 0x1p-16f;
+    }
+    if (i < n) u[i] = (float)stream16(key0, key1, j0 + i) * 0x1p-16f;
+}
+
+/* quant.to_bf16(stochastic=True) on the stream (key0, key1) from counter j0: element j's 16-bit number added to the
+ * low half of the fp32 pattern (int32 arithmetic), truncated; inf and NaN rounded to nearest */
 static void stochastic_bf16(uint32_t key0, uint32_t key1, int64_t j0, const float *y, uint16_t *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
-        const uint32_t h = stream_hash(key0, key1, j0 + i);
+        const uint32_t r = stream16(key0, key1, j0 + i);
         uint32_t bits;
         memcpy(&bits, &y[i], 4);
         const int finite = (bits & 0x7F800000u) != 0x7F800000u;
-        out[i] = finite ? (uint16_t)((bits + (h >> 16)) >> 16) : f32_to_bf16(y[i]);
+        out[i] = finite ? (uint16_t)((bits + r) >> 16) : f32_to_bf16(y[i]);
     }
 }
 

@@ -45,9 +45,10 @@ static int int8q_group(const int8q_t *q, int64_t r, int64_t c0, const float *x, 
     int64_t i = 0;
 #ifdef __AVX512F__
     if (n >= 16) {
-        int32_t top16;
-        block_magnitudes(x, n / 16 * 16, &top16, &low);
-        top = (uint32_t)top16;
+        __m512i top16, low16;
+        block_magnitudes(x, n / 16 * 16, &top16, &low16);
+        top = (uint32_t)_mm512_reduce_max_epi32(top16);
+        low = _mm512_reduce_min_epu32(low16);
         i = n / 16 * 16;
     }
 #endif
