@@ -345,14 +345,19 @@ static inline void block_magnitudes(const float *x, int64_t B, __m512i *top, __m
     *low = min_bits;
 }
 
-/* The max (or the unsigned min) of each of sixteen registers' lanes, lane j of the result for register j: four rounds,
- * each halving the lanes per register and pairing the registers, instead of a reduction per register */
+/* The max (or the unsigned min) of each of sixteen registers' lanes, lane j of the result for register j: four
+ * rounds, each halving the lanes per register and pairing the registers, instead of a reduction per register.
+ * half[round]: the lanes each pair's two permutes pick (0-15 the first register's, 16-31 the second's) */
 static inline __m512i reduce16(__m512i *r, int min) {
     static const int32_t half[4][2][16] = {
-        {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}, {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}},
-        {{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}, {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31}},
-        {{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}, {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31}},
-        {{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}, {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}}};
+        {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+         {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}},
+        {{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+         {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31}},
+        {{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+         {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31}},
+        {{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
+         {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}}};
     for (int round = 0, n = 16; round < 4; round++, n /= 2) {
         const __m512i lo = _mm512_loadu_si512(half[round][0]), hi = _mm512_loadu_si512(half[round][1]);
         for (int j = 0; j < n / 2; j++) {
@@ -391,8 +396,9 @@ static inline __m512d sum8(const __m512d *a) {
     return _mm512_add_pd(_mm512_permutex2var_pd(t[0], lo3, t[1]), _mm512_permutex2var_pd(t[0], hi3, t[1]));
 }
 
-/* scale: what the codec stored; top, low: the block's reduced block_magnitudes. The reciprocal where the divisor and every magnitude
- * lie in its range (unchecked where the smallest nonzero one allows: quotients from 2^-100 on), else the divider. */
+/* scale: what the codec stored; top, low: the block's reduced block_magnitudes. The reciprocal where the divisor
+ * and every magnitude lie in its range (unchecked where the smallest nonzero one allows: quotients from 2^-100 on),
+ * else the divider. */
 static inline block_div_t block_divisor(float scale, int32_t top, uint32_t low) {
     block_div_t d;
     d.div = scale != scale ? scale : scale > TINY_NORMAL ? scale : TINY_NORMAL;
@@ -409,7 +415,7 @@ static inline block_div_t block_divisor(float scale, int32_t top, uint32_t low) 
 
 /* Every block's scale (absmax, or the mean or root mean square of |x| over its cnt real values, as encode), stored,
  * and its divisor into divs. Sixteen blocks at a time: their reductions finished together (reduce16, sum8), the
- * means' divisions and square roots eight blocks a register, so that no block waits on the latency of the one before. */
+ * means' divisions and square roots eight blocks a register, so that no block waits on the one before it. */
 static void block_divisors(codec_t *c, int64_t off, int64_t cnt, const float *x, block_div_t *divs) {
     const int64_t B = c->block, blocks = (cnt + B - 1) / B;
     const int sums = c->scale_kind != S_ABSMAX;
