@@ -98,13 +98,20 @@ def test_ctrl_c_names_the_last_checkpoint_and_the_resume_command(data, tmp_path)
     out = tmp_path / "run"
     argv = _train_args(corpus, cache, out, "--save-every", "2")
     argv[argv.index("--max-steps") + 1] = "100000"
-    proc = subprocess.Popen([sys.executable, "-m", "slimopt", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    # `python -m slimopt`, with Ctrl-C's interactive handler even where this test runs with SIGINT ignored (as a
+    # background job does: a child keeps an ignored signal ignored)
+    run = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+           "runpy.run_module('slimopt', run_name='__main__', alter_sys=True)")
+    proc = subprocess.Popen([sys.executable, "-c", run, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 120
-    while not (out / "checkpoint.pt").exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoint.pt").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:  # a run that ignored the interrupt does not outlive the test
+        proc.kill()
     assert proc.returncode == 130, err
     line = err.strip().splitlines()[-1]
     assert line.startswith("slimopt train: interrupted; the last checkpoint (step "), err
@@ -161,11 +168,15 @@ def test_ctrl_c_during_a_checkpoint_write_takes_effect_once_the_file_is_whole(tm
         real_save(obj, f)
 
     monkeypatch.setattr(torch, "save", interrupted_save)
-    with pytest.raises(KeyboardInterrupt):
-        ckpt.save_atomic({"x": torch.arange(3.0)}, tmp_path / "c.pt")
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive run has it
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ckpt.save_atomic({"x": torch.arange(3.0)}, tmp_path / "c.pt")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert torch.equal(ckpt.load_checkpoint(tmp_path / "c.pt")["x"], torch.arange(3.0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 @pytest.mark.parametrize("command", [["memory", "--model", "7b", "--method", "adamw"],
