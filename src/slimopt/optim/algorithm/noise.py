@@ -75,8 +75,9 @@ def _mix32_(x: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class CounterStream:
     """The random numbers of one tensor's stochastic rounding at one step: element j (counted from `offset`)
-    gets 16 bits of ``hash(key, (offset + j) // 2)`` (``int16``). key: a 63-bit seed (``projectors.mix_seed`` of the group's seed, the
-    parameter, the step and the moment); offset: the counter of the first element this view draws for."""
+    gets 16 bits of ``hash(key, (offset + j) // 2)`` (``int16``). key: a 63-bit seed (``projectors.mix_seed`` of
+    the group's seed, the parameter, the step and the moment); offset: the counter of the first element this view
+    draws for."""
 
     key: int
     offset: int = 0
