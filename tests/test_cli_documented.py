@@ -145,6 +145,8 @@ TRAIN_STEPS = ("--max-steps", "2")
 TRAIN_QUIET = ("--threads", "1", "--no-progress")
 FT_SMALL = ("--max-train-samples", "8", "--max-eval-samples", "8", "--max-length", "16", "--batch-size", "4")
 BENCH_REFRESH = ("--refresh-shape", "48x80", "--refresh-rank", "8")
+# a documented SmolLM2 comparison as the tests run it: the tiny LLaMA, short blocks, 2 steps
+SMOLLM2_AS_TINY = {"--model": "tiny", "--seq-len": "32", "--max-steps": "2", "--eval-tokens": "512"}
 # Over every method a benchmark takes half a minute even on a tiny model (each method's gc.collect in a process
 # that has imported transformers costs a few tenths of a second): a 1.2 s budget runs the first method or two and
 # gives the others their "skipped" row (test_bench.py runs every method).
@@ -476,23 +478,20 @@ CASES = [
                  "--tune-fraction 0.34 --set adamw.lr=1e-4 --set adamw8bit.lr=1e-4 --set ternary_adamw.lr=2e-4 "
                  "--set galore.lr=1e-3 --set frugal.lr=1e-4 --set taco.lr=1e-4 --set lora.lr=1e-3 "
                  "--set frozen.lr=1e-4 --plan-model smollm2-135m",
-                 replace={"--model": "tiny", "--seq-len": "32", "--max-steps": "2", "--eval-tokens": "512",
-                          "--lr-grid": "1", "--control-lr-grid": "1", "--tune-fraction": "0.5",
+                 replace={**SMOLLM2_AS_TINY, "--lr-grid": "1", "--control-lr-grid": "1", "--tune-fraction": "0.5",
                           "--lr-extensions": "0"}, slow=True),
     # docs/reproduction.md: that table's seeds 1 and 2 (here the tiny LLaMA, 2 steps, one seed)
     compare_case("compare-smollm2-seeds", "slimopt compare --model smollm2-135m --data kjv --methods "
                  "adamw,frugal,taco,ternary_adamw --seq-len 64 --batch-size 8 --max-steps 24 --eval-tokens 4096 "
                  "--seed 1 --seeds 2 --set adamw.lr=1e-4 --set frugal.lr=4e-4 --set taco.lr=1e-4 "
                  "--set ternary_adamw.lr=2e-4 --set frozen.lr=8e-4 --plan-model smollm2-135m",
-                 replace={"--model": "tiny", "--seq-len": "32", "--max-steps": "2", "--eval-tokens": "512",
-                          "--seeds": "1"}, slow=True),
+                 replace={**SMOLLM2_AS_TINY, "--seeds": "1"}, slow=True),
     # docs/reproduction.md: int8 weights on SmolLM2 continued on KJV, 3 seeds (here the tiny LLaMA, 2 steps, 1 seed)
     compare_case("compare-smollm2-int8", "slimopt compare --model smollm2-135m --data kjv --methods "
                  "adamw,adamw+weights=int8+offload=host,adamw+weights=int8 --seq-len 64 --batch-size 8 "
                  "--max-steps 24 --eval-tokens 4096 --set adamw.lr=1e-4 --set frozen.lr=8e-4 "
                  "--plan-model smollm2-135m --seeds 3",
-                 replace={"--model": "tiny", "--seq-len": "32", "--max-steps": "2", "--eval-tokens": "512",
-                          "--seeds": "1"}, slow=True),
+                 replace={**SMOLLM2_AS_TINY, "--seeds": "1"}, slow=True),
     compare_case("compare-bbc", "slimopt compare --data bbc", add=("--methods", "adamw,galore"), slow=True),
     compare_case("compare-int8-variants", "slimopt compare --methods adamw,adamw+weights=int8+offload=host,"
                  "adamw+weights=int8 --seeds 3", replace={"--seeds": "2"}),

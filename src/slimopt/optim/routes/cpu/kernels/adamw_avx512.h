@@ -578,7 +578,6 @@ static void encode_ternary_sr16(codec_t *c, int64_t off, int64_t cnt, float *x) 
                 float tmp[16];
                 uniform_many(c->key0, c->key1, j, tmp, 16);
                 u = _mm512_loadu_ps(tmp);
-                have_next = 0;
             }
             /* ternary_sr_many: the bracket (0, 1) where q >= 0 or NaN, else (-1, 0); p_up = q - (upper - 1) */
             const __mmask16 upper = _mm512_cmp_ps_mask(q, _mm512_setzero_ps(), _CMP_NLT_UQ);  /* not q < 0 */
