@@ -542,17 +542,35 @@ static void encode(codec_t *c, int64_t off, int64_t cnt, float *x) {
             const int64_t len = c->cols - c0 < off + cnt - e ? c->cols - c0 : off + cnt - e;
             const float *xs = x + (e - off);
             double *cs = c->col_sum + c0;
-            /* sixteen chains (two vector registers of doubles; four chains left the adds waiting on each
-             * other): the order changes the fp64 sum by an ulp of a double at most, which its mean does not see */
-            double a[16] = {0.0};
+            /* 32 chains (four vector registers of doubles; fewer left the adds waiting on each other), each value
+             * converted once for its row's and its column's sum, the chains then added pairwise: the order
+             * changes the fp64 sum by an ulp of a double at most, which its mean does not see */
+            double a[32] = {0.0};
             int64_t k = 0;
-            for (; k + 16 <= len; k += 16)
-                for (int j = 0; j < 16; j++) a[j] += (double)xs[k + j];
-            for (; k < len; k++) a[0] += (double)xs[k];
-            for (k = 0; k < len; k++) cs[k] += (double)xs[k];
-            double sum = 0.0;
-            for (int j = 0; j < 16; j++) sum += a[j];
-            c->row_acc += sum;
+#ifdef __AVX512F__  /* chain 8 q + j in lane j of register q */
+            __m512d acc[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd()};
+            for (; k + 32 <= len; k += 32)
+                for (int q = 0; q < 4; q++) {
+                    const __m512d d = _mm512_cvtps_pd(_mm256_loadu_ps(xs + k + 8 * q));
+                    acc[q] = _mm512_add_pd(acc[q], d);
+                    _mm512_storeu_pd(cs + k + 8 * q, _mm512_add_pd(_mm512_loadu_pd(cs + k + 8 * q), d));
+                }
+            for (int q = 0; q < 4; q++) _mm512_storeu_pd(a + 8 * q, acc[q]);
+#endif
+            for (; k + 32 <= len; k += 32)
+                for (int j = 0; j < 32; j++) {
+                    const double d = (double)xs[k + j];
+                    a[j] += d;
+                    cs[k + j] += d;
+                }
+            for (; k < len; k++) {
+                const double d = (double)xs[k];
+                a[0] += d;
+                cs[k] += d;
+            }
+            for (int h = 16; h >= 1; h /= 2)
+                for (int j = 0; j < h; j++) a[j] += a[j + h];
+            c->row_acc += a[0];
             if (c0 + len == c->cols) {
                 c->row[r] = (float)(c->row_acc / (double)c->cols);
                 c->row_acc = 0.0;
