@@ -10,8 +10,10 @@ M32 = 0xFFFFFFFF
 
 
 def _reference_hash(key: int, j: int) -> int:
-    """The hash as the module docstring states it, on Python integers."""
-    return mix32_int(mix32_int((j & M32) ^ (key & M32)) ^ (j >> 32) ^ ((key >> 32) & M32))
+    """The hash as CounterStream.bits states it, on Python integers: one mix32 of the counter's low word, its high
+    word times 0x9E3779B9 and the key's two words mixed."""
+    key32 = mix32_int(mix32_int((key >> 32) & M32) ^ (key & M32))
+    return mix32_int((j & M32) ^ (((j >> 32) * 0x9E3779B9) & M32) ^ key32)
 
 
 def test_mix32_known_values():

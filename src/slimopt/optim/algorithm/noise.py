@@ -41,6 +41,7 @@ def mix_seed(*parts: int) -> int:
 
 
 _C1, _C2 = 0x7FEB352D, 0x846CA68B
+_PHI = 0x9E3779B9  # 2^32 / the golden ratio, odd: a counter's high word times it, mod 2^32
 
 
 def mix32_int(x: int) -> int:
@@ -96,10 +97,18 @@ class CounterStream:
         """The key's low and high 32-bit words (what the kernels take)."""
         return self.key & _M32, (self.key >> 32) & _M32
 
-    def bits(self, numel: int, device: torch.device | str) -> Tensor:
-        """(numel,) int32 holding the 32-bit hashes of elements [offset, offset + numel) as bit patterns (4 bytes
-        an element, with one temporary of the same size)."""
+    @property
+    def key32(self) -> int:
+        """The 32-bit key the hash mixes in: the two key words mixed, ``mix32(mix32(high) ^ low)`` (each kernel
+        computes it from the key words once per call)."""
         k0, k1 = self.key_words
+        return mix32_int(mix32_int(k1) ^ k0)
+
+    def bits(self, numel: int, device: torch.device | str) -> Tensor:
+        """(numel,) int32 holding the 32-bit hashes of counters [offset, offset + numel) as bit patterns (4 bytes
+        an element, with one temporary of the same size): counter c's is ``mix32(lo ^ hi * PHI ^ key32)``, lo and
+        hi its low and high 32-bit words, PHI = 0x9E3779B9 (products mod 2^32): one round a counter."""
+        key = self.key32
         out = torch.empty(numel, dtype=torch.int32, device=device)
         done = 0
         while done < numel:  # a run of counters that share their high word
@@ -109,9 +118,7 @@ class CounterStream:
             x = out[done:done + k]
             torch.arange(k, dtype=torch.int32, device=device, out=x)
             x.add_(_signed(lo))  # the int32 sum wraps where the uint32 counter does not: the same bits
-            x ^= _signed(k0)
-            _mix32_(x)
-            x ^= _signed((hi ^ k1) & _M32)
+            x ^= _signed(((hi * _PHI) ^ key) & _M32)
             _mix32_(x)
             done += k
         return out

@@ -78,8 +78,10 @@ def _mix32(x):
 
 @triton.jit
 def _hash(j, key0, key1):
-    """The 32-bit hash (in int64) of counters j (int64) of the counter-based stream (key0, key1): noise.bits."""
-    return _mix32(_mix32((j & 0xFFFFFFFF) ^ key0) ^ ((j >> 32) & 0xFFFFFFFF) ^ key1)
+    """The 32-bit hash (in int64) of counters j (int64) of the counter-based stream (key0, key1): noise.bits, its
+    key32 from the scalar key words once per program."""
+    key = _mix32(_mix32(tl.cast(key1, tl.int64) & 0xFFFFFFFF) ^ (tl.cast(key0, tl.int64) & 0xFFFFFFFF))
+    return _mix32((j & 0xFFFFFFFF) ^ ((((j >> 32) & 0xFFFFFFFF) * 0x9E3779B9) & 0xFFFFFFFF) ^ key)
 
 
 @triton.jit

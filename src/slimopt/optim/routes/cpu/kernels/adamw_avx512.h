@@ -531,16 +531,16 @@ static inline __m512i mix32_16(__m512i x) {
     return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
-/* uniform_many's numbers of counters [j0, j0 + 32), j0 even, as two registers from the sixteen hashes of j0 / 2 on
- * (the high halves for the even counters, the low ones for the odd), or 0 where their high words differ (the
- * caller's cue to take uniform_many) */
-static inline int uniform32(uint32_t key0, uint32_t key1, int64_t j0, __m512 *u0, __m512 *u1) {
-    const uint64_t k = (uint64_t)j0 >> 1;
-    if ((uint32_t)k > 0xFFFFFFFFu - 15u) return 0;
-    const __m512i lo = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(uint32_t)k),
+/* uniform_many's numbers of counters [j0, j0 + 32), j0 even, under the stream key k (stream_key), as two
+ * registers from the sixteen hashes of j0 / 2 on (the high halves for the even counters, the low ones for the odd),
+ * or 0 where their high words differ (the caller's cue to take uniform_many) */
+static inline int uniform32(uint32_t k, int64_t j0, __m512 *u0, __m512 *u1) {
+    const uint64_t c = (uint64_t)j0 >> 1;
+    if ((uint32_t)c > 0xFFFFFFFFu - 15u) return 0;
+    const __m512i lo = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(uint32_t)c),
                                         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-    __m512i h = mix32_16(_mm512_xor_si512(lo, _mm512_set1_epi32((int32_t)key0)));
-    h = mix32_16(_mm512_xor_si512(h, _mm512_set1_epi32((int32_t)((uint32_t)(k >> 32) ^ key1))));
+    const uint32_t key = (uint32_t)(c >> 32) * STREAM_PHI ^ k;  /* stream_hash's: the high word and the key */
+    const __m512i h = mix32_16(_mm512_xor_si512(lo, _mm512_set1_epi32((int32_t)key)));
     const __m512i high = _mm512_srli_epi32(h, 16), low = _mm512_and_si512(h, _mm512_set1_epi32(0xFFFF));
     /* counter 2 l + b: hash l's high half (b = 0, index l) or low half (b = 1, index 16 + l) */
     const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -592,6 +592,7 @@ static void encode_ternary_sr16(codec_t *c, int64_t off, int64_t cnt, float *x) 
     block_div_t divs[MAX_TILE / 16];
     block_divisors(c, off, cnt, x, divs);
     const __m512i one = _mm512_set1_epi32(1);
+    const uint32_t key = stream_key(c->key0, c->key1);
     __m512 next = _mm512_setzero_ps();  /* the numbers of the next register, drawn with this one's (uniform32) */
     int have_next = 0;
     for (int64_t b0 = 0; b0 < padded; b0 += B) {
@@ -606,7 +607,7 @@ static void encode_ternary_sr16(codec_t *c, int64_t off, int64_t cnt, float *x) 
             if (have_next) {  /* the second register of the last call's pair (within this block) */
                 u = next;
                 have_next = 0;
-            } else if (i + 32 <= b0 + B && !(j & 1) && uniform32(c->key0, c->key1, j, &u, &next)) {
+            } else if (i + 32 <= b0 + B && !(j & 1) && uniform32(key, j, &u, &next)) {
                 have_next = 1;
             } else {
                 float tmp[16];

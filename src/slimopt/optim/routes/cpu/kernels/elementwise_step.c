@@ -440,38 +440,44 @@ static inline uint32_t mix32(uint32_t x) {  /* noise._mix32_ */
     return x ^ (x >> 16);
 }
 
-/* The 32-bit hash of counter j in the stream (key0, key1) (noise.CounterStream.bits):
- * mix32(mix32(lo(j) ^ key0) ^ hi(j) ^ key1) */
-static inline uint32_t stream_hash(uint32_t key0, uint32_t key1, int64_t j) {
+/* The stream's 32-bit key: its two key words mixed (noise.CounterStream.key32), once per call */
+static inline uint32_t stream_key(uint32_t key0, uint32_t key1) { return mix32(mix32(key1) ^ key0); }
+
+/* The 32-bit hash of counter j under the stream key k (noise.CounterStream.bits): one mix32 of j's low word, its
+ * high word times STREAM_PHI and k */
+#define STREAM_PHI 0x9E3779B9u
+static inline uint32_t stream_hash(uint32_t k, int64_t j) {
     const uint64_t u = (uint64_t)j;
-    return mix32(mix32((uint32_t)u ^ key0) ^ (uint32_t)(u >> 32) ^ key1);
+    return mix32((uint32_t)u ^ (uint32_t)(u >> 32) * STREAM_PHI ^ k);
 }
 
 /* The 16-bit number of counter j of the stream (noise.CounterStream.int16): a half of the hash of j / 2, the high
  * half for an even j, the low half for an odd one */
-static inline uint32_t stream16(uint32_t key0, uint32_t key1, int64_t j) {
-    const uint32_t h = stream_hash(key0, key1, j >> 1);
+static inline uint32_t stream16(uint32_t k, int64_t j) {
+    const uint32_t h = stream_hash(k, j >> 1);
     return (j & 1) ? h & 0xFFFFu : h >> 16;
 }
 
-/* n uniform [0, 1) numbers of the stream from counter `j0` on (noise.CounterStream.uniform): each 16-bit number
- * times 2^-16, one hash for each two */
+/* n uniform [0, 1) numbers of the stream (key0, key1) from counter `j0` on (noise.CounterStream.uniform): each
+ * 16-bit number times 2^-16, one hash for each two */
 static void uniform_many(uint32_t key0, uint32_t key1, int64_t j0, float *u, int64_t n) {
+    const uint32_t k = stream_key(key0, key1);
     int64_t i = 0;
-    if (n > 0 && (j0 & 1)) u[i++] = (float)stream16(key0, key1, j0) * 0x1p-16f;
+    if (n > 0 && (j0 & 1)) u[i++] = (float)stream16(k, j0) * 0x1p-16f;
     for (; i + 2 <= n; i += 2) {  /* j0 + i even */
-        const uint32_t h = stream_hash(key0, key1, (j0 + i) >> 1);
+        const uint32_t h = stream_hash(k, (j0 + i) >> 1);
         u[i] = (float)(int32_t)(h >> 16) * 0x1p-16f;  /* < 2^16: exact, and a signed conversion vectorizes */
         u[i + 1] = (float)(int32_t)(h & 0xFFFFu) * 0x1p-16f;
     }
-    if (i < n) u[i] = (float)stream16(key0, key1, j0 + i) * 0x1p-16f;
+    if (i < n) u[i] = (float)stream16(k, j0 + i) * 0x1p-16f;
 }
 
 /* quant.to_bf16(stochastic=True) on the stream (key0, key1) from counter j0: element j's 16-bit number added to the
  * low half of the fp32 pattern (int32 arithmetic), truncated; inf and NaN rounded to nearest */
 static void stochastic_bf16(uint32_t key0, uint32_t key1, int64_t j0, const float *y, uint16_t *out, int64_t n) {
+    const uint32_t k = stream_key(key0, key1);
     for (int64_t i = 0; i < n; i++) {
-        const uint32_t r = stream16(key0, key1, j0 + i);
+        const uint32_t r = stream16(k, j0 + i);
         uint32_t bits;
         memcpy(&bits, &y[i], 4);
         const int finite = (bits & 0x7F800000u) != 0x7F800000u;
