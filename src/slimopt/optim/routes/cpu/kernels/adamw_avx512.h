@@ -222,8 +222,11 @@ static inline void next_block16(reader16_t *r) {
     r->scale = _mm512_set1_ps(scale_at(r->c, r->block));
 }
 
-/* the 16 values of elements [e, e + 16), e the element after the last call's (or the start) */
-static inline __attribute__((always_inline)) __m512 reader16_next(reader16_t *r, int64_t e, const int kind) {
+/* the 16 values of elements [e, e + 16), e the element after the last call's (or the start). phase: -1, or for a
+ * ternary codec the register's place (0-4) in a run of five registers (80 elements, 16 bytes) from r->byte, a
+ * constant in an unrolled loop that moves r->byte on by 16 after the five (its tables then need no index) */
+static inline __attribute__((always_inline)) __m512 reader16_next(reader16_t *r, int64_t e, const int kind,
+                                                                  const int phase) {
     const codec_t *c = r->c;
     switch (kind >= 0 ? kind : c->kind) {  /* a constant kind: the caller's specialized loop */
     case C_BLOCK8: {  /* the run's map values, decoded before the loop; without VBMI a gather from the map */
@@ -247,13 +250,16 @@ static inline __attribute__((always_inline)) __m512 reader16_next(reader16_t *r,
     }
     case C_TERNARY_SR:
     case C_TERNARY_EF: {  /* ternary_values: digit - 1 times the block's scale */
-        const int64_t p = r->phase;
+        const int64_t p = phase >= 0 ? phase : r->phase;
+        const int64_t byte = phase >= 0 ? r->byte + 3 * phase : r->byte;  /* 16 p = 5 (3 p) + p for p < 5 */
         /* the bytes these elements lie in: (p + 15) / 5 + 1 = 4 for every phase p < 5 (masked: the codes may end) */
-        const __m512i four = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(0xF, (const uint8_t *)c->data + r->byte));
+        const __m512i four = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(0xF, (const uint8_t *)c->data + byte));
         const __m512i b = _mm512_permutexvar_epi32(_mm512_loadu_si512(TRIT_BYTE[p]), four);
         const __m512 x = _mm512_mul_ps(trits16(b, p), r->scale);
-        r->byte += 3 + (p == 4);  /* 16 = 3 x 5 + 1 */
-        r->phase = p == 4 ? 0 : p + 1;
+        if (phase < 0) {
+            r->byte += 3 + (p == 4);  /* 16 = 3 x 5 + 1 */
+            r->phase = p == 4 ? 0 : p + 1;
+        }
         next_block16(r);
         return x;
     }
@@ -697,9 +703,9 @@ static inline adamw16_t adamw16_constants(const step_t *s) {
 static inline __attribute__((always_inline)) void adamw16_vec(const step_t *s, const adamw16_t *k, reader16_t *rm,
                                                               reader16_t *rv, int64_t e, __m512 *m, __m512 *v,
                                                               const int km, const int kv, const int32_t grad_dtype,
-                                                              const int32_t param_dtype) {
+                                                              const int32_t param_dtype, const int mphase) {
     const __m512 g = load16(s->grad, grad_dtype, e);
-    __m512 mv = reader16_next(rm, e, km), vv = reader16_next(rv, e, kv);
+    __m512 mv = reader16_next(rm, e, km, mphase), vv = reader16_next(rv, e, kv, -1);
     const __m512 diff = _mm512_sub_ps(g, mv);  /* lerp(m, g, w1) as torch's vectorized lerp */
     mv = k->lerp_low ? _mm512_fmadd_ps(k->w1, diff, mv) : _mm512_fmadd_ps(k->w1_hi, diff, g);
     vv = _mm512_fmadd_ps(_mm512_mul_ps(k->w2, g), g, _mm512_mul_ps(vv, k->beta2));
@@ -751,9 +757,23 @@ static inline __attribute__((always_inline)) void adamw16_loop(const step_t *s, 
         if (m8) map256_decode(&maps->map[0], (const uint8_t *)s->codecs[0].data + t0 + i0, end - i0, m + i0);
         if (v8) map256_decode(&maps->map[1], (const uint8_t *)s->codecs[1].data + t0 + i0, end - i0, v + i0);
 #endif
-        for (int64_t i = i0; i < end; i += 16) {
+        int64_t i = i0;
+        if (km == C_TERNARY_SR && rm.phase == 0)  /* five registers a turn, each with its constant phase */
+            for (; i + 80 <= end; i += 80) {
+#define ADAMW16_PHASE(p)                                                                                      \
+                {                                                                                             \
+                    __m512 mv, vv;                                                                            \
+                    adamw16_vec(s, &k, &rm, &rv, t0 + i + 16 * (p), &mv, &vv, km, kv, grad_dtype, param_dtype, (p)); \
+                    _mm512_storeu_ps(mout + i + 16 * (p), mv);                                                \
+                    _mm512_storeu_ps(vout + i + 16 * (p), vv);                                                \
+                }
+                ADAMW16_PHASE(0) ADAMW16_PHASE(1) ADAMW16_PHASE(2) ADAMW16_PHASE(3) ADAMW16_PHASE(4)
+#undef ADAMW16_PHASE
+                rm.byte += 16;
+            }
+        for (; i < end; i += 16) {
             __m512 mv, vv;
-            adamw16_vec(s, &k, &rm, &rv, t0 + i, &mv, &vv, km, kv, grad_dtype, param_dtype);
+            adamw16_vec(s, &k, &rm, &rv, t0 + i, &mv, &vv, km, kv, grad_dtype, param_dtype, -1);
             _mm512_storeu_ps(mout + i, mv);
             _mm512_storeu_ps(vout + i, vv);
         }
