@@ -67,6 +67,24 @@ def test_uniform_and_int16_are_uniform_and_agree():
     assert torch.equal(s.int16((1 << 20,), "cpu"), (u * 65536).to(torch.int32))
 
 
+def test_one_round_streams_of_nearby_keys_are_unrelated():
+    # one mix32 round a counter: the keys of consecutive steps (mix_seed's), keys one bit apart in either 32-bit word,
+    # and the two halves of a hash must still give unrelated numbers, every bit of them fair
+    n = 1 << 18
+    keys = [mix_seed(0, 3, step, 0) for step in range(1, 4)] + [1 << 40, (1 << 40) ^ 1, (1 << 40) ^ (1 << 33)]
+    streams = [CounterStream(k).int16((n,), "cpu") for k in keys]
+    bound = 5 / n ** 0.5
+    for i in range(len(streams)):
+        for j in range(i + 1, len(streams)):
+            r = torch.corrcoef(torch.stack([streams[i], streams[j]]).double())[0, 1].item()
+            assert abs(r) < bound, (keys[i], keys[j], r)
+    for x in streams:
+        bits = torch.stack([(x >> b) & 1 for b in range(16)]).double().mean(dim=1)
+        assert (bits - 0.5).abs().max().item() < 5 * (0.25 / n) ** 0.5
+        pairs = x.view(-1, 2).double()  # the high and the low half of one hash
+        assert abs(torch.corrcoef(pairs.T)[0, 1].item()) < 5 / (n / 2) ** 0.5
+
+
 def test_quant_draws_from_a_stream_or_a_generator():
     s = CounterStream(5, 10)
     assert torch.equal(Q.uniform((3, 4), "cpu", s), s.uniform((3, 4), "cpu"))
