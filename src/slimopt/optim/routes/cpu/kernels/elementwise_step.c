@@ -831,6 +831,24 @@ static void run_on_threads(void *(*fn)(void *), void *jobs, size_t size, int64_t
     }
 }
 
+/* A round's column parts added into col_sum, group after group, over columns [c0, c1): each thread takes a slice of
+ * the columns, every column's additions in group order as one thread's would be; the parts zeroed for the next */
+typedef struct {
+    double *sum;
+    double *parts;  /* (groups, cols) */
+    int64_t cols, c0, c1, groups;
+} merge_t;
+
+static void *run_merge(void *arg) {
+    const merge_t *m = (const merge_t *)arg;
+    for (int64_t g = 0; g < m->groups; g++) {
+        double *part = m->parts + g * m->cols;
+        for (int64_t c = m->c0; c < m->c1; c++) m->sum[c] += part[c];
+        memset(part + m->c0, 0, sizeof(double) * (size_t)(m->c1 - m->c0));
+    }
+    return NULL;
+}
+
 #include "int8_weight.h"
 
 /* Elements [lo, hi) of the window stepped, then, where the step writes int8 codes, the rows they complete (the
@@ -949,11 +967,12 @@ int slimopt_elementwise_step(step_t *s) {
         }
         for (int k = 0; k < s->n_codecs; k++) {
             if (parts[k] == NULL) continue;
+            merge_t merges[MAX_THREADS];
             const int64_t cols = s->codecs[k].cols;
-            double *sum = s->codecs[k].col_sum;
-            for (int64_t g = r0; g < r1; g++)
-                for (int64_t c = 0; c < cols; c++) sum[c] += parts[k][(g - r0) * cols + c];
-            memset(parts[k], 0, sizeof(double) * (size_t)(buffered * cols));
+            for (int64_t t = 0; t < threads; t++)
+                merges[t] = (merge_t){s->codecs[k].col_sum, parts[k], cols, cols * t / threads,
+                                      cols * (t + 1) / threads, r1 - r0};
+            run_on_threads(run_merge, merges, sizeof merges[0], threads);
         }
     }
     free(parts[0]);
