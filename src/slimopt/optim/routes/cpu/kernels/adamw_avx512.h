@@ -337,18 +337,43 @@ typedef struct {
     float div, recip, low;
 } block_div_t;
 
-/* |x| as int32 patterns order like the floats (NaN above inf): per lane, *top their max (the absmax) and *low the
- * unsigned min of pattern - 1 (the smallest nonzero magnitude less one; a zero wraps to the largest), over a block
- * of B values (a multiple of 16); reduce16 finishes them sixteen blocks at a time */
-static inline void block_magnitudes(const float *x, int64_t B, __m512i *top, __m512i *low) {
-    __m512i max_bits = _mm512_setzero_si512(), min_bits = _mm512_set1_epi32(-1);
-    for (int64_t i = 0; i < B; i += 16) {
-        const __m512i a = _mm512_and_si512(_mm512_loadu_si512(x + i), _mm512_set1_epi32(0x7FFFFFFF));
-        max_bits = _mm512_max_epi32(max_bits, a);
-        min_bits = _mm512_min_epu32(min_bits, _mm512_sub_epi32(a, _mm512_set1_epi32(1)));
+/* Per block of B values (a multiple of 16), nb (a constant, at most 4) consecutive blocks in one loop: |x| as int32
+ * patterns order like the floats (NaN above inf), so per lane *top is their max (the absmax) and *low the unsigned
+ * min of pattern - 1 (the smallest nonzero magnitude less one; a zero wraps to the largest); and where sums (1: |x|,
+ * 2: x * x rounded to fp32) block_sum's eight fp64 chains, lane j the sum of elements j, j + 8, ... (sum8 combines
+ * them in block_sum's order). The blocks' chains advance together instead of each waiting on its own last addition.
+ * reduce16 finishes top and low sixteen blocks at a time. */
+static inline __attribute__((always_inline)) void block_stats(const float *x, int64_t B, int sums, const int nb,
+                                                              __m512i *top, __m512i *low, __m512d *acc) {
+    __m512i max_bits[4], min_bits[4];
+    __m512d a[4];
+    for (int q = 0; q < nb; q++) {
+        max_bits[q] = _mm512_setzero_si512();
+        min_bits[q] = _mm512_set1_epi32(-1);
+        a[q] = _mm512_setzero_pd();
     }
-    *top = max_bits;
-    *low = min_bits;
+    for (int64_t i = 0; i < B; i += 16)
+        for (int q = 0; q < nb; q++) {
+            const __m512 v = _mm512_loadu_ps(x + q * B + i);
+            const __m512i bits = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF));
+            max_bits[q] = _mm512_max_epi32(max_bits[q], bits);
+            min_bits[q] = _mm512_min_epu32(min_bits[q], _mm512_sub_epi32(bits, _mm512_set1_epi32(1)));
+            if (!sums) continue;
+            const __m512 t = sums == 2 ? _mm512_mul_ps(v, v) : _mm512_castsi512_ps(bits);
+            const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1));
+            a[q] = _mm512_add_pd(a[q], _mm512_cvtps_pd(_mm512_castps512_ps256(t)));  /* elements i .. i + 7 */
+            a[q] = _mm512_add_pd(a[q], _mm512_cvtps_pd(high));                      /* then i + 8 .. i + 15 */
+        }
+    for (int q = 0; q < nb; q++) {
+        top[q] = max_bits[q];
+        low[q] = min_bits[q];
+        if (sums) acc[q] = a[q];
+    }
+}
+
+/* block_stats' top and low of one block (the int8 writer's rows too) */
+static inline void block_magnitudes(const float *x, int64_t B, __m512i *top, __m512i *low) {
+    block_stats(x, B, 0, 1, top, low, NULL);
 }
 
 /* The max (or the unsigned min) of each of sixteen registers' lanes, lane j of the result for register j: four
@@ -373,48 +398,6 @@ static inline __m512i reduce16(__m512i *r, int min) {
         }
     }
     return r[0];
-}
-
-/* block_sum's eight chains of a block of n values (a multiple of 16): the fp64 sum of |x| or of x * x rounded to
- * fp32, lane j of the sum of elements j, j + 8, ...; sum8 combines them in block_sum's order */
-static inline __m512d block_chains(const float *x, int64_t n, int squares) {
-    __m512d acc = _mm512_setzero_pd();
-    for (int64_t i = 0; i < n; i += 8) {
-        const __m256 v = _mm256_loadu_ps(x + i);
-        const __m256 t = squares ? _mm256_mul_ps(v, v) : _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
-        acc = _mm512_add_pd(acc, _mm512_cvtps_pd(t));
-    }
-    return acc;
-}
-
-/* block_magnitudes and block_chains (sums: 0 none, 1 |x|, 2 x * x) of four consecutive blocks of B values in one
- * loop: the four blocks' additions, one chain each, then advance together instead of each waiting on its own last
- * one. The same additions in the same order as the one-block functions. */
-static inline void block_stats4(const float *x, int64_t B, int sums, __m512i *top, __m512i *low, __m512d *acc) {
-    __m512i max_bits[4], min_bits[4];
-    __m512d a[4];
-    for (int q = 0; q < 4; q++) {
-        max_bits[q] = _mm512_setzero_si512();
-        min_bits[q] = _mm512_set1_epi32(-1);
-        a[q] = _mm512_setzero_pd();
-    }
-    for (int64_t i = 0; i < B; i += 16)
-        for (int q = 0; q < 4; q++) {
-            const __m512 v = _mm512_loadu_ps(x + q * B + i);
-            const __m512i bits = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF));
-            max_bits[q] = _mm512_max_epi32(max_bits[q], bits);
-            min_bits[q] = _mm512_min_epu32(min_bits[q], _mm512_sub_epi32(bits, _mm512_set1_epi32(1)));
-            if (!sums) continue;
-            const __m512 t = sums == 2 ? _mm512_mul_ps(v, v) : _mm512_castsi512_ps(bits);  /* block_chains' terms */
-            const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1));
-            a[q] = _mm512_add_pd(a[q], _mm512_cvtps_pd(_mm512_castps512_ps256(t)));  /* elements i .. i + 7 */
-            a[q] = _mm512_add_pd(a[q], _mm512_cvtps_pd(high));                      /* then i + 8 .. i + 15 */
-        }
-    for (int q = 0; q < 4; q++) {
-        top[q] = max_bits[q];
-        low[q] = min_bits[q];
-        acc[q] = a[q];
-    }
 }
 
 /* ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)) of each of eight registers a, lane j of the result for register
@@ -454,7 +437,7 @@ static inline block_div_t block_divisor(float scale, int32_t top, uint32_t low) 
  * means' divisions and square roots eight blocks a register, so that no block waits on the one before it. */
 static void block_divisors(codec_t *c, int64_t off, int64_t cnt, const float *x, block_div_t *divs) {
     const int64_t B = c->block, blocks = (cnt + B - 1) / B;
-    const int sums = c->scale_kind != S_ABSMAX;
+    const int sums = c->scale_kind != S_ABSMAX, terms = sums ? 1 + (c->scale_kind == S_RMS) : 0;
     int32_t top[MAX_TILE / 16 + 16];
     uint32_t low[MAX_TILE / 16 + 16];
     float scale[MAX_TILE / 16 + 16];
@@ -463,12 +446,10 @@ static void block_divisors(codec_t *c, int64_t off, int64_t cnt, const float *x,
         __m512d acc[16];
         for (int64_t j = 0; j < 16; j++) {
             if (j % 4 == 0 && b0 + j + 4 <= blocks) {  /* four whole blocks together */
-                const int terms = sums ? 1 + (c->scale_kind == S_RMS) : 0;
-                block_stats4(x + (b0 + j) * B, B, terms, &tops[j], &lows[j], &acc[j]);
+                block_stats(x + (b0 + j) * B, B, terms, 4, &tops[j], &lows[j], &acc[j]);
                 j += 3;
             } else if (b0 + j < blocks) {
-                block_magnitudes(x + (b0 + j) * B, B, &tops[j], &lows[j]);
-                if (sums) acc[j] = block_chains(x + (b0 + j) * B, B, c->scale_kind == S_RMS);
+                block_stats(x + (b0 + j) * B, B, terms, 1, &tops[j], &lows[j], &acc[j]);
             } else {  /* lanes past the last block */
                 tops[j] = _mm512_setzero_si512();
                 lows[j] = _mm512_set1_epi32(-1);
