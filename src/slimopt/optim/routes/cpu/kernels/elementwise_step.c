@@ -671,19 +671,24 @@ static inline float sign(float x) { return (float)((x > 0.0f) - (x < 0.0f)); }
  * tiles are the same whatever range a call is given). Returns 0, or -1 for a rule it does not know. */
 static int step_range(step_t *s, int64_t tile, int64_t lo, int64_t hi) {
     const int state_free = s->rule >= RULE_FIRST_FREE;
-    float m[MAX_TILE], v[MAX_TILE], d[MAX_TILE];
+    float mbuf[MAX_TILE], vbuf[MAX_TILE], d[MAX_TILE];
     const float w1 = s->w1, w2 = s->w2, beta2 = s->beta2, eps = s->eps, b2s = s->bias2_sqrt;
+    /* an fp32 moment is read and written in place (each element read before it is written): no copies */
+    const int m_fp32 = !state_free && s->codecs[0].kind == C_FP32;
+    const int v_fp32 = s->rule == RULE_ADAMW && s->codecs[1].kind == C_FP32;
 #ifdef __AVX512F__
-    if (adamw16_applies(s)) lo = adamw16_range(s, tile, lo, hi, m, v);  /* the same bits (adamw_avx512.h) */
+    if (adamw16_applies(s)) lo = adamw16_range(s, tile, lo, hi, mbuf, vbuf);  /* the same bits (adamw_avx512.h) */
 #endif
     for (int64_t t0 = lo; t0 < hi; t0 += tile) {
         const int64_t cnt = hi - t0 < tile ? hi - t0 : tile;
         float g[MAX_TILE];
+        float *m = m_fp32 ? (float *)s->codecs[0].data + t0 : mbuf;
+        float *v = v_fp32 ? (float *)s->codecs[1].data + t0 : vbuf;
         if (s->grad_dtype == D_FP32) memcpy(g, (const float *)s->grad + t0, (size_t)cnt * 4);
         else for (int64_t i = 0; i < cnt; i++) g[i] = bf16_to_f32(((const uint16_t *)s->grad)[t0 + i]);
-        if (!state_free) decode(&s->codecs[0], t0, cnt, m);
+        if (!state_free && !m_fp32) decode(&s->codecs[0], t0, cnt, m);
         if (s->rule == RULE_ADAMW) {
-            decode(&s->codecs[1], t0, cnt, v);
+            if (!v_fp32) decode(&s->codecs[1], t0, cnt, v);
             if (s->eps_before) {
                 for (int64_t i = 0; i < cnt; i++) {
                     m[i] = lerp(m[i], g[i], w1);
@@ -761,8 +766,8 @@ static int step_range(step_t *s, int64_t tile, int64_t lo, int64_t hi) {
                 stochastic_bf16(s->wkey0, s->wkey1, s->wcounter + t0, y, p, cnt);
             }
         }
-        if (!state_free) encode(&s->codecs[0], t0, cnt, m);
-        if (s->rule == RULE_ADAMW) encode(&s->codecs[1], t0, cnt, v);
+        if (!state_free && !m_fp32) encode(&s->codecs[0], t0, cnt, m);
+        if (s->rule == RULE_ADAMW && !v_fp32) encode(&s->codecs[1], t0, cnt, v);
     }
     return 0;
 }
