@@ -217,7 +217,8 @@ def test_packed_tables_count_as_quant(name):
 # and comparisons, AVX2 gathers, plain C) against the eager step; on a machine without one the build is the same
 ISA_LEVELS = {"no-avx512": ["-march=native", "-mno-avx512f"], "portable": []}
 ISA_CASES = [("adamw", "int8", "int8"), ("adamw", "int4", "int4"), ("adamw", "ternary_ef", "int4"),
-             ("adamw", "ternary_sr", "factored"), ("lion", "int4", None), ("sgdm", "ternary_ef_mean64", None)]
+             ("adamw", "ternary_sr", "factored"), ("lion", "int4", None), ("sgdm", "ternary_ef_mean64", None),
+             ("adamw", "fp32", "fp32"), ("lion", "fp32", None)]
 
 
 @pytest.mark.parametrize("level", ISA_LEVELS)
@@ -237,7 +238,8 @@ def test_every_instruction_set_path_equals_the_eager_step(monkeypatch, level, ru
         _run(a, fast, _grads(dtype, 3))
         _run(b, eager, _grads(dtype, 3))
         _assert_same(fast, eager, a, b, dtype, 3)
-    assert counting.calls >= 2 * 3 * 2
+    # fp32 weights with fp32 AdamW moments take torch's fused step: only the bf16 weights' 3 steps x 3 tensors here
+    assert counting.calls >= (3 * 3 if (rule, m, v) == ("adamw", "fp32", "fp32") else 2 * 3 * 2)
 
 
 @pytest.mark.parametrize("level", ["native", *ISA_LEVELS])

@@ -638,6 +638,20 @@ static void encode(codec_t *c, int64_t off, int64_t cnt, float *x) {
             const __m512i hi = _mm512_permutex2var_epi32(a, even, b), lo = _mm512_permutex2var_epi32(a, odd, b);
             _mm_storeu_si128((__m128i *)(d + i / 2), _mm512_cvtepi32_epi8(_mm512_or_si512(_mm512_slli_epi32(hi, 4), lo)));
         }
+#elif defined(__AVX2__)
+        /* 32 codes to 32 bytes in order (two packs, their 128-bit lanes then put in order), each byte pair c0 c1 as
+         * a 16-bit word to (c0 << 4) | c1 in its low byte, and the words' low bytes packed: 16 bytes */
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), low_byte = _mm256_set1_epi16(0xFF);
+        for (; i + 32 <= padded; i += 32) {
+            const __m256i *c32 = (const __m256i *)(code + i);
+            const __m256i w01 = _mm256_packus_epi32(_mm256_loadu_si256(c32), _mm256_loadu_si256(c32 + 1));
+            const __m256i w23 = _mm256_packus_epi32(_mm256_loadu_si256(c32 + 2), _mm256_loadu_si256(c32 + 3));
+            const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(w01, w23), order);
+            const __m256i pair = _mm256_and_si256(low_byte, _mm256_or_si256(_mm256_slli_epi16(bytes, 4),
+                                                                            _mm256_srli_epi16(bytes, 8)));
+            const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(pair, pair), 0x08);  /* qwords 0, 2 */
+            _mm_storeu_si128((__m128i *)(d + i / 2), _mm256_castsi256_si128(packed));
+        }
 #endif
         for (; i < padded; i += 2) d[i / 2] = (uint8_t)((code[i] << 4) | code[i + 1]);
     } else if (c->kind == C_TERNARY_SR) {  /* off is a multiple of 5: whole bytes */
