@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU benchmark in one call: LLaMA-1B, bf16 weights, every slimopt method and every peer on one H200, plus the
 # memory planner against torch.cuda.max_memory_allocated for a real training step at batch 8 x 512, then LLaMA-7B
-# steps under a 16 GB cap, after the CUDA step checks (benchmarks/gpu_step_checks.py). Fits one 9.5-minute run
+# steps under a 16 GB cap, FSDP2 at one rank and int8 weights with a host master, after the CUDA step checks
+# (benchmarks/gpu_step_checks.py). Fits one 9.5-minute run
 # (each stage has its own time limit; methods left when the budget is spent get a "skipped" row).
 #
 # Prepare once, where PyPI is reachable (the GPU machine has no network):
@@ -11,7 +12,8 @@
 # Results land in $OUT (default ./gpu-bench): step_checks.md and step_checks.json (benchmarks/gpu_step_checks.py),
 # bench.md (tables, goals), bench.json, bench.png, memory-1b.md,
 # llama7b.md and llama7b.json (LLaMA-7B under a 16 GB cap: benchmarks/llama7b_16gb.py), fsdp_step.json (FSDP2 at
-# one rank against the whole model: benchmarks/fsdp_step.py), env.txt, log.txt. Copy
+# one rank against the whole model: benchmarks/fsdp_step.py), offload.md and offload.json (int8 weights with a
+# host master: benchmarks/offload_gpu.py), env.txt, log.txt. Copy
 # them into docs/benchmarks.md with the date and device they name.
 # Then, as a second device call (its wheels fill what one call carries): torchtitan's Trainer with slimopt's
 # methods on LLaMA-3 1B, benchmarks/torchtitan_gpu.sh (carry [".whl-torchtitan"], from fetch_wheels.sh --torchtitan).
@@ -52,8 +54,8 @@ METHODS=torch-adamw-fused,torch-adamw,adamw8bit,bnb-adamw8bit,frugal,frugal_rho0
 METHODS=$METHODS,adamw8bit+compile=true,adamw+compile=true,adamw4bit,ternary_adamw,frugal8bit,frugal_ternary
 METHODS=$METHODS,badam,signsgd,apollo,apollo-mini,torchao-adamw8bit,torchao-adamw4bit,galore,galore8bit
 METHODS=$METHODS,galore-torch,galore-torch-8bit
-timeout 270 python3 -m slimopt bench --model 1b --device cuda --dtype bf16 --methods "$METHODS" \
-    --steps 20 --warmup 3 --max-minutes 3 --check-planner --batch 8 --seq 512 --out "$OUT" 2>&1 | tee "$OUT/log.txt"
+timeout 210 python3 -m slimopt bench --model 1b --device cuda --dtype bf16 --methods "$METHODS" \
+    --steps 20 --warmup 3 --max-minutes 2 --check-planner --batch 8 --seq 512 --out "$OUT" 2>&1 | tee "$OUT/log.txt"
 status=${PIPESTATUS[0]}
 
 # 4. the planner's table for the same model and batch (seconds, no GPU work), next to the measurements
@@ -66,6 +68,10 @@ status7b=${PIPESTATUS[0]}
 # CUDA kernels (benchmarks/fsdp_step.py)
 timeout 60 python3 benchmarks/fsdp_step.py --device cuda --world 1 --model 1b --steps 11 \
     --methods adamw,adamw8bit,frugal,ternary_adamw --json "$OUT/fsdp_step.json" 2>&1 | tee -a "$OUT/log.txt"
+# 7. int8 weights on the device with the master and the state on the host, against bf16 weights with the state on
+# the device and int8 weights without a master: LLaMA-1B, the same 12 steps, peak memory, tokens/s, loss
+# (benchmarks/offload_gpu.py)
+timeout 60 python3 benchmarks/offload_gpu.py --steps 12 --out "$OUT" 2>&1 | tee -a "$OUT/log.txt"
 echo "gpu_bench: slimopt bench exited with $status, the 7B run with $status7b; results in $OUT"
 [ "$status" -eq 0 ] && exit "$status7b"
 exit "$status"
