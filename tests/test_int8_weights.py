@@ -13,7 +13,7 @@ from slimopt.optim.algorithm import int8_weight
 from slimopt.optim.algorithm.noise import CounterStream
 from slimopt.weights.convert import int8_weights, to_int8
 from slimopt.weights.int8_embedding import Int8Embedding
-from slimopt.weights.int8_linear import Int8Linear
+from slimopt.weights.int8_linear import Int8Linear, Int8TiedLinear
 
 
 def _loop_quantize(w: torch.Tensor, group: int, u: torch.Tensor | None = None):
@@ -197,6 +197,37 @@ def test_embeddings_that_int8_cannot_hold_are_refused():
     with pytest.raises(ValueError, match="padding_idx"):
         Int8Embedding(10, 4, padding_idx=10)
     model = tiny_llama(seed=0)
-    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as SmolLM2's
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as SmolLM2's: without the embeddings in int8
+    model.model.layers[1].mlp.up_proj.weight = model.model.layers[0].mlp.up_proj.weight  # the body's two sinks
     with pytest.raises(ValueError, match="tied"):
         to_int8(model, embeddings=True)
+
+
+def _tied(model):
+    model.lm_head.weight = model.model.embed_tokens.weight  # as SmolLM2 ties them
+    return model
+
+
+def test_an_output_layer_tied_to_the_int8_embedding_computes_with_its_table():
+    """One table, one master: the output layer computes with the embedding's codes and scales, and the master's
+    gradient is the output layer's part plus the embedding's, as the tied twin's weight gradient."""
+    model, twin = _tied(tiny_llama(seed=0)), _tied(tiny_llama(seed=0))
+    masters = to_int8(model, embeddings=True)
+    assert [n for n, _ in masters][0] == "model.embed_tokens.weight"
+    assert "lm_head.weight" not in dict(masters) and len(masters) == len(int8_weights(twin, embeddings=True))
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    assert isinstance(head, Int8TiedLinear) and head.owner is emb and isinstance(emb, Int8Embedding)
+    assert not any(k.startswith("lm_head") for k in model.state_dict())  # the table is the embedding's
+    for name, module in model.named_modules():
+        if isinstance(module, (Int8Linear, Int8Embedding)):
+            twin.get_submodule(name).weight.data.copy_(module.dequantized_weight())
+    assert twin.lm_head.weight is twin.model.embed_tokens.weight
+    ids = batches(1)[0]
+    loss, twin_loss = model(input_ids=ids, labels=ids).loss, twin(input_ids=ids, labels=ids).loss
+    assert torch.equal(loss, twin_loss)
+    loss.backward()
+    twin_loss.backward()
+    for name, master in masters:
+        assert torch.equal(master.grad, twin.get_submodule(name.removesuffix(".weight")).weight.grad), name
+    # the head's part is in: the embedding's alone would leave the rows of unseen tokens at zero
+    assert dict(masters)["model.embed_tokens.weight"].grad.abs().sum(1).gt(0).all()

@@ -14,7 +14,7 @@ from slimopt.train.vocab_chunked_loss import causal_lm_loss
 from slimopt.weights.convert import to_int8
 from slimopt.weights.int8_embedding import Int8Embedding
 from slimopt.weights.int8_layer import Int8Weight
-from slimopt.weights.int8_linear import Int8Linear
+from slimopt.weights.int8_linear import Int8Linear, Int8TiedLinear
 from slimopt.weights.masters import MasterWeights, joined_master, split_master
 
 METHODS = {
@@ -35,10 +35,18 @@ def _sliced_loss(model, ids):  # the output layer's gradient 24 of its 64 rows a
     return causal_lm_loss(model, ids, slice_rows=24)
 
 
-def _reference(method, settings, data, accumulation=1, loss_fn=_hf_loss, through=None, embeddings=False):
+def _model(tied=False):
+    model = tiny_llama(seed=0)
+    if tied:  # the output layer tied to the input embedding, as SmolLM2's
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def _reference(method, settings, data, accumulation=1, loss_fn=_hf_loss, through=None, embeddings=False,
+               tied=False):
     """int8 weights and fp32 masters, one optimizer.step() after each window's backward passes, then requantize.
     through: what each master's value becomes at the start and after each step (a master form's rounding)."""
-    model = tiny_llama(seed=0)
+    model = _model(tied)
     groups = param_groups(model, method, **settings)
     names = {id(p): n for n, p in model.named_parameters()}
     masters = dict(to_int8(model, 0, torch.float32, embeddings=embeddings))
@@ -82,8 +90,8 @@ def _reference(method, settings, data, accumulation=1, loss_fn=_hf_loss, through
 
 
 def _offloaded(method, settings, data, accumulation=1, overlap=False, record=False, master="fp32",
-               loss_fn=_hf_loss, embeddings=False):
-    model = tiny_llama(seed=0)
+               loss_fn=_hf_loss, embeddings=False, tied=False):
+    model = _model(tied)
     host = MasterWeights(model, method, accumulation_steps=accumulation, overlap=overlap, record=record,
                          master=master, int8_embeddings=embeddings, **settings)
     losses = []
@@ -120,6 +128,26 @@ def test_int8_embeddings_run_equals_the_step_after_backward(method):
         assert torch.equal(master, ref_masters[name]), name
     for (name, a), (_, b) in zip(model.state_dict().items(), ref_model.state_dict().items()):
         assert torch.equal(a, b), name  # the embedding's and the output layer's codes and scales too
+
+
+@pytest.mark.parametrize("method", ["adamw", "frugal", "ternary_adamw"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["inline", "worker"])
+def test_a_tied_int8_embedding_run_equals_the_step_after_backward(method, overlap):
+    """The output layer tied to the int8 embedding (one table, one master, both gradients into it): the run equals
+    the reference's, with the output layer computing from the table each step writes."""
+    data = batches(3, seed=7)
+    ref_model, ref_masters, ref_losses = _reference(method, METHODS[method], data, embeddings=True, tied=True)
+    model, host, losses = _offloaded(method, METHODS[method], data, embeddings=True, tied=True, overlap=overlap)
+    assert isinstance(model.get_output_embeddings(), Int8TiedLinear)
+    assert "lm_head.weight" not in host.masters and "model.embed_tokens.weight" in host.masters
+    assert losses == ref_losses and host.steps == 3 and losses[-1] < losses[0]
+    for name, master in host.masters.items():
+        assert torch.equal(master, ref_masters[name]), name
+    for (name, a), (_, b) in zip(model.state_dict().items(), ref_model.state_dict().items()):
+        assert torch.equal(a, b), name
+    plain = host.plain_state_dict(model, torch.float32)  # what save_pretrained writes: the table from its master
+    assert torch.equal(plain["model.embed_tokens.weight"], host.masters["model.embed_tokens.weight"])
+    host.close()
 
 
 def test_accumulation_and_the_inline_mode_agree_with_the_reference():

@@ -84,7 +84,7 @@ def build(model: torch.nn.Module, method: str = "adamw", *, weights: str = "dtyp
     - weights: ``"dtype"`` (as the model holds them) or ``"int8"``: the attention and MLP weights become int8
       codes and scales on the device (``slimopt.weights``; ``int8_group`` elements of a row share a scale, 0: a
       row), converted in place; with ``int8_embeddings`` the input embedding and the output layer too (one
-      scale a row; an embedding tied to the output layer is refused).
+      scale a row; an output layer tied to the embedding computes with the embedding's int8 table).
     - offload: ``"none"`` or ``"host"``: a ``master`` copy (``"fp32"``, ``"bf16+int8"`` or ``"bf16"``) of every
       trainable weight and all optimizer state on the host, each weight stepped there as the backward pass
       completes its gradient.

@@ -98,7 +98,7 @@ def add_placement_args(p: argparse.ArgumentParser, defaults) -> argparse._Argume
                    help="with --weights int8: one scale per N elements of a row (default 0: per row)")
     g.add_argument("--int8-embeddings", action="store_true",
                    help="with --weights int8: the input embedding and the output layer in int8 too, one scale per "
-                        "row (a model whose embedding is tied to its output layer is refused)")
+                        "row (an output layer tied to the embedding, as SmolLM2's, reads the embedding's table)")
     g.add_argument("--offload", default=defaults.offload, choices=("none", "host"),
                    help="host: a master copy and the optimizer state on the host, each weight stepped there while "
                         "the backward pass goes on; none with --weights int8: no master, the int8 weights updated "

@@ -4,7 +4,8 @@ The choice is the planner's (``slimopt memory --weights int8``) and the trainer'
 the model's body (attention and MLP projections), not the output layer nor an encoder's pooler (a classifier's
 head reads it); norms, biases and embeddings stay in the model's dtype unless ``embeddings`` (the input embedding
 and the output layer too, one scale a row). ``to_int8`` swaps each chosen layer for an ``Int8Linear`` (an
-``Int8Embedding`` for the input embedding) whose master copy is the trainable parameter an optimizer steps.
+``Int8Embedding`` for the input embedding, an ``Int8TiedLinear`` for an output layer tied to it) whose master copy
+is the trainable parameter an optimizer steps.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from slimopt.weights.int8_embedding import Int8Embedding
-from slimopt.weights.int8_linear import Int8Linear
+from slimopt.weights.int8_linear import Int8Linear, Int8TiedLinear
 
 __all__ = ["embedding_modules", "int8_weights", "to_int8"]
 
@@ -56,20 +57,30 @@ def to_int8(model: nn.Module, group: int = 0, master_dtype: torch.dtype = torch.
     """Replace every layer ``int8_weights(model, embeddings)`` chooses by an ``Int8Linear`` or ``Int8Embedding``
     (in place; `group` for the body's layers, one scale a row for the embedding and the output layer) and return
     the masters as (weight name, parameter) in the model's order: what an optimizer steps in place of those
-    weights. A weight shared by two modules (tied) is refused: its master would have two gradient sinks."""
+    weights. An output layer tied to the input embedding becomes an ``Int8TiedLinear`` on the embedding's table
+    (one master, both gradients into it); any other weight shared by two modules is refused."""
     chosen = {id(p): name for name, p in int8_weights(model, embeddings)}
-    out_emb = embedding_modules(model)[0]
+    out_emb, in_emb = embedding_modules(model)
+    head_tied = embeddings and out_emb is not None and in_emb is not None and \
+        getattr(out_emb, "weight", None) is getattr(in_emb, "weight", False)
     uses: dict[int, int] = {}
     for mod in model.modules():
+        if head_tied and mod is out_emb:
+            continue
         if isinstance(mod, (nn.Linear, nn.Embedding)) and id(mod.weight) in chosen:
             uses[id(mod.weight)] = uses.get(id(mod.weight), 0) + 1
     tied = [chosen[i] for i, n in uses.items() if n > 1]
     if tied:
         raise ValueError(f"int8 weights: {', '.join(tied)} is shared by several modules (tied); untie it first")
     masters: dict[str, nn.Parameter] = {}
+    layers: dict[int, nn.Module] = {}  # id of a replaced module -> its int8 form
+    head_place = None
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if not isinstance(child, (nn.Linear, nn.Embedding)) or id(child.weight) not in chosen:
+                continue
+            if head_tied and child is out_emb:  # after the table it shares is in int8
+                head_place = (parent, child_name)
                 continue
             name = chosen[id(child.weight)]
             if isinstance(child, nn.Embedding):
@@ -77,5 +88,8 @@ def to_int8(model: nn.Module, group: int = 0, master_dtype: torch.dtype = torch.
             else:
                 layer = Int8Linear.from_linear(child, 0 if child is out_emb else group, master_dtype, master_device)
             setattr(parent, child_name, layer)
+            layers[id(child)] = layer
             masters[name] = layer.master
+    if head_place is not None:
+        setattr(*head_place, Int8TiedLinear(layers[id(in_emb)], out_emb.bias))
     return [(name, masters[name]) for name in chosen.values()]  # int8_weights' order

@@ -16,7 +16,7 @@ from torch import Tensor
 from slimopt.optim.algorithm import int8_weight
 from slimopt.weights.int8_layer import Int8Weight
 
-__all__ = ["Int8Linear"]
+__all__ = ["Int8Linear", "Int8TiedLinear"]
 
 
 class _Int8Matmul(torch.autograd.Function):
@@ -30,7 +30,7 @@ class _Int8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, codes: Tensor, scale: Tensor, bias: Tensor | None, token: Tensor | None,
-                module: "Int8Linear") -> Tensor:
+                module: Int8Weight) -> Tensor:
         ctx.save_for_backward(x, codes, scale)
         ctx.module = module
         return F.linear(x, int8_weight.dequantize(codes, scale, module.group, x.dtype), bias)
@@ -38,7 +38,7 @@ class _Int8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         x, codes, scale = ctx.saved_tensors
-        module: Int8Linear = ctx.module
+        module: Int8Weight = ctx.module  # Int8Linear, or the table an Int8TiedLinear computes with
         flat_out = grad_out.reshape(-1, grad_out.shape[-1])  # (tokens, out)
         grad_x = grad_b = None
         if ctx.needs_input_grad[0]:
@@ -79,3 +79,27 @@ class Int8Linear(Int8Weight):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, group={self.group}")
+
+
+class Int8TiedLinear(nn.Module):
+    """An output layer tied to an int8 embedding table (as SmolLM2 ties them): y = x W^T (+ b) with W the table
+    ``owner`` holds (an ``Int8Weight`` of shape (vocabulary, hidden)), dequantized in each pass as ``Int8Linear``
+    does. Its weight gradient goes to the owner's sink beside the embedding's, and the owner's token, which both
+    uses pass, completes once both parts are in. The owner is not a submodule: the table, its master and its
+    place in the state dict stay the embedding's."""
+
+    def __init__(self, owner: Int8Weight, bias: nn.Parameter | None = None):
+        super().__init__()
+        if owner.weight_codes.dim() != 2:
+            raise ValueError(f"a tied output layer needs a 2-D table, got {tuple(owner.weight_codes.shape)}")
+        object.__setattr__(self, "owner", owner)
+        self.out_features, self.in_features = owner.weight_codes.shape
+        self.bias = bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        owner = self.owner
+        return _Int8Matmul.apply(x, owner.weight_codes, owner.weight_scale, self.bias, owner.grad_token(), owner)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"tied to the int8 embedding table")

@@ -96,7 +96,8 @@ class MasterWeights:
             ``slimopt.param_groups``; the Trainer path passes its own, with its no-decay groups).
         int8: hold the body's Linear weights in int8 on the device (else in their dtype).
         int8_group: 0 for one scale a row, else the elements of a row that share one.
-        int8_embeddings: the input embedding and the output layer in int8 too (one scale a row; untied only).
+        int8_embeddings: the input embedding and the output layer in int8 too (one scale a row; a tied output layer
+            computes with the embedding's table, whose one master takes both gradients).
         master: "fp32" (the updates are what an fp32 run would make), "bf16+int8" (3 bytes a weight: bf16 and an
             int8 residual, stepped as fp32) or "bf16": host copies in that form; "none": no copy, the optimizer
             and its state on the device, each int8 weight dequantized to fp32 for its step and rounded back
