@@ -691,7 +691,8 @@ static int64_t adamw8(const step_t *s, float *m, float *v, const float *g, float
     const __m256 w1 = _mm256_set1_ps(s->w1), w1_hi = _mm256_set1_ps(s->w1 - 1.0f), w2 = _mm256_set1_ps(s->w2);
     const __m256 beta2 = _mm256_set1_ps(s->beta2), eps = _mm256_set1_ps(s->eps);
     const __m256 b2s = _mm256_set1_ps(s->bias2_sqrt), y = _mm256_set1_ps(1.0f / s->bias2_sqrt);
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), largest = _mm256_set1_ps(3.40282347e38f);
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 largest = _mm256_set1_ps(3.40282347e38f);
     const int lerp_low = fabsf(s->w1) < 0.5f, eps_before = s->eps_before;
     int64_t i = 0;
     for (; i + 8 <= cnt; i += 8) {
