@@ -213,7 +213,7 @@ def test_an_output_layer_tied_to_the_int8_embedding_computes_with_its_table():
     gradient is the output layer's part plus the embedding's, as the tied twin's weight gradient."""
     model, twin = _tied(tiny_llama(seed=0)), _tied(tiny_llama(seed=0))
     masters = to_int8(model, embeddings=True)
-    assert [n for n, _ in masters][0] == "model.embed_tokens.weight"
+    assert next(n for n, _ in masters) == "model.embed_tokens.weight"
     assert "lm_head.weight" not in dict(masters) and len(masters) == len(int8_weights(twin, embeddings=True))
     head, emb = model.get_output_embeddings(), model.get_input_embeddings()
     assert isinstance(head, Int8TiedLinear) and head.owner is emb and isinstance(emb, Int8Embedding)
