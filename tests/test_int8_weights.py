@@ -168,15 +168,9 @@ def test_embedding_equals_nn_embedding_on_the_dequantized_table(dtype, padding_i
         assert not layer.master.grad[padding_idx].any()
 
 
-def test_a_llama_with_int8_embeddings_computes_as_its_dequantized_twin():
-    model, twin = tiny_llama(seed=0), tiny_llama(seed=0)
-    names = [n for n, _ in int8_weights(model, embeddings=True)]
-    assert names[0] == "model.embed_tokens.weight" and names[-1] == "lm_head.weight"
-    masters = to_int8(model, group=16, embeddings=True)
-    assert [n for n, _ in masters] == names
-    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
-    assert isinstance(emb, Int8Embedding) and isinstance(head, Int8Linear)
-    assert head.group == 0 and emb.group == 0 and head.weight_scale.shape == (head.out_features, 1)
+def _computes_as_its_twin(model, twin, masters):
+    """The twin (the model before to_int8) given the int8 layers' dequantized weights: the same loss, and each
+    master's gradient its weight's."""
     for name, module in model.named_modules():
         if isinstance(module, (Int8Linear, Int8Embedding)):
             twin.get_submodule(name).weight.data.copy_(module.dequantized_weight())
@@ -187,6 +181,18 @@ def test_a_llama_with_int8_embeddings_computes_as_its_dequantized_twin():
     twin_loss.backward()
     for name, master in masters:
         assert torch.equal(master.grad, twin.get_submodule(name.removesuffix(".weight")).weight.grad), name
+
+
+def test_a_llama_with_int8_embeddings_computes_as_its_dequantized_twin():
+    model, twin = tiny_llama(seed=0), tiny_llama(seed=0)
+    names = [n for n, _ in int8_weights(model, embeddings=True)]
+    assert names[0] == "model.embed_tokens.weight" and names[-1] == "lm_head.weight"
+    masters = to_int8(model, group=16, embeddings=True)
+    assert [n for n, _ in masters] == names
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    assert isinstance(emb, Int8Embedding) and isinstance(head, Int8Linear)
+    assert head.group == 0 and emb.group == 0 and head.weight_scale.shape == (head.out_features, 1)
+    _computes_as_its_twin(model, twin, masters)
 
 
 def test_embeddings_that_int8_cannot_hold_are_refused():
@@ -218,16 +224,7 @@ def test_an_output_layer_tied_to_the_int8_embedding_computes_with_its_table():
     head, emb = model.get_output_embeddings(), model.get_input_embeddings()
     assert isinstance(head, Int8TiedLinear) and head.owner is emb and isinstance(emb, Int8Embedding)
     assert not any(k.startswith("lm_head") for k in model.state_dict())  # the table is the embedding's
-    for name, module in model.named_modules():
-        if isinstance(module, (Int8Linear, Int8Embedding)):
-            twin.get_submodule(name).weight.data.copy_(module.dequantized_weight())
-    assert twin.lm_head.weight is twin.model.embed_tokens.weight
-    ids = batches(1)[0]
-    loss, twin_loss = model(input_ids=ids, labels=ids).loss, twin(input_ids=ids, labels=ids).loss
-    assert torch.equal(loss, twin_loss)
-    loss.backward()
-    twin_loss.backward()
-    for name, master in masters:
-        assert torch.equal(master.grad, twin.get_submodule(name.removesuffix(".weight")).weight.grad), name
+    assert twin.lm_head.weight is twin.model.embed_tokens.weight  # the twin's gradient holds both parts too
+    _computes_as_its_twin(model, twin, masters)
     # the head's part is in: the embedding's alone would leave the rows of unseen tokens at zero
     assert dict(masters)["model.embed_tokens.weight"].grad.abs().sum(1).gt(0).all()
