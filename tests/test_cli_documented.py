@@ -405,6 +405,10 @@ CASES = [
     # the line a comparison's results.md gives for its planned columns
     Case("memory-compare-plan", "slimopt memory --model 7b --method adamw --dtype bf16 --batch 1 --seq 256 "
          "--layerwise --gpu-memory 24GiB", check=check_memory),
+    # ... and for a comparison whose first row holds int8 weights on a host master
+    # (docs/results/compare-smollm2-kjv-int8-embeddings)
+    Case("memory-compare-plan-int8", "slimopt memory --model smollm2-135m --method adamw --dtype bf16 --batch 1 "
+         "--seq 256 --layerwise --gpu-memory 24GiB --weights int8 --offload host", check=check_memory),
     # ... and for a row run with --set (docs/results/compare-smollm2-kjv-galore)
     Case("memory-compare-plan-set", "slimopt memory --model 7b --method galore --dtype bf16 --batch 1 --seq 256 "
          "--layerwise --gpu-memory 24GiB --set galore.update_gap=8", check=check_memory),
