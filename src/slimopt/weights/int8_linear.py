@@ -90,8 +90,6 @@ class Int8TiedLinear(nn.Module):
 
     def __init__(self, owner: Int8Weight, bias: nn.Parameter | None = None):
         super().__init__()
-        if owner.weight_codes.dim() != 2:
-            raise ValueError(f"a tied output layer needs a 2-D table, got {tuple(owner.weight_codes.shape)}")
         object.__setattr__(self, "owner", owner)
         self.out_features, self.in_features = owner.weight_codes.shape
         self.bias = bias
