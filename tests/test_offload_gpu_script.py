@@ -9,10 +9,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_offload_script_runs_every_placement_on_cpu(tmp_path):
+def _script():
     spec = importlib.util.spec_from_file_location("offload_gpu", ROOT / "benchmarks" / "offload_gpu.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_offload_script_runs_every_placement_on_cpu(tmp_path):
+    script = _script()
     assert script.main(["--model", "tiny", "--device", "cpu", "--steps", "3", "--batch", "2", "--seq", "32",
                         "--eval-tokens", "1024", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "offload.json").read_text())
@@ -29,9 +34,7 @@ def test_offload_script_runs_every_placement_on_cpu(tmp_path):
 
 
 def test_offload_script_refuses_too_few_steps(capsys):
-    spec = importlib.util.spec_from_file_location("offload_gpu", ROOT / "benchmarks" / "offload_gpu.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _script()
     with pytest.raises(SystemExit) as stop:
         script.main(["--steps", "2"])
     assert stop.value.code == 2

@@ -73,8 +73,7 @@ def to_int8(model: nn.Module, group: int = 0, master_dtype: torch.dtype = torch.
     if tied:
         raise ValueError(f"int8 weights: {', '.join(tied)} is shared by several modules (tied); untie it first")
     masters: dict[str, nn.Parameter] = {}
-    layers: dict[int, nn.Module] = {}  # id of a replaced module -> its int8 form
-    head_place = None
+    table = head_place = None  # the input embedding's int8 form, and where a tied output layer sits
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if not isinstance(child, (nn.Linear, nn.Embedding)) or id(child.weight) not in chosen:
@@ -88,8 +87,8 @@ def to_int8(model: nn.Module, group: int = 0, master_dtype: torch.dtype = torch.
             else:
                 layer = Int8Linear.from_linear(child, 0 if child is out_emb else group, master_dtype, master_device)
             setattr(parent, child_name, layer)
-            layers[id(child)] = layer
+            table = layer if child is in_emb else table
             masters[name] = layer.master
     if head_place is not None:
-        setattr(*head_place, Int8TiedLinear(layers[id(in_emb)], out_emb.bias))
+        setattr(*head_place, Int8TiedLinear(table, out_emb.bias))
     return [(name, masters[name]) for name in chosen.values()]  # int8_weights' order
