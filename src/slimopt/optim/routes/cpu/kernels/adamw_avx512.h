@@ -6,8 +6,9 @@
  *   1. per 16 elements: the gradient, both moments decoded, AdamW's update of m and v, the direction, the weight's
  *      decay and move, written; the new moments kept in buffers (a loop compiled for each common codec pair);
  *   2. per codec: every block's scale first (blocks then do not wait on one another's reductions), then the values
- *      divided by it and coded (a gather from the range table for 256 codes, a search in registers for 16,
- *      stochastic trits from the counter's hash) and packed; a factored moment's sums tile by tile, as there.
+ *      divided by it and coded (256 codes: a gather from the range table, or on AMD a line per binade and one
+ *      look-up, nearest8_avx512.h; 16 codes: a search in registers; stochastic trits from the counter's hash) and
+ *      packed; a factored moment's sums tile by tile, as there.
  * The divider is the unit this step and torch's fused AdamW both wait on (torch: two divisions and a square root an
  * element). Here a division by a value many elements share (the bias correction's sqrt(1 - beta2^t), a block's
  * scale, a factored moment's denominator) is a product with the correctly rounded reciprocal and one fma
@@ -136,30 +137,38 @@ static void map256_init(map256_t *t, const float *map) {
         }
 }
 
+/* the two unpack rounds below leave lane L of result r with elements 16 L + 4 r .. + 3: the codes are permuted first
+ * so that result r holds elements 16 r .. 16 r + 15 in order */
+static const uint8_t MAP256_ORDER[64] = {
+     0,  1,  2,  3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,
+     4,  5,  6,  7, 20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
+     8,  9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,
+    12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+
+/* out[r] = map[codes[16 r .. 16 r + 15]] for the 64 codes of one register */
+static inline __attribute__((always_inline)) void map256_values64(const map256_t *t, __m512i codes, __m512 out[4]) {
+    const __m512i c = _mm512_permutexvar_epi8(_mm512_loadu_si512(MAP256_ORDER), codes);
+    const __mmask64 high = _mm512_movepi8_mask(c);  /* codes 128..255: planes 2 and 3 */
+    __m512i b[4];
+    for (int j = 0; j < 4; j++)
+        b[j] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(t->plane[j][0], c, t->plane[j][1]),
+                                      _mm512_permutex2var_epi8(t->plane[j][2], c, t->plane[j][3]));
+    const __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
+    out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23));
+    out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23));
+    out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23));
+    out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23));
+}
+
 /* out[i] = map[codes[i]] for i < n (n a multiple of 16): called 64 codes at a time from the AdamW loop */
 static inline __attribute__((always_inline)) void map256_decode(const map256_t *t, const uint8_t *codes, int64_t n,
                                                                 float *out) {
-    /* the two unpack rounds leave lane L of result r with elements 16 L + 4 r .. + 3: the codes permuted first so
-     * that result r holds elements 16 r .. 16 r + 15 in order */
-    uint8_t order[64];
-    for (int lane = 0; lane < 4; lane++)
-        for (int r = 0; r < 4; r++)
-            for (int k = 0; k < 4; k++) order[16 * lane + 4 * r + k] = (uint8_t)(16 * r + 4 * lane + k);
-    const __m512i perm = _mm512_loadu_si512(order);
     int64_t i = 0;
     for (; i + 64 <= n; i += 64) {
-        const __m512i c = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(codes + i));
-        const __mmask64 high = _mm512_movepi8_mask(c);  /* codes 128..255: planes 2 and 3 */
-        __m512i b[4];
-        for (int j = 0; j < 4; j++)
-            b[j] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(t->plane[j][0], c, t->plane[j][1]),
-                                          _mm512_permutex2var_epi8(t->plane[j][2], c, t->plane[j][3]));
-        const __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
-        const __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
-        _mm512_storeu_si512(out + i, _mm512_unpacklo_epi16(lo01, lo23));
-        _mm512_storeu_si512(out + i + 16, _mm512_unpackhi_epi16(lo01, lo23));
-        _mm512_storeu_si512(out + i + 32, _mm512_unpacklo_epi16(hi01, hi23));
-        _mm512_storeu_si512(out + i + 48, _mm512_unpackhi_epi16(hi01, hi23));
+        __m512 v[4];
+        map256_values64(t, _mm512_loadu_si512(codes + i), v);
+        for (int r = 0; r < 4; r++) _mm512_storeu_ps(out + i + 16 * r, v[r]);
     }
     for (; i < n; i++) {  /* a run's last 16 to 48 codes */
         uint32_t u = 0;
@@ -172,6 +181,8 @@ static inline __attribute__((always_inline)) void map256_decode(const map256_t *
     }
 }
 #endif
+
+#include "nearest8_avx512.h"
 
 /* A moment's decoded values along a tile, sixteen elements at a time from a start element (a multiple of 16):
  * decode() of every codec, with the position in blocks, bytes of trits or rows of a factored moment carried from
@@ -483,6 +494,21 @@ static void encode_blocks16(codec_t *c, int64_t off, int64_t cnt, float *x) {
     if (c->kind == C_BLOCK4) search16_init(&search, &c->nearest);
     block_div_t divs[MAX_TILE / 16];
     block_divisors(c, off, cnt, x, divs);
+#ifdef __AVX512VBMI__
+    const nearest8_t *fit = c->kind == C_BLOCK8 && padded % 64 == 0 && nearest8_wanted() ? nearest8_of(&c->nearest) : NULL;
+    if (fit != NULL) {  /* the values normalized in place, then their codes without a gather */
+        nearest8_regs_t regs;
+        nearest8_load(&regs, fit);
+        for (int64_t b0 = 0; b0 < padded; b0 += B) {
+            const block_div_t *d = &divs[b0 / B];
+            const __m512 dv = _mm512_set1_ps(d->div), yv = _mm512_set1_ps(d->recip), lowv = _mm512_set1_ps(d->low);
+            for (int64_t i = b0; i < b0 + B; i += 16)
+                _mm512_storeu_ps(x + i, normalize16(d->how, _mm512_loadu_ps(x + i), dv, yv, lowv));
+        }
+        for (int64_t i = 0; i < padded; i += 64) nearest8_codes64(&regs, x + i, (uint8_t *)c->data + off + i);
+        return;
+    }
+#endif
     for (int64_t b0 = 0; b0 < padded; b0 += B) {
         const block_div_t *d = &divs[b0 / B];
         const int how = d->how;
