@@ -145,9 +145,8 @@ static const uint8_t MAP256_ORDER[64] = {
      8,  9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,
     12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
 
-/* out[r] = map[codes[16 r .. 16 r + 15]] for the 64 codes of one register */
-static inline __attribute__((always_inline)) void map256_values64(const map256_t *t, __m512i codes, __m512 out[4]) {
-    const __m512i c = _mm512_permutexvar_epi8(_mm512_loadu_si512(MAP256_ORDER), codes);
+/* out[r] = map[codes[16 r .. 16 r + 15]] for 64 codes already in MAP256_ORDER's order */
+static inline __attribute__((always_inline)) void map256_values64_ordered(const map256_t *t, __m512i c, __m512 out[4]) {
     const __mmask64 high = _mm512_movepi8_mask(c);  /* codes 128..255: planes 2 and 3 */
     __m512i b[4];
     for (int j = 0; j < 4; j++)
@@ -159,6 +158,11 @@ static inline __attribute__((always_inline)) void map256_values64(const map256_t
     out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23));
     out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23));
     out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23));
+}
+
+/* out[r] = map[codes[16 r .. 16 r + 15]] for the 64 codes of one register */
+static inline __attribute__((always_inline)) void map256_values64(const map256_t *t, __m512i codes, __m512 out[4]) {
+    map256_values64_ordered(t, _mm512_permutexvar_epi8(_mm512_loadu_si512(MAP256_ORDER), codes), out);
 }
 
 /* out[i] = map[codes[i]] for i < n (n a multiple of 16): called 64 codes at a time from the AdamW loop */
@@ -496,7 +500,8 @@ static void encode_blocks16(codec_t *c, int64_t off, int64_t cnt, float *x) {
     block_divisors(c, off, cnt, x, divs);
 #ifdef __AVX512VBMI__
     const nearest8_t *fit = c->kind == C_BLOCK8 && padded % 64 == 0 && nearest8_wanted() ? nearest8_of(&c->nearest) : NULL;
-    if (fit != NULL) {  /* the values normalized in place, then their codes without a gather */
+    if (fit != NULL) {  /* the values normalized in place (measured faster than in the search's registers), then
+                         * their codes without a gather */
         nearest8_regs_t regs;
         nearest8_load(&regs, fit);
         for (int64_t b0 = 0; b0 < padded; b0 += B) {

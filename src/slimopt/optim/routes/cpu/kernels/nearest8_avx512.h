@@ -189,13 +189,34 @@ static void nearest8_load(nearest8_regs_t *r, const nearest8_t *t) {
     r->e_low = t->e_low;
 }
 
+/* Byte 0 of each 32-bit lane of four registers, 64 bytes in element order or (lookup) in MAP256_ORDER's, as
+ * map256_values64_ordered reads them: two byte permutes of two registers each, then one of the pair */
+static inline __attribute__((always_inline)) __m512i low_bytes64(const __m512i r[4], const int lookup) {
+    /* pair: the 32 low bytes of two registers; last: element e (< 32 of the first pair, else of the second) */
+    static const uint8_t pair[64] = {0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60,
+        64, 68, 72, 76, 80, 84, 88, 92, 96, 100, 104, 108, 112, 116, 120, 124,
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    static const uint8_t last[2][64] = {{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+        16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31,
+        64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79,
+        80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95},
+        {0, 1, 2, 3, 16, 17, 18, 19, 64, 65, 66, 67, 80, 81, 82, 83,
+        4, 5, 6, 7, 20, 21, 22, 23, 68, 69, 70, 71, 84, 85, 86, 87,
+        8, 9, 10, 11, 24, 25, 26, 27, 72, 73, 74, 75, 88, 89, 90, 91,
+        12, 13, 14, 15, 28, 29, 30, 31, 76, 77, 78, 79, 92, 93, 94, 95}};
+    const __m512i p = _mm512_loadu_si512(pair);
+    const __m512i lo = _mm512_permutex2var_epi8(r[0], p, r[1]), hi = _mm512_permutex2var_epi8(r[2], p, r[3]);
+    return _mm512_permutex2var_epi8(lo, _mm512_loadu_si512(last[lookup]), hi);
+}
+
 /* codes[i] = count(points <= x[i]) for 64 values, the table's count bit for bit */
 static inline __attribute__((always_inline)) void nearest8_codes64(const nearest8_regs_t *r, const float *x,
                                                                     uint8_t *codes) {
     const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), below_one = _mm512_set1_epi32(0x3F7FFFFF);
-    const __m512i e_low = _mm512_set1_epi32(r->e_low), one = _mm512_set1_epi32(1);
+    const __m512i e_low = _mm512_set1_epi32(r->e_low), one = _mm512_set1_epi32(1), side = _mm512_set1_epi32(128);
     __m512 a[4];
-    __m512i c0[4];
+    __m512i c0[4], index[4];
     __mmask16 neg[4];
     for (int q = 0; q < 4; q++) {
         const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(x + 16 * q));
@@ -209,23 +230,19 @@ static inline __attribute__((always_inline)) void nearest8_codes64(const nearest
         const __m512 g = _mm512_fmadd_ps(a[q], _mm512_permutex2var_ps(r->k[0], seg, r->k[1]),
                                          _mm512_permutex2var_ps(r->o[0], seg, r->o[1]));
         c0[q] = _mm512_cvttps_epi32(g);
-    }
-    const __m256i lo = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(c0[0])), _mm512_cvtepi32_epi8(c0[1]), 1);
-    const __m256i hi = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(c0[2])), _mm512_cvtepi32_epi8(c0[3]), 1);
-    __m512i index = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    if (r->mirrored) {  /* negative x: the mirrored points, side[128 + c0] */
-        const __mmask64 negs = _mm512_kunpackd(_mm512_kunpackw(neg[3], neg[2]), _mm512_kunpackw(neg[1], neg[0]));
-        index = _mm512_mask_add_epi8(index, negs, index, _mm512_set1_epi8((char)0x80));
+        /* negative x: the mirrored points, side[128 + c0] */
+        index[q] = r->mirrored ? _mm512_mask_or_epi32(c0[q], neg[q], c0[q], side) : c0[q];
     }
     __m512 point[4];
-    map256_values64(&r->side, index, point);
+    map256_values64_ordered(&r->side, low_bytes64(index, 1), point);
     const __m512i n_neg = _mm512_set1_epi32(r->n_neg);
+    __m512i code[4];
     for (int q = 0; q < 4; q++) {
         const __m512i count = _mm512_mask_add_epi32(c0[q], _mm512_cmp_ps_mask(a[q], point[q], _CMP_GE_OQ), c0[q], one);
-        const __m512i code = r->mirrored ? _mm512_mask_sub_epi32(_mm512_add_epi32(n_neg, count), neg[q], n_neg, count)
-                                         : _mm512_maskz_mov_epi32(_knot_mask16(neg[q]), count);
-        _mm_storeu_si128((__m128i *)(codes + 16 * q), _mm512_cvtepi32_epi8(code));
+        code[q] = r->mirrored ? _mm512_mask_sub_epi32(_mm512_add_epi32(n_neg, count), neg[q], n_neg, count)
+                              : _mm512_maskz_mov_epi32(_knot_mask16(neg[q]), count);
     }
+    _mm512_storeu_si512(codes, low_bytes64(code, 0));
 }
 
 /* codes[i] = count(points <= x[i]) by the search for n values (a multiple of 64) on the 255 points of a map: the
