@@ -1,7 +1,8 @@
 """The C kernel's 8-bit nearest-code search without a gather (kernels/nearest8_avx512.h) against the range table
 (quant._CountTable) it replaces where gathers are slow: the same count for every float of a sweep of all fp32
 patterns, around every decision point of both 8-bit maps and at the special values; the same weights and state
-bytes after three AdamW steps with the search and with the gather; maps the fit cannot prove keep the gather.
+bytes after three steps with the search and with the gather (AdamW's fused step, Lion's and SGD momentum's tiles);
+maps the fit cannot prove keep the gather.
 The full sweep of all 2^32 patterns (4 minutes): SLIMOPT_EXHAUSTIVE=1 pytest tests/test_native_nearest8.py.
 """
 
@@ -108,11 +109,17 @@ def _steps(monkeypatch, mode: int, **kw):
     return params, opt
 
 
-@pytest.mark.parametrize("m,v", [("int8", "int8"), ("int8", "int4"), ("ternary", "int8")])
-def test_the_step_with_the_search_is_the_step_with_the_gather(monkeypatch, m, v):
+# AdamW's fused step (encode_blocks16) and the tile path's encode (Lion, SGD momentum)
+STEPS = [{"m_codec": "int8", "v_codec": "int8"}, {"m_codec": "int8", "v_codec": "int4"},
+         {"m_codec": "ternary", "v_codec": "int8"}, {"rule": "lion", "m_codec": "int8"},
+         {"rule": "sgdm", "momentum": 0.9, "m_codec": "int8"}]
+
+
+@pytest.mark.parametrize("kw", STEPS, ids=lambda kw: "-".join(map(str, kw.values())))
+def test_the_step_with_the_search_is_the_step_with_the_gather(monkeypatch, kw):
     _search()
-    searched, a = _steps(monkeypatch, 1, m_codec=m, v_codec=v, weight_decay=0.1)
-    gathered, b = _steps(monkeypatch, 2, m_codec=m, v_codec=v, weight_decay=0.1)
+    searched, a = _steps(monkeypatch, 1, weight_decay=0.1, **kw)
+    gathered, b = _steps(monkeypatch, 2, weight_decay=0.1, **kw)
     for pa, pb in zip(searched, gathered):
         assert torch.equal(pa.view(torch.int32), pb.view(torch.int32))
         assert_same_state(a.state[pa], b.state[pb], "search vs gather", bitwise=True)

@@ -278,6 +278,11 @@ static void count_le_many(const count_table_t *t, const float *x, int32_t *out, 
     }
 }
 
+#ifdef __AVX512F__
+#include "map256_avx512.h"
+#include "nearest8_avx512.h"
+#endif
+
 /* The trits of elements [off, off + cnt) of a packed base-3 array (off a multiple of 5) times unit, then times
  * their block's scale, into out, as TernaryCodec._trits_times_scale: ((digit - 1) * unit) * scale. */
 static void ternary_values(const codec_t *c, const uint8_t *packed, int64_t off, int64_t cnt, float unit,
@@ -622,8 +627,17 @@ static void encode(codec_t *c, int64_t off, int64_t cnt, float *x) {
         for (int64_t i = 0; i < B; i++) nrm[b0 + i] = x[b0 + i] / (amax != amax ? amax : div);
     }
     if (c->kind == C_BLOCK8) {
-        count_le_many(&c->nearest, nrm, code, padded);
         uint8_t *d = (uint8_t *)c->data + off;
+#ifdef __AVX512VBMI__
+        const nearest8_t *fit = padded % 64 == 0 && nearest8_wanted() ? nearest8_of(&c->nearest) : NULL;
+        if (fit != NULL) {  /* the codes without a gather where gathers are slow (nearest8_avx512.h) */
+            nearest8_regs_t regs;
+            nearest8_load(&regs, fit);
+            for (int64_t i = 0; i < padded; i += 64) nearest8_codes64(&regs, nrm + i, d + i);
+            return;
+        }
+#endif
+        count_le_many(&c->nearest, nrm, code, padded);
         for (int64_t i = 0; i < padded; i++) d[i] = (uint8_t)code[i];
     } else if (c->kind == C_BLOCK4) {
         count_le_many(&c->nearest, nrm, code, padded);
