@@ -38,7 +38,7 @@ static int32_t nearest8_estimate(const nearest8_t *t, float a) {
 /* The proof for one side (points q, n of them, ascending in (0, 1)): at both ends of every interval on which the
  * count is constant (cut at the segments' edges too), count - 1 <= c0 <= count and c0 < limit. */
 static int nearest8_proves(const nearest8_t *t, const float *q, int32_t n, int32_t limit) {
-    float cuts[320];
+    float cuts[1 + 2 * 32 + 256 + 1];  /* zero, each binade and its split, the points, one */
     int32_t m = 0;
     cuts[m++] = 0.0f;
     for (int32_t f = t->e_low + 1; f <= 126; f++) {
