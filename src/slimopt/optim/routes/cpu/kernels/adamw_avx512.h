@@ -432,15 +432,13 @@ static void encode_blocks16(codec_t *c, int64_t off, int64_t cnt, float *x) {
     const nearest8_t *fit = c->kind == C_BLOCK8 && padded % 64 == 0 && nearest8_wanted() ? nearest8_of(&c->nearest) : NULL;
     if (fit != NULL) {  /* the values normalized in place (measured faster than in the search's registers), then
                          * their codes without a gather */
-        nearest8_regs_t regs;
-        nearest8_load(&regs, fit);
         for (int64_t b0 = 0; b0 < padded; b0 += B) {
             const block_div_t *d = &divs[b0 / B];
             const __m512 dv = _mm512_set1_ps(d->div), yv = _mm512_set1_ps(d->recip), lowv = _mm512_set1_ps(d->low);
             for (int64_t i = b0; i < b0 + B; i += 16)
                 _mm512_storeu_ps(x + i, normalize16(d->how, _mm512_loadu_ps(x + i), dv, yv, lowv));
         }
-        for (int64_t i = 0; i < padded; i += 64) nearest8_codes64(&regs, x + i, (uint8_t *)c->data + off + i);
+        nearest8_codes(fit, x, padded, (uint8_t *)c->data + off);
         return;
     }
 #endif

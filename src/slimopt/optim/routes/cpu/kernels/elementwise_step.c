@@ -631,9 +631,7 @@ static void encode(codec_t *c, int64_t off, int64_t cnt, float *x) {
 #ifdef __AVX512VBMI__
         const nearest8_t *fit = padded % 64 == 0 && nearest8_wanted() ? nearest8_of(&c->nearest) : NULL;
         if (fit != NULL) {  /* the codes without a gather where gathers are slow (nearest8_avx512.h) */
-            nearest8_regs_t regs;
-            nearest8_load(&regs, fit);
-            for (int64_t i = 0; i < padded; i += 64) nearest8_codes64(&regs, nrm + i, d + i);
+            nearest8_codes(fit, nrm, padded, d);
             return;
         }
 #endif

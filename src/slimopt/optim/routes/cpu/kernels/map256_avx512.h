@@ -9,17 +9,26 @@ typedef struct {
     __m512i plane[4][4];
 } map256_t;
 
-static void map256_init(map256_t *t, const float *map) {
+/* the planes' bytes of a map (once per map where it is fixed), and their registers */
+static void map256_bytes(uint8_t bytes[4][4][64], const float *map) {
     for (int j = 0; j < 4; j++)
-        for (int q = 0; q < 4; q++) {
-            uint8_t bytes[64];
+        for (int q = 0; q < 4; q++)
             for (int i = 0; i < 64; i++) {
                 uint32_t u;
                 memcpy(&u, &map[64 * q + i], 4);
-                bytes[i] = (uint8_t)(u >> (8 * j));
+                bytes[j][q][i] = (uint8_t)(u >> (8 * j));
             }
-            t->plane[j][q] = _mm512_loadu_si512(bytes);
-        }
+}
+
+static void map256_load(map256_t *t, const uint8_t bytes[4][4][64]) {
+    for (int j = 0; j < 4; j++)
+        for (int q = 0; q < 4; q++) t->plane[j][q] = _mm512_loadu_si512(bytes[j][q]);
+}
+
+static void map256_init(map256_t *t, const float *map) {
+    uint8_t bytes[4][4][64];
+    map256_bytes(bytes, map);
+    map256_load(t, (const uint8_t(*)[4][64])bytes);
 }
 
 /* the two unpack rounds below leave lane L of result r with elements 16 L + 4 r .. + 3: the codes are permuted first

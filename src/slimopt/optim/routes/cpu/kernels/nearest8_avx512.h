@@ -19,6 +19,7 @@ typedef struct {
     int32_t seg[32];    /* by exponent field mod 32: the binade's first segment */
     float k[32], o[32]; /* by segment: c0 = trunc(fma(|x|, k, o)) */
     float side[256];    /* the points c0 indexes: positives (0..127) and mirrored negatives (128..), +inf padded */
+    uint8_t side_planes[4][4][64]; /* side as map256 byte planes: loaded, not rebuilt, at every call */
     int32_t n_neg;      /* points below zero */
     int32_t mirrored;   /* 1: negative x looks up side[128 + c0]; 0: every point is positive, negative x counts 0 */
     int32_t e_low;      /* the exponent field every |x| below the smallest point is raised to (segment 0: c0 = 0) */
@@ -128,6 +129,7 @@ static int nearest8_fit(nearest8_t *t, const float *p, int32_t n) {
             nearest8_line(t, s++, pos, cut + 1, j1, cut + 1);
         }
     }
+    map256_bytes(t->side_planes, t->side);
     return nearest8_proves(t, pos, n_pos, t->mirrored ? 128 : 255) &&
            (!t->mirrored || nearest8_proves(t, neg, n_neg, 128));
 }
@@ -183,7 +185,7 @@ static void nearest8_load(nearest8_regs_t *r, const nearest8_t *t) {
         r->o[h] = _mm512_loadu_ps(t->o + 16 * h);
         r->seg[h] = _mm512_loadu_si512(t->seg + 16 * h);
     }
-    map256_init(&r->side, t->side);
+    map256_load(&r->side, (const uint8_t(*)[4][64])t->side_planes);
     r->n_neg = t->n_neg;
     r->mirrored = t->mirrored;
     r->e_low = t->e_low;
@@ -247,13 +249,20 @@ static inline __attribute__((always_inline)) void nearest8_codes64(const nearest
 
 /* codes[i] = count(points <= x[i]) by the search for n values (a multiple of 64) on the 255 points of a map: the
  * search checked against the table (tests/test_native_nearest8.py). Returns -1 where the search does not apply. */
+/* codes[i] = count(points <= x[i]) by a map's fit for n values (a multiple of 64) */
+static void nearest8_codes(const nearest8_t *fit, const float *x, int64_t n, uint8_t *codes) {
+    nearest8_regs_t regs;
+    nearest8_load(&regs, fit);
+    for (int64_t i = 0; i < n; i += 64) nearest8_codes64(&regs, x + i, codes + i);
+}
+
+/* The search on the 255 points of a map, whatever the processor: tests/test_native_nearest8.py checks it against
+ * the table. Returns -1 where it does not apply (n not a multiple of 64, or a map the proof rejects). */
 int slimopt_nearest8_codes(const float *points, const float *x, int64_t n, uint8_t *codes) {
     const count_table_t table = {NULL, points, 0, NULL, 255};
     const nearest8_t *fit = n % 64 == 0 ? nearest8_of(&table) : NULL;
     if (fit == NULL) return -1;
-    nearest8_regs_t regs;
-    nearest8_load(&regs, fit);
-    for (int64_t i = 0; i < n; i += 64) nearest8_codes64(&regs, x + i, codes + i);
+    nearest8_codes(fit, x, n, codes);
     return 0;
 }
 
