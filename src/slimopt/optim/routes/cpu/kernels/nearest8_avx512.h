@@ -1,7 +1,7 @@
 /* The 8-bit nearest code without a gather: count(points <= x) of a 255-point map's decisions, 64 values at a time.
  *
- * A gather of sixteen from the range table (codes16_table) takes about 20 cycles on AMD's Zen 4 and Zen 5, half of
- * an 8-bit AdamW step there (docs/benchmarks.md). Here the count comes from the map's shape instead: the dynamic
+ * A gather from the range table (codes16_table) is slow on AMD's Zen 4 and Zen 5 (docs/benchmarks.md, "On AMD
+ * Zen 5: the 8-bit code without a gather"). Here the count comes from the map's shape instead: the dynamic
  * maps (arXiv 2110.02861) put their points on a linear grid per decade, so within a binade of |x| (or the part of
  * it on one side of a decade's edge) a line gives the count up to one: c0 = trunc(fma(|x|, k, o)), with
  * count - 1 <= c0 <= count. One look-up of the point c0 (map256_t's byte permutes, 64 values at a time) and a
