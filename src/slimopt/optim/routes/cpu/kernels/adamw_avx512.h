@@ -666,6 +666,34 @@ static inline __attribute__((always_inline)) void adamw16_vec(const step_t *s, c
     }
 }
 
+static inline void prefetch_bytes(const void *p, int64_t lo, int64_t hi, int write) {
+    for (int64_t b = lo & ~(int64_t)63; b < hi; b += 64)
+        if (write) __builtin_prefetch((const char *)p + b, 1, 3);
+        else __builtin_prefetch((const char *)p + b, 0, 3);
+}
+
+/* The lines of elements [e, e + n) of the weight, the gradient and the moments' stored data, asked for ahead: a
+ * run's streams are read in one loop, then its moments are encoded touching none of them, so the processor's
+ * prefetcher sees each stream stop and the next run would wait on its first loads; asked for here while this run
+ * is read (measured in docs/benchmarks.md). Past the window's end it asks for lines nobody reads (a prefetch never
+ * faults). */
+static inline __attribute__((always_inline)) void prefetch_elements(const step_t *s, int64_t e, int64_t n) {
+    const int wsize = s->param_dtype == D_FP32 ? 4 : 2, gsize = s->grad_dtype == D_FP32 ? 4 : 2;
+    prefetch_bytes(s->param, e * wsize, (e + n) * wsize, 1);
+    prefetch_bytes(s->grad, e * gsize, (e + n) * gsize, 0);
+    for (int k = 0; k < s->n_codecs; k++) {  /* the bytes of elements [e, e + n) as each codec stores them */
+        const codec_t *c = &s->codecs[k];
+        switch (c->kind) {
+        case C_FP32: prefetch_bytes(c->data, 4 * e, 4 * (e + n), 1); break;
+        case C_BF16: prefetch_bytes(c->data, 2 * e, 2 * (e + n), 1); break;
+        case C_BLOCK8: prefetch_bytes(c->data, e, e + n, 0); break;
+        case C_BLOCK4: prefetch_bytes(c->data, e / 2, (e + n + 1) / 2, 0); break;
+        case C_TERNARY_SR: case C_TERNARY_EF: prefetch_bytes(c->data, e / 5, (e + n + 4) / 5, 0); break;
+        default: break;  /* a factored moment's rows and columns: a few values, read from cache */
+        }
+    }
+}
+
 /* step_range's AdamW over [t0, t0 + cnt), cnt a multiple of 16, on the fused path: the new moments into m and v.
  * km, kv, grad_dtype, param_dtype: constants in each specialized copy (adamw16_tile), so that the loop branches on
  * none of them; km, kv -1: the codecs' kinds read at run time */
@@ -690,13 +718,14 @@ static inline __attribute__((always_inline)) void adamw16_loop(const step_t *s, 
     /* an fp32 moment is written in place (each element read before it is written), the others into the buffers */
     float *mout = (km >= 0 ? km : s->codecs[0].kind) == C_FP32 ? (float *)s->codecs[0].data + t0 : m;
     float *vout = (kv >= 0 ? kv : s->codecs[1].kind) == C_FP32 ? (float *)s->codecs[1].data + t0 : v;
-    const int64_t chunk = m8 || v8 ? 64 : cnt;  /* one loop over the run where no codes are decoded in chunks */
+    const int64_t chunk = m8 || v8 ? 64 : 80;  /* 8-bit codes decoded 64 at a time; ternary bytes 16 (80 codes) */
     for (int64_t i0 = 0; i0 < cnt; i0 += chunk) {
         const int64_t end = cnt - i0 < chunk ? cnt : i0 + chunk;
 #ifdef __AVX512VBMI__
         if (m8) map256_decode(&maps->map[0], (const uint8_t *)s->codecs[0].data + t0 + i0, end - i0, m + i0);
         if (v8) map256_decode(&maps->map[1], (const uint8_t *)s->codecs[1].data + t0 + i0, end - i0, v + i0);
 #endif
+        prefetch_elements(s, t0 + cnt + i0, end - i0);  /* the same place in the next run */
         int64_t i = i0;
         if (km == C_TERNARY_SR && rm.phase == 0)  /* five registers a turn, each with its constant phase */
             for (; i + 80 <= end; i += 80) {
