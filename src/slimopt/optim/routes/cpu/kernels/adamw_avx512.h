@@ -265,14 +265,19 @@ static void search16_init(search16_t *t, const count_table_t *table) {
     }
 }
 
-static inline __m512i codes16_search(const search16_t *t, __m512 x, int nan_possible) {
-    __m512i count = _mm512_setzero_si512();
+/* The counts of four registers, their rounds interleaved: four chains in flight instead of one (measured faster) */
+static inline __attribute__((always_inline)) void codes64_search(const search16_t *t, const __m512 x[4],
+                                                                 int nan_possible, __m512i count[4]) {
+    for (int q = 0; q < 4; q++) count[q] = _mm512_setzero_si512();
     for (int32_t r = 0, step = 1 << (t->rounds - 1); r < t->rounds; r++, step /= 2)
-        count = _mm512_mask_add_epi32(count, _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(count, t->round[r]), _CMP_GE_OQ),
-                                      count, _mm512_set1_epi32(step));
-    if (!nan_possible) return count;
-    const __mmask16 high_nan = _mm512_cmpgt_epi32_mask(_mm512_castps_si512(x), _mm512_set1_epi32(0x7F800000));
-    return _mm512_mask_mov_epi32(count, high_nan, _mm512_set1_epi32(t->n_points));
+        for (int q = 0; q < 4; q++)
+            count[q] = _mm512_mask_add_epi32(count[q], _mm512_cmp_ps_mask(x[q], _mm512_permutexvar_ps(count[q], t->round[r]),
+                                                                          _CMP_GE_OQ), count[q], _mm512_set1_epi32(step));
+    if (!nan_possible) return;
+    for (int q = 0; q < 4; q++) {
+        const __mmask16 high_nan = _mm512_cmpgt_epi32_mask(_mm512_castps_si512(x[q]), _mm512_set1_epi32(0x7F800000));
+        count[q] = _mm512_mask_mov_epi32(count[q], high_nan, _mm512_set1_epi32(t->n_points));
+    }
 }
 
 /* A block of B values (a multiple of 16) divided by its scale: how (normalize16's), the divisor (the scale clamped
@@ -454,16 +459,21 @@ static void encode_blocks16(codec_t *c, int64_t off, int64_t cnt, float *x) {
             }
             continue;
         }
-        /* C_BLOCK4, 32 at a time: two codes a byte, the first in the high half */
+        /* C_BLOCK4, 64 at a time: two codes a byte, the first in the high half */
         const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
         const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
         const int nan_possible = how == BY_DIVISION;
-        for (int64_t i = b0; i < b0 + B; i += 32) {
-            const __m512i a = codes16_search(&search, normalize16(how, _mm512_loadu_ps(x + i), dv, yv, lowv), nan_possible);
-            const __m512i z = codes16_search(&search, normalize16(how, _mm512_loadu_ps(x + i + 16), dv, yv, lowv), nan_possible);
-            const __m512i hi = _mm512_permutex2var_epi32(a, even, z), lo = _mm512_permutex2var_epi32(a, odd, z);
-            _mm_storeu_si128((__m128i *)((uint8_t *)c->data + (off + i) / 2),
-                             _mm512_cvtepi32_epi8(_mm512_or_si512(_mm512_slli_epi32(hi, 4), lo)));
+        for (int64_t i = b0; i < b0 + B; i += 64) {  /* four searches, their rounds interleaved */
+            __m512 v[4];
+            __m512i code[4];
+            for (int q = 0; q < 4; q++) v[q] = normalize16(how, _mm512_loadu_ps(x + i + 16 * q), dv, yv, lowv);
+            codes64_search(&search, v, nan_possible, code);
+            for (int h = 0; h < 2; h++) {
+                const __m512i a = code[2 * h], z = code[2 * h + 1];
+                const __m512i hi = _mm512_permutex2var_epi32(a, even, z), lo = _mm512_permutex2var_epi32(a, odd, z);
+                _mm_storeu_si128((__m128i *)((uint8_t *)c->data + (off + i) / 2 + 16 * h),
+                                 _mm512_cvtepi32_epi8(_mm512_or_si512(_mm512_slli_epi32(hi, 4), lo)));
+            }
         }
     }
 }
@@ -584,11 +594,11 @@ static int adamw16_applies(const step_t *s) {
     for (int k = 0; k < 2; k++) {
         const codec_t *c = &s->codecs[k];
         switch (c->kind) {
-        case C_BLOCK8:  /* encode_blocks16's codes, 32 at a time */
+        case C_BLOCK8:  /* encode_blocks16's codes, 32 (4-bit: 64) at a time */
             if (c->qmap_n != 256 || c->nearest.packed == NULL || c->scale_kind != S_ABSMAX || c->block % 32) return 0;
             break;
         case C_BLOCK4:
-            if (c->qmap_n != 16 || c->nearest.n_points > 15 || c->scale_kind != S_ABSMAX || c->block % 32) return 0;
+            if (c->qmap_n != 16 || c->nearest.n_points > 15 || c->scale_kind != S_ABSMAX || c->block % 64) return 0;
             break;
         case C_TERNARY_SR:
         case C_TERNARY_EF:
