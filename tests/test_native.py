@@ -227,7 +227,7 @@ def test_every_instruction_set_path_equals_the_eager_step(monkeypatch, level, ru
     if native.library() is None:
         pytest.skip("the kernel cannot be built here (no C compiler)")
     lib, why = native._build(ISA_LEVELS[level])
-    assert lib is not None, why
+    assert lib is not None and (not why or native._state["why"]), why  # built as asked, unless the default was not
     counting = _Counting(lib)
     monkeypatch.setitem(native._state, "lib", counting)
     kw = dict(lr=1e-2, weight_decay=0.1, rule=rule, m_codec=m, **({"v_codec": v} if v else {}),
@@ -252,7 +252,7 @@ def test_a_nan_gradient_codes_its_blocks_as_the_eager_step(monkeypatch, level, m
     if native.library() is None:
         pytest.skip("the kernel cannot be built here (no C compiler)")
     lib, why = native._build(ISA_LEVELS[level]) if level != "native" else (native.library(), "")
-    assert lib is not None, why
+    assert lib is not None and (not why or native._state["why"]), why
     monkeypatch.setitem(native._state, "lib", _Counting(lib))
     kw = dict(lr=1e-2, weight_decay=0.1, m_codec=m, v_codec=v)
     a, b = _params(torch.float32), _params(torch.float32)
@@ -401,6 +401,22 @@ def test_no_compiler_costs_one_warning_and_the_eager_step(monkeypatch, tmp_path)
     _run(b, eager, _grads(torch.float32, 2))
     for pa, pb in zip(a[:2], b[:2]):  # the quantized ones: the eager window step on both sides (the small fp32
         assert torch.equal(pa, pb)    # one takes torch's fused AdamW when fused)
+
+
+def test_flags_the_compiler_refuses_cost_one_warning_and_leave_a_working_build(monkeypatch, tmp_path):
+    # a compiler that refuses the machine's flags (or fails on their code paths) still builds the kernel without
+    # them, says so once, and later processes loading the cached library say so too
+    if native._state.get("lib") is None and not shutil.which(os.environ.get("CC") or "cc"):
+        pytest.skip("no C compiler on this machine")
+    monkeypatch.setenv("SLIMOPT_CACHE", str(tmp_path))
+    refused = ["-mno-such-flag-slimopt"]
+    lib, note = native._build(refused)
+    assert lib is not None and note.startswith("without -mno-such-flag-slimopt (") and "failed" in note, note
+    assert native._build(refused)[1] == note  # read back from beside the cached library
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "NATIVE_FLAGS", refused)
+    with pytest.warns(RuntimeWarning, match="built without -mno-such-flag-slimopt"):
+        assert native.library() is not None
 
 
 def test_native_off_by_environment(monkeypatch):

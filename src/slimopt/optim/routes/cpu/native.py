@@ -123,10 +123,13 @@ class _BuildFailed(Exception):
     pass
 
 
-def _build(native_flags: list[str] = NATIVE_FLAGS) -> tuple[ctypes.CDLL | None, str]:
-    """(library, "") or (None, why). native_flags: what targets this machine (without them if the compiler
-    refuses them), with OpenMP where the compiler has it; tests build the kernel with fewer instruction sets too,
-    to run each of its code paths."""
+def _build(native_flags: list[str] | None = None) -> tuple[ctypes.CDLL | None, str]:
+    """(library, note) or (None, why). native_flags (NATIVE_FLAGS where None): what targets this machine (without
+    them if the compiler refuses them), with OpenMP where the compiler has it; tests build the kernel with fewer
+    instruction sets too, to run each of its code paths. note: "" where the library was built with native_flags,
+    else which flags were dropped and the compiler's reason (a build without them runs, slower; kept beside the
+    library for later processes)."""
+    native_flags = NATIVE_FLAGS if native_flags is None else native_flags
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
         return None, "no C compiler found (set CC, or install gcc or clang)"
@@ -134,22 +137,29 @@ def _build(native_flags: list[str] = NATIVE_FLAGS) -> tuple[ctypes.CDLL | None, 
     flags = " ".join([cc, *FLAGS, *native_flags, *OPENMP_FLAGS, _machine()])
     key = hashlib.sha256(source + flags.encode()).hexdigest()[:16]
     target = cache_root() / "native" / f"elementwise_step-{key}.so"
+    note_file = target.with_suffix(".note")
     if not target.exists():
         try:
             # atomic: a concurrent build or a crash never leaves half a library
             with atomic_path(target, suffix=".so") as tmp:
-                error = ""
+                errors = []
                 for extra in (native_flags + OPENMP_FLAGS, native_flags, OPENMP_FLAGS, []):
                     proc = subprocess.run([cc, *FLAGS, *extra, "-o", str(tmp), str(SOURCE), "-lm"],
                                           capture_output=True, text=True)
                     if proc.returncode == 0:
                         break
-                    error = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
-                    error = f"{cc} failed: {error[0]}"
+                    last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+                    errors.append(f"{cc} failed: {last[0]}")
                 else:
-                    raise _BuildFailed(error)  # leaving the block by an exception removes the temporary file
+                    raise _BuildFailed(errors[-1])  # leaving the block by an exception removes the temporary file
+                if native_flags and not set(native_flags) <= set(extra):  # the first failure says why
+                    with atomic_path(note_file) as note_tmp:
+                        note_tmp.write_text(f"without {' '.join(native_flags)} ({errors[0]})")
+                elif note_file.exists():
+                    note_file.unlink()
         except _BuildFailed as failed:
             return None, str(failed)
+    note = note_file.read_text() if note_file.exists() else ""
     lib = ctypes.CDLL(str(target))
     lib.slimopt_elementwise_step.argtypes = [ctypes.POINTER(_Step)]
     lib.slimopt_elementwise_step.restype = ctypes.c_int
@@ -161,7 +171,7 @@ def _build(native_flags: list[str] = NATIVE_FLAGS) -> tuple[ctypes.CDLL | None, 
     for name in ("slimopt_taco_one", "slimopt_taco_shard_keys", "slimopt_taco_shard_step"):
         getattr(lib, name).argtypes = [ctypes.POINTER(_Taco)]
         getattr(lib, name).restype = ctypes.c_int
-    return lib, ""
+    return lib, note
 
 
 def library() -> ctypes.CDLL | None:
@@ -181,6 +191,9 @@ def library() -> ctypes.CDLL | None:
                 warnings.warn(f"slimopt: the one-pass CPU step could not be built ({why}); quantized and "
                               "other element-wise steps run on the eager path (same results, slower)",
                               RuntimeWarning, stacklevel=3)
+            elif why:
+                warnings.warn(f"slimopt: the one-pass CPU step was built {why}: it runs without the vector paths "
+                              "this processor has (same results, slower)", RuntimeWarning, stacklevel=3)
             _state["lib"], _state["why"] = lib, why
         return _state["lib"]
 
