@@ -41,6 +41,9 @@ SOURCE = Path(__file__).parent / "kernels" / "elementwise_step.c"
 # -ffp-contract=off: only the fma() calls fuse, as torch's kernels do; -fno-math-errno lets sqrtf vectorize
 FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-math-errno"]
 NATIVE_FLAGS = ["-march=native", "-mprefer-vector-width=512"]  # dropped when the compiler does not know it
+# where dropping them costs the kernel's own vector paths (AVX2, AVX-512), which a build then says once; elsewhere
+# (arm64, whose compilers refuse the x86 width flag) the kernel has no paths of its own to lose
+_VECTOR_PATHS = platform.machine().lower() in ("x86_64", "amd64")
 OPENMP_FLAGS = ["-fopenmp"]  # a window split over the OpenMP pool torch's CPU wheels run on (else pthreads)
 
 # the kernel's ids and tables: routes/abi.py
@@ -191,7 +194,7 @@ def library() -> ctypes.CDLL | None:
                 warnings.warn(f"slimopt: the one-pass CPU step could not be built ({why}); quantized and "
                               "other element-wise steps run on the eager path (same results, slower)",
                               RuntimeWarning, stacklevel=3)
-            elif why:
+            elif why and _VECTOR_PATHS:
                 warnings.warn(f"slimopt: the one-pass CPU step was built {why}: it runs without the vector paths "
                               "this processor has (same results, slower)", RuntimeWarning, stacklevel=3)
             _state["lib"], _state["why"] = lib, why
