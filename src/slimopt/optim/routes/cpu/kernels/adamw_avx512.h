@@ -434,7 +434,7 @@ static void encode_blocks16(codec_t *c, int64_t off, int64_t cnt, float *x) {
     block_div_t divs[MAX_TILE / 16];
     block_divisors(c, off, cnt, x, divs);
 #ifdef __AVX512VBMI__
-    const nearest8_t *fit = c->kind == C_BLOCK8 && padded % 64 == 0 && nearest8_wanted() ? nearest8_of(&c->nearest) : NULL;
+    const nearest8_t *fit = c->kind == C_BLOCK8 ? nearest8_for(&c->nearest, padded) : NULL;
     if (fit != NULL) {  /* the values normalized in place (measured faster than in the search's registers), then
                          * their codes without a gather */
         for (int64_t b0 = 0; b0 < padded; b0 += B) {

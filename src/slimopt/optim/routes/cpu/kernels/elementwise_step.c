@@ -629,7 +629,7 @@ static void encode(codec_t *c, int64_t off, int64_t cnt, float *x) {
     if (c->kind == C_BLOCK8) {
         uint8_t *d = (uint8_t *)c->data + off;
 #ifdef __AVX512VBMI__
-        const nearest8_t *fit = padded % 64 == 0 && nearest8_wanted() ? nearest8_of(&c->nearest) : NULL;
+        const nearest8_t *fit = nearest8_for(&c->nearest, padded);
         if (fit != NULL) {  /* the codes without a gather where gathers are slow (nearest8_avx512.h) */
             nearest8_codes(fit, nrm, padded, d);
             return;

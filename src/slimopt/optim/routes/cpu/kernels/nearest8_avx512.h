@@ -163,11 +163,13 @@ static const nearest8_t *nearest8_of(const count_table_t *table) {
  * same bits either way (tests/test_native_nearest8.py sets it to hold the two alike). */
 int slimopt_nearest8_mode = 0;
 
-static int nearest8_wanted(void) {
+/* The fit an encode of n codes on this table's map takes: NULL where the gather is wanted (the mode above), n is not
+ * a multiple of 64, or the map's fit failed */
+static const nearest8_t *nearest8_for(const count_table_t *table, int64_t n) {
     static int amd = -1;
-    if (slimopt_nearest8_mode != 0) return slimopt_nearest8_mode == 1;
     if (amd < 0) amd = __builtin_cpu_is("amd");
-    return amd;
+    const int wanted = slimopt_nearest8_mode != 0 ? slimopt_nearest8_mode == 1 : amd;
+    return wanted && n % 64 == 0 ? nearest8_of(table) : NULL;
 }
 
 /* A fit's tables in registers, with the map256_t of its side points */
