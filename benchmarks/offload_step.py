@@ -92,13 +92,14 @@ class TorchFused:
             opt.step()
 
 
-def run(threads: int, steps: int) -> dict:
+def run(threads: int, steps: int, labels: list[str]) -> dict:
     torch.set_num_threads(threads)
     grads = gradients()
     fused = TorchFused(grads, torch.float32, per_param=False)
     torchao = TorchFused(grads, torch.bfloat16, per_param=True)
     rows = {}
-    for label, (method, settings) in METHODS.items():
+    for label in labels:
+        method, settings = METHODS[label]
         state = Offloaded(method, settings, grads)
         for runner in (state, fused, torchao):  # one untimed step each: state created, routes chosen
             runner.set_grads()
@@ -120,15 +121,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", default=None, help="comma-separated thread counts (default: 1 and all cores)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per state and reference (default 3)")
+    ap.add_argument("--methods", default=",".join(m for m, _ in METHODS.values()),
+                    help="comma-separated methods among " + ", ".join(m for m, _ in METHODS.values()) + " (default all)")
     ap.add_argument("--out", default=None, help="a JSON file for the results")
     args = ap.parse_args()
+    by_method = {method: label for label, (method, _) in METHODS.items()}
+    unknown = [m for m in args.methods.split(",") if m not in by_method]
+    if unknown:
+        ap.error(f"--methods: unknown {', '.join(unknown)}; choose among {', '.join(by_method)}")
+    labels = [by_method[m] for m in args.methods.split(",")]
     cores = os.cpu_count() or 1
     counts = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, cores})
     result = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": platform.processor()
               or platform.machine(), "cores": cores, "torch": torch.__version__,
               "params": sum(o * i for o, i in SHAPES), "runs": {}}
     for t in counts:
-        result["runs"][str(t)] = run(t, args.steps)
+        result["runs"][str(t)] = run(t, args.steps, labels)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
