@@ -150,11 +150,9 @@ def param_bytes(opt, p, group: dict[str, Any], world: int, step: int) -> tuple[i
                                                step=False) // cols
                 per_step += per_column * -(-cols // world) * world
         else:
-            # a factored v's column means, kept in chunks of ceil(cols / W): all-gathered (fp32) to decode, and its
-            # column sums reduce-scattered in fp64 (codecs.factored_means) into each rank's chunk
-            chunk = -(-cols // world)
-            per_step += (4 * chunk * world + 8 * chunk) * sum(c.name == "factored"
-                                                              for _, c in _codecs(opt, group, space, p.dtype))
+            # a factored v's column sums, all-reduced in fp64 (codecs.factored_means): each rank keeps its chunk of
+            # the means, and the next step decodes with every mean that all-reduce gave (nothing gathered)
+            per_step += 8 * cols * sum(c.name == "factored" for _, c in _codecs(opt, group, space, p.dtype))
         if group["rule"] == "muon" and (not group["fused"] or layout not in ("none", "block")):
             # the eager step's scheme: the rows to orthogonalize all-gathered in the iteration's dtype (the queued
             # one sends rows to owner ranks: expected_bytes counts it over the step's matrices)

@@ -15,6 +15,7 @@ Details: docs/modules.md, ``slimopt.optim.distributed.sharded``.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slimopt.optim.algorithm import projectors as P
-from slimopt.optim.algorithm.codecs import FactoredCodec, FactoredRows, factored_means, resolve_codecs
+from slimopt.optim.algorithm.codecs import FactoredCodec, FactoredRows, Window, factored_means, resolve_codecs
 from slimopt.optim.algorithm.rules import ELEMENTWISE_RULES, MOMENTS, PARAM_STREAM
 from slimopt.optim.distributed.shardcomm import (  # noqa: F401
     Rows,
@@ -188,6 +189,8 @@ class RowShardedFactored(FactoredCodec):
 
     def __init__(self, rows: Rows):
         self.rows = rows
+        # the chunks of column means created zero, by id (every rank creates its chunk of a moment at the same step)
+        self.fresh: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
 
     def columns(self, n: int) -> Rows:
         """This rank's chunk of n columns."""
@@ -200,8 +203,9 @@ class RowShardedFactored(FactoredCodec):
     def init(self, key, shape, device):
         if len(shape) != 2:
             return super().init(key, shape, device)
-        return {key: torch.zeros(shape[0], dtype=torch.float32, device=device),
-                key + "_col": torch.zeros(self.columns(shape[1]).local, dtype=torch.float32, device=device)}
+        chunk = torch.zeros(self.columns(shape[1]).local, dtype=torch.float32, device=device)
+        self.fresh[id(chunk)] = chunk
+        return {key: torch.zeros(shape[0], dtype=torch.float32, device=device), key + "_col": chunk}
 
     def nbytes(self, shape):
         if len(shape) != 2:
@@ -231,32 +235,60 @@ class RowShardedFactored(FactoredCodec):
 
 
 class ShardFactoredRows(FactoredRows):
-    """``codecs.FactoredRows`` of a row shard: it decodes with every column mean (gathered when it opens), and the
-    column sums of every rank's rows are reduce-scattered before each rank divides its chunk by all the rows."""
+    """``codecs.FactoredRows`` of a row shard: it decodes with every column mean, and the column sums of every rank's
+    rows are all-reduced (with the step's others, left running after the step) before each rank keeps its chunk of
+    the means divided by all the rows. The next step's windows decode with every mean that all-reduce gave
+    (``Batch.keep_columns``), so no collective waits in a step; only a window with nothing held (the first step, a
+    load) gathers them, at its first read (a window opened for its pointers alone gathers nothing)."""
 
     def __init__(self, key: str, state, shape: torch.Size, codec: RowShardedFactored) -> None:
-        super().__init__(key, state, shape)
+        Window.__init__(self, FactoredCodec(), key, state)
+        self.cols = shape[1]
         self.group_rows = codec.rows
         self.columns = codec.columns(shape[1])
         self.rows = codec.rows.total  # the column means divide by every rank's rows
-        self.col = codec.whole_columns(key, state, shape[1])
-        self.denom = self.col.mean().clamp_min(torch.finfo(torch.float32).tiny)
+        self.col_sum = torch.zeros(self.cols, dtype=torch.float64, device=state[key].device)
+        self.codec = codec
         self.batch = None
+        self._whole: Tensor | None = None
+        self._denom: Tensor | None = None
+
+    @property
+    def col(self) -> Tensor:
+        """Every column mean, as the last step stored them (zeros for a moment created this step)."""
+        if self._whole is None:
+            chunk = self.state[self.key + "_col"]
+            if self.codec.fresh.get(id(chunk)) is chunk and chunk._version == 0:
+                self._whole = chunk.new_zeros(self.cols)
+            elif self.batch is not None:
+                self._whole = self.batch.whole_columns(chunk, self.columns)
+            else:
+                self._whole = gather_rows(chunk, self.columns)
+        return self._whole
+
+    @property
+    def denom(self) -> Tensor:
+        """The mean of v: the mean of the column means."""
+        if self._denom is None:
+            self._denom = self.col.mean().clamp_min(torch.finfo(torch.float32).tiny)
+        return self._denom
 
     def defer_to(self, batch) -> None:
         self.batch = batch
 
     def close(self):
-        if self.batch is not None:  # summed with the step's other column sums in one reduce-scatter, started at
-            # the end of the step and finished by the next (only the next step reads the column means)
-            self.batch.scatter(self.columns, self.col_sum, self._write, after_step=True)
+        if self.batch is not None:  # summed with the step's other column sums in one all-reduce, started at the end
+            # of the step and finished by the next (only the next step reads the column means)
+            self.batch.reduce(self.group_rows, self.col_sum, "sum", self._write, after_step=True)
             return
-        work, mine = reduce_scatter_rows(self.col_sum, self.columns)
-        work.wait()
-        self._write(mine)
+        self._write(all_reduce(self.col_sum, self.group_rows))
 
-    def _write(self, mine: Tensor) -> None:
-        self.state[self.key + "_col"].copy_((mine[: self.columns.local] / self.rows).float())
+    def _write(self, col_sum: Tensor) -> tuple[Tensor, Tensor]:
+        """This rank's chunk of the column means from every rank's sums; returns the chunk and every mean."""
+        whole = (col_sum / self.rows).float()
+        chunk = self.state[self.key + "_col"]
+        chunk.copy_(whole[self.columns.start: self.columns.stop])
+        return chunk, whole
 
 
 @dataclass(frozen=True)

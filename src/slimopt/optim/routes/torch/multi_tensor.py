@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from slimopt.optim.algorithm.codecs import Bf16Codec, Fp32Codec
-from slimopt.optim.distributed.shardcomm import padded_to_chunks, reduce_scatter_rows
+from slimopt.optim.distributed.shardcomm import gather_rows, reduce_scatter_rows
 from slimopt.optim.routes import abi
 from slimopt.optim.routes.cpu import native
 from slimopt.optim.routes.triton import triton_step, triton_taco
@@ -151,6 +151,24 @@ class Batch:
         # row-split TACO weights' histories gathered at the start of the step (sharded_taco.prefetch): id(state) ->
         # every column's
         self.taco_records: dict[int, dict[str, Tensor]] = {}
+        # a row shard's factored moments: every column mean, from the sums the last step all-reduced (settled at
+        # the start of this one); id(the rank's chunk of them) -> (the chunk, its version then, every column mean)
+        self.columns: dict[int, tuple[Tensor, int, Tensor]] = {}
+
+    def keep_columns(self, written: list[tuple[Tensor, Tensor]]) -> None:
+        """Hold every column mean of the factored moments whose chunks were just written ((chunk, every mean) each)
+        for this step's windows: nothing is gathered to decode them."""
+        for chunk, whole in written:
+            self.columns[id(chunk)] = (chunk, chunk._version, whole)
+
+    def whole_columns(self, chunk: Tensor, columns: Any) -> Tensor:
+        """Every column mean of a row shard's factored moment whose chunk of them is `chunk` (split as `columns`):
+        those ``keep_columns`` holds, or gathered where it holds none or the chunk changed since (a load, the first
+        step)."""
+        known = self.columns.get(id(chunk))
+        if known is not None and known[0] is chunk and known[1] == chunk._version:
+            return known[2]
+        return gather_rows(chunk, columns)
 
     def adamw(self, group: dict[str, Any], p: Tensor, grad: Tensor, state: dict[str, Tensor]) -> None:
         """Queue p for a fused AdamW step; its ``moment_step`` is already counted for this step."""
@@ -180,13 +198,6 @@ class Batch:
         the next forward and backward: run() leaves it started in ``later``, for the optimizer to finish
         (``SlimOptimizer.settle``)."""
         self._reduces.append((rows, tensor, op, finish, after_step))
-
-    def scatter(self, rows: Any, tensor: Tensor, finish: Callable[[Tensor], None], after_step: bool = False) -> None:
-        """Queue a reduce-scatter of `tensor` (rows.total values, split over the ranks of `rows` in torch.chunk's
-        chunks: ``shardcomm.chunks_of``), and `finish(result)` after it, the result this rank's chunk of the sum
-        (rows.chunk values, its own rows.local first): the step's reduce-scatters of one group, dtype and device go
-        as one (a row shard's factored column sums). after_step: as ``reduce``'s."""
-        self._reduces.append((rows, tensor, "scatter", finish, after_step))
 
     def reduce_async(self, rows: Any, tensor: Tensor, then: Callable[[], None]) -> None:
         """Start the sum of `tensor` over the ranks of `rows` now, in place and in the background, and run `then()`
@@ -227,33 +238,30 @@ class Batch:
         started, later = [], []
         for (_, op, _, _, after_step), items in buckets.items():
             rows = items[0][0]
-            if op == "scatter":  # rank r's chunk of every tensor side by side, then rank r + 1's
-                chunks = [it[0].chunk for it in items]
-                flat = torch.cat([padded_to_chunks(t, it_rows).view(rows.world, c)
-                                  for (it_rows, t, _, _, _), c in zip(items, chunks)], dim=1).reshape(-1)
-                out = flat.new_empty(sum(chunks))
-                work = dist.reduce_scatter_tensor(out, flat, group=rows.group, async_op=True)
-                entry = (work, out, [(torch.Size((c,)), finish) for (_, _, _, finish, _), c in zip(items, chunks)])
-            else:
-                flat = torch.cat([t.reshape(-1) for _, t, _, _, _ in items])
-                work = None
-                if rows.distributed:
-                    work = dist.all_reduce(flat, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
-                                           group=rows.group, async_op=True)
-                entry = (work, flat, [(t.shape, finish) for _, t, _, finish, _ in items])
+            flat = torch.cat([t.reshape(-1) for _, t, _, _, _ in items])
+            work = None
+            if rows.distributed:
+                work = dist.all_reduce(flat, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
+                                       group=rows.group, async_op=True)
+            entry = (work, flat, [(t.shape, finish) for _, t, _, finish, _ in items])
             (later if after_step else started).append(entry)
         self.later += later
         return started
 
     @staticmethod
-    def finish_reduces(started: list) -> None:
-        """Wait for started all-reduces and reduce-scatters ([(work, flat result, [(shape, finish)])]) and run each
-        item's finish on its part of the result, in order."""
+    def finish_reduces(started: list) -> list:
+        """Wait for started all-reduces ([(work, flat result, [(shape, finish)])]) and run each item's finish on its
+        part of the result, in order. Returns what the finishes returned other than None (a
+        row shard's factored moment: the chunk of column means it wrote, and every column mean)."""
+        written = []
         for work, flat, items in started:
             if work is not None:
                 work.wait()
             for (shape, finish), part in zip(items, flat.split([math.prod(shape) for shape, _ in items])):
-                finish(part.view(shape))
+                out = finish(part.view(shape))
+                if out is not None:
+                    written.append(out)
+        return written
 
     def run(self) -> None:
         """Step everything queued, then forget it: the reduces the parameters' steps queued start first, and run
