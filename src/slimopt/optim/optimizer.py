@@ -181,6 +181,7 @@ class SlimOptimizer(torch.optim.Optimizer):
         self._follow_params()
         try:
             self._batch.taco_records = paramstep.prefetch_taco(self)
+            self._batch.bases = paramstep.prefetch_bases(self)
             for group in self.param_groups:
                 settings = paramstep.group_key(group)
                 for p in group["params"]:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 __all__ = ["Rows", "is_sharded", "chunk_bounds", "rows_of", "all_reduce", "reduce_scatter_rows", "gather_rows",
            "gather_rows_to_root", "broadcast", "chosen_per_rank", "gather_var_rows", "gather_equal", "chunk_rows",
-           "chunks_of", "padded_to_chunks"]
+           "chunks_of", "padded_to_chunks", "unpad_rows"]
 
 
 def is_sharded(t: Any) -> bool:
@@ -156,10 +156,10 @@ def gather_rows(local: Tensor, rows: Rows) -> Tensor:
     padded[: local.shape[0]] = local
     out = local.new_empty((c * rows.world,) + tuple(local.shape[1:]))
     dist.all_gather_into_tensor(out, padded.contiguous(), group=rows.group)
-    return _unpad(out, rows)
+    return unpad_rows(out, rows)
 
 
-def _unpad(stacked: Tensor, rows: Rows) -> Tensor:
+def unpad_rows(stacked: Tensor, rows: Rows) -> Tensor:
     """Rows of `stacked` (world * chunk, ...) in chunk layout -> (total, ...): drop each rank's padding."""
     c = rows.chunk
     parts = []
@@ -179,7 +179,7 @@ def gather_rows_to_root(local: Tensor, rows: Rows) -> Tensor | None:
     root = dist.get_global_rank(rows.group, 0)
     bufs = [torch.empty_like(padded) for _ in range(rows.world)] if rows.rank == 0 else None
     dist.gather(padded, gather_list=bufs, dst=root, group=rows.group)
-    return _unpad(torch.cat(bufs), rows) if rows.rank == 0 else None
+    return unpad_rows(torch.cat(bufs), rows) if rows.rank == 0 else None
 
 
 def broadcast(t: Tensor, rows: Rows) -> Tensor:

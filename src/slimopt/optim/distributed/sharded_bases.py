@@ -10,7 +10,7 @@ one process, bit for bit. The eager reference's scheme; the fast routes decompos
 
 Each rank keeps a share of a basis: of a left one (m x r) its rows, like the parameter; of a right one (n x r) its
 chunk of the n rows, split as torch.chunk splits them (``basis_rows``), all-gathered when a step uses it
-(``whole_of_basis``).
+(``whole_of_basis``; every basis a step will use without a refresh in one all-gather at its start, ``gather_bases``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ import torch
 from torch import Tensor
 
 from slimopt.optim.algorithm import projectors as P
-from slimopt.optim.distributed.shardcomm import Rows, broadcast, gather_rows, gather_rows_to_root, chunks_of
+from slimopt.optim.distributed.shardcomm import (Rows, broadcast, chunks_of, gather_equal, gather_rows,
+                                                 gather_rows_to_root, unpad_rows)
 
-__all__ = ["svd_basis", "randomized_basis", "basis_rows", "rows_of_basis", "whole_of_basis", "decompose_checked"]
+__all__ = ["svd_basis", "randomized_basis", "basis_rows", "rows_of_basis", "whole_of_basis", "gather_bases",
+           "decompose_checked"]
 
 
 def basis_rows(side: str | None, shape, rows: Rows) -> Rows:
@@ -39,12 +41,40 @@ def rows_of_basis(q: Tensor, side: str | None, rows: Rows) -> Tensor:
     return q[rows.start: rows.stop].contiguous()
 
 
-def whole_of_basis(q: Tensor, side: str | None, shape, rows: Rows) -> Tensor:
+def whole_of_basis(q: Tensor, side: str | None, shape, rows: Rows, held: dict | None = None) -> Tensor:
     """What a step projects with, from what this rank keeps: a left basis's rows as they are (the step's product
-    is over the parameter's rows), a right basis all-gathered from its chunks (the product is over all n)."""
+    is over the parameter's rows), a right basis all-gathered from its chunks (the product is over all n), or as
+    `held` has it (``gather_bases``: the step's one all-gather) where q has not changed since."""
     if side == "left" or not rows.distributed:
         return q
+    known = held.get(id(q)) if held else None
+    if known is not None and known[0] is q and known[1] == q._version:
+        return known[2]
     return gather_rows(q, basis_rows(side, shape, rows))
+
+
+def gather_bases(items: list[tuple[Tensor, Rows]]) -> dict[int, tuple[Tensor, int, Tensor]]:
+    """Several right bases whole, one all-gather a process group and dtype instead of one a basis: items are (this
+    rank's chunk q (c, r), its rows of the n, ``basis_rows``); returns {id(q): (q, its version, the whole (n, r))}
+    for ``whole_of_basis``. Each chunk travels padded to its rows' chunk size, as ``gather_rows`` sends it."""
+    by_group: dict[tuple, list[tuple[Tensor, Rows]]] = {}
+    for q, rows in items:
+        by_group.setdefault((id(rows.group), q.dtype), []).append((q, rows))
+    out = {}
+    for entries in by_group.values():
+        sizes = [rows.chunk * q.shape[1] for q, rows in entries]
+        mine = entries[0][0].new_zeros(sum(sizes))
+        at = 0
+        for (q, _), size in zip(entries, sizes):
+            mine[at: at + q.numel()] = q.reshape(-1)
+            at += size
+        every = gather_equal(mine, entries[0][1])  # row k: rank k's chunks, side by side
+        at = 0
+        for (q, rows), size in zip(entries, sizes):
+            stacked = every[:, at: at + size].reshape(rows.world * rows.chunk, q.shape[1])
+            out[id(q)] = (q, q._version, unpad_rows(stacked, rows))
+            at += size
+    return out
 
 
 def svd_basis(g: Tensor, r: int, side: str, rows: Rows) -> tuple[Tensor | None, str]:

@@ -161,7 +161,7 @@ class ProjectedPlan(Plan):
     def run(self, p, grad, state, group, age, batch, stream=None) -> None:
         q = state[self.key]
         if self.rows is not None:
-            q = whole_of_basis(q, self.side, self.shape, self.rows)
+            q = whole_of_basis(q, self.side, self.shape, self.rows, batch.bases)
         q = q if q.dtype == self.mm else q.to(self.mm)
         low = torch.empty(self.low_shape, dtype=torch.float32, device=p.device)
         windowed.down_into(low, grad, self.projector, self.side, q, self.mm)

@@ -33,7 +33,7 @@ from slimopt.optim.distributed.sharded import (
     space_of,
     target_of,
 )
-from slimopt.optim.distributed.sharded_bases import whole_of_basis
+from slimopt.optim.distributed.sharded_bases import basis_rows, gather_bases, whole_of_basis
 from slimopt.optim.routes import choice, kernel_plan, refresh_batch, taco_routes, windowed
 from slimopt.optim.routes.reference import reference
 from slimopt.optim.routes.subspace import count_moment_step, init_moments, refresh_if_due, refresh_phase
@@ -116,6 +116,28 @@ def prefetch_taco(opt) -> dict[int, dict[str, Tensor]]:
                                                                          chunks_of(rows, p.shape[1]).local):
                 items.append((state, rows, p.shape[1]))
     return sharded_taco.prefetch(items) if items else {}
+
+
+def prefetch_bases(opt) -> dict[int, tuple[Tensor, int, Tensor]]:
+    """The right bases of the row-split weights this ``step()`` projects without refreshing them, gathered at once
+    (``sharded_bases.gather_bases``: one all-gather, not one a weight); a basis refreshed in the step is gathered
+    where the refresh makes it, as before."""
+    items = []
+    for group in opt.param_groups:
+        projector = group["projector"]
+        if projector not in P.ORTHO_PROJECTORS:
+            continue
+        for p in group["params"]:
+            state, known = opt.state.get(p), opt._geometry.get(p)  # rows known from an earlier step
+            if p.grad is None or p.dim() != 2 or not state or "proj" not in state or known is None or \
+                    opt._layout(p, group) != projector:
+                continue
+            rows, side = known[0], P.side_for(p.shape, group["proj_side"])
+            step = int(state["step"]) + 1 if "step" in state else 1  # what _count_step will make it
+            if rows.distributed and side != "left" and not P.refresh_due(step, group["update_gap"],
+                                                                         refresh_phase(opt, p, group)):
+                items.append((state["proj"], basis_rows(side, p.shape, rows)))
+    return gather_bases(items) if items else {}
 
 
 def explain(opt, param: Tensor) -> tuple[str, dict[str, str]] | None:
@@ -269,7 +291,7 @@ def _projected(opt, route, t, group, state, step, work, decomposed=None) -> None
     basis = refresh_if_due(opt, t, group, state, step, projector, side, r, decomposed)
     # what the products use: a rows projector's local rows; a right basis whole (each rank keeps a chunk)
     local = local_selection(basis, t.rows)[0] if projector == "rows" else \
-        whole_of_basis(basis, side, shape, t.rows) if ortho else basis
+        whole_of_basis(basis, side, shape, t.rows, opt._batch.bases) if ortho else basis
     # a subspace that spans the whole side leaves an exactly zero residual: computing it would leave rounding
     # noise, which sign() would blow up to a full step
     whole = effective_rank(projector, r, shape, state) == (shape[0] if side == "left" or projector == "rows"

@@ -151,6 +151,9 @@ class Batch:
         # row-split TACO weights' histories gathered at the start of the step (sharded_taco.prefetch): id(state) ->
         # every column's
         self.taco_records: dict[int, dict[str, Tensor]] = {}
+        # row-split weights' right bases gathered at the start of the step (sharded_bases.gather_bases): id(this
+        # rank's chunk) -> (the chunk, its version then, the whole basis)
+        self.bases: dict[int, tuple[Tensor, int, Tensor]] = {}
         # a row shard's factored moments: every column mean, from the sums the last step all-reduced (settled at
         # the start of this one); id(the rank's chunk of them) -> (the chunk, its version then, every column mean)
         self.columns: dict[int, tuple[Tensor, int, Tensor]] = {}
