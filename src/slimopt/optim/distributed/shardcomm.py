@@ -9,6 +9,7 @@ no-ops in one process.
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from torch import Tensor
 
 __all__ = ["Rows", "is_sharded", "chunk_bounds", "rows_of", "all_reduce", "reduce_scatter_rows", "gather_rows",
            "gather_rows_to_root", "broadcast", "chosen_per_rank", "gather_var_rows", "gather_equal", "chunk_rows",
-           "chunks_of", "padded_to_chunks", "unpad_rows"]
+           "chunks_of", "padded_to_chunks", "unpad_rows", "gather_row_chunks"]
 
 
 def is_sharded(t: Any) -> bool:
@@ -196,6 +197,31 @@ def chosen_per_rank(index: Tensor, rows: Rows) -> list[int]:
     for r in range(rows.world):
         s, e = chunk_bounds(rows.total, rows.world, r)
         out.append(int(((index >= s) & (index < e)).sum().item()))
+    return out
+
+
+def gather_row_chunks(items: list[tuple[Tensor, Rows]]) -> list[Tensor]:
+    """All-gather several row-sharded tensors at once (each t (rows.local, ...) of its rows.total): one collective a
+    process group and dtype instead of one a tensor, each padded to rows.chunk rows as ``gather_rows`` sends it.
+    Returns each whole (rows.total, ...) on every rank, in the order given."""
+    out: list[Tensor | None] = [None] * len(items)
+    by_group: dict[tuple, list[int]] = {}
+    for i, (t, rows) in enumerate(items):
+        by_group.setdefault((id(rows.group), t.dtype), []).append(i)
+    for picked in by_group.values():
+        sizes = [items[i][1].chunk * math.prod(items[i][0].shape[1:]) for i in picked]
+        mine = items[picked[0]][0].new_zeros(sum(sizes))
+        at = 0
+        for i, size in zip(picked, sizes):
+            mine[at: at + items[i][0].numel()] = items[i][0].reshape(-1)
+            at += size
+        every = gather_equal(mine, items[picked[0]][1])  # row k: rank k's parts, side by side
+        at = 0
+        for i, size in zip(picked, sizes):
+            t, rows = items[i]
+            stacked = every[:, at: at + size].reshape((rows.world * rows.chunk,) + tuple(t.shape[1:]))
+            out[i] = unpad_rows(stacked, rows)
+            at += size
     return out
 
 

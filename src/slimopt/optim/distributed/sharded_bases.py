@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from slimopt.optim.algorithm import projectors as P
-from slimopt.optim.distributed.shardcomm import (Rows, broadcast, chunks_of, gather_equal, gather_rows,
-                                                 gather_rows_to_root, unpad_rows)
+from slimopt.optim.distributed.shardcomm import (Rows, broadcast, chunks_of, gather_row_chunks, gather_rows,
+                                                 gather_rows_to_root)
 
 __all__ = ["svd_basis", "randomized_basis", "basis_rows", "rows_of_basis", "whole_of_basis", "gather_bases",
            "decompose_checked"]
@@ -54,27 +54,10 @@ def whole_of_basis(q: Tensor, side: str | None, shape, rows: Rows, held: dict | 
 
 
 def gather_bases(items: list[tuple[Tensor, Rows]]) -> dict[int, tuple[Tensor, int, Tensor]]:
-    """Several right bases whole, one all-gather a process group and dtype instead of one a basis: items are (this
-    rank's chunk q (c, r), its rows of the n, ``basis_rows``); returns {id(q): (q, its version, the whole (n, r))}
-    for ``whole_of_basis``. Each chunk travels padded to its rows' chunk size, as ``gather_rows`` sends it."""
-    by_group: dict[tuple, list[tuple[Tensor, Rows]]] = {}
-    for q, rows in items:
-        by_group.setdefault((id(rows.group), q.dtype), []).append((q, rows))
-    out = {}
-    for entries in by_group.values():
-        sizes = [rows.chunk * q.shape[1] for q, rows in entries]
-        mine = entries[0][0].new_zeros(sum(sizes))
-        at = 0
-        for (q, _), size in zip(entries, sizes):
-            mine[at: at + q.numel()] = q.reshape(-1)
-            at += size
-        every = gather_equal(mine, entries[0][1])  # row k: rank k's chunks, side by side
-        at = 0
-        for (q, rows), size in zip(entries, sizes):
-            stacked = every[:, at: at + size].reshape(rows.world * rows.chunk, q.shape[1])
-            out[id(q)] = (q, q._version, unpad_rows(stacked, rows))
-            at += size
-    return out
+    """Several right bases whole in one all-gather (``shardcomm.gather_row_chunks``) instead of one a basis: items
+    are (this rank's chunk q (c, r), its rows of the n, ``basis_rows``); returns {id(q): (q, its version, the whole
+    (n, r))} for ``whole_of_basis``."""
+    return {id(q): (q, q._version, whole) for (q, _), whole in zip(items, gather_row_chunks(items))}
 
 
 def svd_basis(g: Tensor, r: int, side: str, rows: Rows) -> tuple[Tensor | None, str]:

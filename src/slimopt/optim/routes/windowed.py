@@ -186,17 +186,24 @@ def projected(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str 
     for a, k in spans:
         down_into(low.narrow(axis, a, k), grad.narrow(axis, a, k), projector, side, q, mm)
 
-    def rest() -> None:  # the rule on the subspace gradient, then the lifted write, window by window
+    def rest() -> tuple[Tensor, Rows, Callable[[Tensor], None]] | None:
+        """The rule on the subspace gradient, then the lifted write; on split rows, the rule on this rank's and a
+        request for every rank's direction rows ((rows, split, what to do with them whole): the caller gathers
+        them, with the step's others where it can)."""
         if whole_rule is None and split is not None:
             mine = slice(split.start, split.stop)
             d = torch.empty_like(low) if residual else low
             c = directions(low[mine], d[mine], state, group, codecs, age, stream, p.dtype, held)
-            d = gather_rows(d[mine], split)
-        elif whole_rule is None:
+            return d[mine], split, lambda whole: lift(whole, c)
+        if whole_rule is None:
             d = torch.empty_like(low) if residual else low
             c = directions(low, d, state, group, codecs, age, stream, p.dtype, held)
         else:
             d, c = whole_rule(low)
+        lift(d, c)
+        return None
+
+    def lift(d: Tensor, c: float) -> None:  # the lifted write, window by window
         comp = comp_of(state, p, rounding)
         for a, k in spans:
             # rows [a, a + k) are elements [a n, (a + k) n) of the weight; a column window is no range of them
@@ -207,7 +214,10 @@ def projected(p: Tensor, grad: Tensor, basis: Tensor, projector: str, side: str 
                   work, mm, c * coef_scale, group, gen)
 
     if reduce is None:
-        rest()
+        request = rest()
+        if request is not None:
+            rows_mine, rows_split, use = request
+            use(gather_rows(rows_mine, rows_split))
     else:
         reduce(low, rest)
 

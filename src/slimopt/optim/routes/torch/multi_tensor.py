@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from slimopt.optim.algorithm.codecs import Bf16Codec, Fp32Codec
-from slimopt.optim.distributed.shardcomm import gather_rows, reduce_scatter_rows
+from slimopt.optim.distributed.shardcomm import gather_row_chunks, gather_rows, reduce_scatter_rows
 from slimopt.optim.routes import abi
 from slimopt.optim.routes.cpu import native
 from slimopt.optim.routes.triton import triton_step, triton_taco
@@ -202,32 +202,44 @@ class Batch:
         (``SlimOptimizer.settle``)."""
         self._reduces.append((rows, tensor, op, finish, after_step))
 
-    def reduce_async(self, rows: Any, tensor: Tensor, then: Callable[[], None]) -> None:
+    def reduce_async(self, rows: Any, tensor: Tensor, then: Callable[[], Any]) -> None:
         """Start the sum of `tensor` over the ranks of `rows` now, in place and in the background, and run `then()`
         once it is done, at the end of the step: the rest of the step goes on meanwhile (a left projection's
-        partial products: their round trips overlap the other parameters' steps)."""
+        partial products: their round trips overlap the other parameters' steps). then() may ask for rows to be
+        gathered (``_finish_started``)."""
         import torch.distributed as dist
         work = dist.all_reduce(tensor, group=rows.group, async_op=True) if rows.distributed else None
         self._started.append((work, then))
 
-    def sum_rows_async(self, rows: Any, tensor: Tensor, then: Callable[[], None]) -> None:
+    def sum_rows_async(self, rows: Any, tensor: Tensor, then: Callable[[], Any]) -> None:
         """Start the sum over the ranks of `rows`' group of only this rank's rows of `tensor` (``rows``: a chunked
         split of its dim 0, ``sharded.chunks_of``), written into them, and run `then()` once it is done, at the
         end of the step: a reduce-scatter, half an all-reduce's traffic, where the rest of the step needs no other
-        rows (a left projection whose moments are split by rows)."""
+        rows (a left projection whose moments are split by rows). then() may ask for rows to be gathered
+        (``_finish_started``)."""
         work, mine = reduce_scatter_rows(tensor, rows)
 
-        def write_then() -> None:
+        def write_then() -> Any:
             tensor[rows.start: rows.stop].copy_(mine[: rows.local])
-            then()
+            return then()
         self._started.append((work, write_then))
 
     def _finish_started(self) -> None:
+        """Each started sum's `then()`, in order, once its sum is there. A then() that returns (this rank's rows t,
+        their split, use) has t gathered whole with the others' in one all-gather (``gather_row_chunks``), and
+        use(whole) runs after it: a left projection's direction rows, one collective a step instead of one a
+        weight."""
+        asked = []
         for work, then in self._started:
             if work is not None:
                 work.wait()
-            then()
+            request = then()
+            if request is not None:
+                asked.append(request)
         self._started.clear()
+        if asked:
+            for (_, _, use), whole in zip(asked, gather_row_chunks([(t, rows) for t, rows, _ in asked])):
+                use(whole)
 
     def _start_reduces(self) -> list:
         """Start the queued reduces in the background, one all-reduce a bucket (group, op, dtype, device), in the
