@@ -20,7 +20,8 @@ from torch import Tensor
 
 __all__ = ["Rows", "is_sharded", "chunk_bounds", "rows_of", "all_reduce", "reduce_scatter_rows", "gather_rows",
            "gather_rows_to_root", "broadcast", "chosen_per_rank", "gather_var_rows", "gather_equal", "chunk_rows",
-           "chunks_of", "padded_to_chunks", "unpad_rows", "gather_row_chunks"]
+           "chunks_of", "padded_to_chunks", "unpad_rows", "gather_row_chunks", "hold",
+           "held_whole"]
 
 
 def is_sharded(t: Any) -> bool:
@@ -223,6 +224,18 @@ def gather_row_chunks(items: list[tuple[Tensor, Rows]]) -> list[Tensor]:
             out[i] = unpad_rows(stacked, rows)
             at += size
     return out
+
+
+def hold(pairs) -> dict[int, tuple[Tensor, int, Tensor]]:
+    """(this rank's part, the whole tensor it is part of) pairs as a step keeps them: {id(part): (part, its version
+    now, whole)}, for ``held_whole``."""
+    return {id(part): (part, part._version, whole) for part, whole in pairs}
+
+
+def held_whole(held: dict | None, part: Tensor) -> Tensor | None:
+    """The whole tensor `held` (``hold``) keeps for `part`, where part has not changed since; else None."""
+    known = held.get(id(part)) if held else None
+    return known[2] if known is not None and known[0] is part and known[1] == part._version else None
 
 
 def gather_equal(t: Tensor, rows: Rows) -> Tensor:

@@ -33,6 +33,7 @@ from slimopt.optim.distributed.shardcomm import (  # noqa: F401
     chunk_bounds,
     gather_rows,
     gather_var_rows,
+    held_whole,
     is_sharded,
     reduce_scatter_rows,
     rows_of,
@@ -260,10 +261,9 @@ class ShardFactoredRows(FactoredRows):
             chunk = self.state[self.key + "_col"]
             if self.codec.fresh.get(id(chunk)) is chunk and chunk._version == 0:
                 self._whole = chunk.new_zeros(self.cols)
-            elif self.batch is not None:
-                self._whole = self.batch.whole_columns(chunk, self.columns)
-            else:
-                self._whole = gather_rows(chunk, self.columns)
+            else:  # held for the step where the last step's all-reduce wrote the chunk (a load: gathered)
+                held = held_whole(self.batch.columns if self.batch is not None else None, chunk)
+                self._whole = held if held is not None else gather_rows(chunk, self.columns)
         return self._whole
 
     @property

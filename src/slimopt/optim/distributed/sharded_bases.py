@@ -20,7 +20,7 @@ from torch import Tensor
 
 from slimopt.optim.algorithm import projectors as P
 from slimopt.optim.distributed.shardcomm import (Rows, broadcast, chunks_of, gather_row_chunks, gather_rows,
-                                                 gather_rows_to_root)
+                                                 gather_rows_to_root, held_whole, hold)
 
 __all__ = ["svd_basis", "randomized_basis", "basis_rows", "rows_of_basis", "whole_of_basis", "gather_bases",
            "decompose_checked"]
@@ -47,17 +47,15 @@ def whole_of_basis(q: Tensor, side: str | None, shape, rows: Rows, held: dict | 
     `held` has it (``gather_bases``: the step's one all-gather) where q has not changed since."""
     if side == "left" or not rows.distributed:
         return q
-    known = held.get(id(q)) if held else None
-    if known is not None and known[0] is q and known[1] == q._version:
-        return known[2]
-    return gather_rows(q, basis_rows(side, shape, rows))
+    whole = held_whole(held, q)
+    return whole if whole is not None else gather_rows(q, basis_rows(side, shape, rows))
 
 
 def gather_bases(items: list[tuple[Tensor, Rows]]) -> dict[int, tuple[Tensor, int, Tensor]]:
     """Several right bases whole in one all-gather (``shardcomm.gather_row_chunks``) instead of one a basis: items
     are (this rank's chunk q (c, r), its rows of the n, ``basis_rows``); returns {id(q): (q, its version, the whole
     (n, r))} for ``whole_of_basis``."""
-    return {id(q): (q, q._version, whole) for (q, _), whole in zip(items, gather_row_chunks(items))}
+    return hold(zip([q for q, _ in items], gather_row_chunks(items)))
 
 
 def svd_basis(g: Tensor, r: int, side: str, rows: Rows) -> tuple[Tensor | None, str]:

@@ -130,13 +130,12 @@ def prefetch_bases(opt) -> dict[int, tuple[Tensor, int, Tensor]]:
         for p in group["params"]:
             state, known = opt.state.get(p), opt._geometry.get(p)  # rows known from an earlier step
             if p.grad is None or p.dim() != 2 or not state or "proj" not in state or known is None or \
-                    opt._layout(p, group) != projector:
+                    not known[0].distributed or opt._layout(p, group) != projector:
                 continue
-            rows, side = known[0], P.side_for(p.shape, group["proj_side"])
+            side = P.side_for(p.shape, group["proj_side"])
             step = int(state["step"]) + 1 if "step" in state else 1  # what _count_step will make it
-            if rows.distributed and side != "left" and not P.refresh_due(step, group["update_gap"],
-                                                                         refresh_phase(opt, p, group)):
-                items.append((state["proj"], basis_rows(side, p.shape, rows)))
+            if side != "left" and not P.refresh_due(step, group["update_gap"], refresh_phase(opt, p, group)):
+                items.append((state["proj"], basis_rows(side, p.shape, known[0])))
     return gather_bases(items) if items else {}
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from slimopt.optim.algorithm.codecs import Bf16Codec, Fp32Codec
-from slimopt.optim.distributed.shardcomm import gather_row_chunks, gather_rows, reduce_scatter_rows
+from slimopt.optim.distributed.shardcomm import gather_row_chunks, hold, reduce_scatter_rows
 from slimopt.optim.routes import abi
 from slimopt.optim.routes.cpu import native
 from slimopt.optim.routes.triton import triton_step, triton_taco
@@ -160,18 +160,8 @@ class Batch:
 
     def keep_columns(self, written: list[tuple[Tensor, Tensor]]) -> None:
         """Hold every column mean of the factored moments whose chunks were just written ((chunk, every mean) each)
-        for this step's windows: nothing is gathered to decode them."""
-        for chunk, whole in written:
-            self.columns[id(chunk)] = (chunk, chunk._version, whole)
-
-    def whole_columns(self, chunk: Tensor, columns: Any) -> Tensor:
-        """Every column mean of a row shard's factored moment whose chunk of them is `chunk` (split as `columns`):
-        those ``keep_columns`` holds, or gathered where it holds none or the chunk changed since (a load, the first
-        step)."""
-        known = self.columns.get(id(chunk))
-        if known is not None and known[0] is chunk and known[1] == chunk._version:
-            return known[2]
-        return gather_rows(chunk, columns)
+        for this step's windows (``sharded.ShardFactoredRows``): nothing is gathered to decode them."""
+        self.columns.update(hold(written))
 
     def adamw(self, group: dict[str, Any], p: Tensor, grad: Tensor, state: dict[str, Tensor]) -> None:
         """Queue p for a fused AdamW step; its ``moment_step`` is already counted for this step."""
