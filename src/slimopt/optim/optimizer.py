@@ -217,7 +217,7 @@ class SlimOptimizer(torch.optim.Optimizer):
         the ranks while the next forward and backward run (only the next step reads their means). ``step``,
         ``state_dict`` and ``load_state_dict`` settle first; call it before reading ``opt.state`` yourself."""
         later, self._later = self._later, []
-        self._batch.keep_columns(paramstep.Batch.finish_reduces(later))  # what this step's windows decode with
+        self._batch.hold_columns(paramstep.Batch.finish_reduces(later))  # what this step's windows decode with
 
     def explain(self, p: Tensor) -> tuple[str, dict[str, str]] | None:
         """(the route p's last step took, {each faster route of its work: why it declined}); None before it."""

@@ -183,10 +183,11 @@ def check_agreement(opt, rows: Rows) -> None:
 class RowShardedFactored(FactoredCodec):
     """Adafactor-style second moment (``FactoredCodec``) of a 2-D moment whose rows are spread over ranks: each rank
     keeps the means of its rows and of its chunk of the columns (split as torch.chunk splits them,
-    ``shardcomm.chunks_of``), so that nothing of it is on every rank. Decoding needs every column mean: they are
-    all-gathered (n values); the new column sums span every row: they are reduce-scattered, each rank receiving its
-    chunk's sums. mean(col) equals the mean of v (and of the row means). Its window (``open``) serves the C kernel
-    and the eager windows alike: each writes its rows' means and adds its column sums, and ``close`` sums them."""
+    ``shardcomm.chunks_of``), so that nothing of it is on every rank between steps. Decoding needs every column
+    mean, and the new column sums span every row: its window (``open``, ``ShardFactoredRows``; the C kernel and the
+    eager windows alike) all-reduces the sums and the next step decodes with that result; the whole-tensor
+    decode / encode here gather the means and reduce-scatter the sums. mean(col) equals the mean of v (and of the
+    row means)."""
 
     def __init__(self, rows: Rows):
         self.rows = rows
@@ -239,7 +240,7 @@ class ShardFactoredRows(FactoredRows):
     """``codecs.FactoredRows`` of a row shard: it decodes with every column mean, and the column sums of every rank's
     rows are all-reduced (with the step's others, left running after the step) before each rank keeps its chunk of
     the means divided by all the rows. The next step's windows decode with every mean that all-reduce gave
-    (``Batch.keep_columns``), so no collective waits in a step; only a window with nothing held (the first step, a
+    (``Batch.hold_columns``), so no collective waits in a step; only a window with nothing held (the first step, a
     load) gathers them, at its first read (a window opened for its pointers alone gathers nothing)."""
 
     def __init__(self, key: str, state, shape: torch.Size, codec: RowShardedFactored) -> None:

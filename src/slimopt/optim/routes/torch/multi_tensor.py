@@ -158,7 +158,7 @@ class Batch:
         # the start of this one); id(the rank's chunk of them) -> (the chunk, its version then, every column mean)
         self.columns: dict[int, tuple[Tensor, int, Tensor]] = {}
 
-    def keep_columns(self, written: list[tuple[Tensor, Tensor]]) -> None:
+    def hold_columns(self, written: list[tuple[Tensor, Tensor]]) -> None:
         """Hold every column mean of the factored moments whose chunks were just written ((chunk, every mean) each)
         for this step's windows (``sharded.ShardFactoredRows``): nothing is gathered to decode them."""
         self.columns.update(hold(written))
